@@ -1,0 +1,87 @@
+"""Rendering a conversation with the target's chat template, and its loss mask.
+
+The mask marks the tokens the assistant wrote, including the template's
+end-of-turn marker after each answer (so a head learns when a turn ends), and
+nothing of the prompt, the system text or the role headers.
+
+It is found in character space, so it holds for any chat template without
+knowing its markup: for assistant turn i the rendering of messages[:i] with
+the generation prompt ends exactly where the answer starts, and the rendering
+of messages[:i+1] ends where it stops. Tokens whose character span overlaps
+those ranges are assistant tokens. Templates whose renderings are not
+prefixes of each other (some rewrite earlier turns) fall back to locating the
+answer's text itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from data_prep.conversations import BadRow
+
+
+@dataclass
+class TokenizedConversation:
+    input_ids: np.ndarray  # int32 [T]
+    loss_mask: np.ndarray  # uint8 [T]; 1 = assistant token
+    truncated: bool
+
+
+def render(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation and the [start, end) character span of every assistant answer."""
+    try:
+        full = render(tokenizer, messages)
+    except Exception as exc:  # jinja raises TemplateError, or a template's own raise_exception
+        raise BadRow("chat template rejected it", str(exc)) from None
+    spans: list[tuple[int, int]] = []
+    cursor = 0
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = render(tokenizer, messages[:i], add_generation_prompt=True) if i else ""
+        through = render(tokenizer, messages[: i + 1])
+        if full.startswith(before) and full.startswith(through) and len(through) > len(before) >= cursor:
+            start, end = len(before), len(through.rstrip())
+        else:
+            start = full.find(message["content"], cursor)
+            if start < 0:
+                raise BadRow("template rewrites answers", f"assistant turn {i} does not appear verbatim in the "
+                             "rendered conversation, so its tokens cannot be found")
+            end = start + len(message["content"])
+        spans.append((start, end))
+        cursor = end
+    return full, spans
+
+
+def tokenize_conversation(tokenizer, messages: list[dict], max_length: int,
+                          overlong: str = "truncate") -> TokenizedConversation:
+    if not getattr(tokenizer, "is_fast", False):
+        raise TypeError("loss masks need a fast (Rust) tokenizer with offset mapping")
+    text, spans = assistant_spans(tokenizer, messages)
+    # The template already wrote any BOS it wants; adding special tokens again would double it.
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = np.asarray(encoded["input_ids"], dtype=np.int32)
+    mask = _mask_from_offsets(encoded["offset_mapping"], spans)
+    truncated = len(ids) > max_length
+    if truncated:
+        if overlong == "skip":
+            raise BadRow("over-long", f"{len(ids)} tokens > max_length {max_length}")
+        ids, mask = ids[:max_length], mask[:max_length]
+    if not mask.any():
+        raise BadRow("over-long", f"no assistant token within the first {max_length} tokens")
+    return TokenizedConversation(ids, mask, truncated)
+
+
+def _mask_from_offsets(offsets, spans: list[tuple[int, int]]) -> np.ndarray:
+    starts = np.asarray([s for s, _ in offsets], dtype=np.int64)
+    ends = np.asarray([e for _, e in offsets], dtype=np.int64)
+    mask = np.zeros(len(starts), dtype=np.uint8)
+    for span_start, span_end in spans:
+        mask |= ((starts < span_end) & (ends > span_start)).astype(np.uint8)
+    return mask

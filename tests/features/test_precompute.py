@@ -1,0 +1,178 @@
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import tiny_recipe, write_sharegpt
+from helpers import reference_hidden, store_samples
+from transformers import AutoModelForCausalLM
+
+from data_prep.prepare import prepare_samples
+from mtptrain.features.precompute import make_batches, resolve_layers, run_precompute
+from mtptrain.features.store import FeatureStore, FeatureStoreError
+from mtptrain.target import load_tokenizer
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_layer_resolution():
+    assert resolve_layers("eagle3", 30) == [1, 14, 26, 29]
+    assert resolve_layers("last", 30) == [29]
+    assert resolve_layers([5, 2, 5], 8) == [2, 5, 7]
+    with pytest.raises(ValueError, match="numbered 0..7"):
+        resolve_layers([8], 8)
+
+
+def test_batches_keep_order_and_respect_the_token_budget(tiny_target_dir, tmp_path):
+    recipe = tiny_recipe(tiny_target_dir, write_sharegpt(tmp_path / "c.json", 60), tmp_path / "out")
+    samples, _ = prepare_samples(recipe.data, load_tokenizer(recipe.target), show_progress=False)
+    samples.sort(key=len)
+    batches = make_batches(samples, batch_tokens=300, max_batch_size=4)
+    assert [s.key for b in batches for s in b] == [s.key for s in samples]
+    for batch in batches:
+        assert len(batch) <= 4
+        assert len(batch) == 1 or len(batch) * max(len(s) for s in batch) <= 300
+
+
+@pytest.mark.parametrize("dtype, tolerance", [("float32", 1e-5), ("bfloat16", 1e-2)])
+def test_stored_states_equal_a_fresh_forward(tiny_target_dir, tmp_path, dtype, tolerance):
+    recipe = tiny_recipe(tiny_target_dir, write_sharegpt(tmp_path / "c.json", 30), tmp_path / "out", dtype=dtype)
+    summary = run_precompute(recipe, show_progress=False)
+    assert summary["complete"] and summary["rows"]["kept"] >= 25
+    assert summary["samples"]["train"] + summary["samples"]["validation"] == summary["rows"]["kept"]
+    model = AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32).eval()
+    for split in ("train", "validation"):
+        store = FeatureStore(tmp_path / "out", split)
+        assert store.layers == [0, 2, 3]
+        for i in range(len(store)):
+            sample = store[i]
+            assert sample["hidden"][3].dtype == getattr(torch, dtype)
+            ref = reference_hidden(model, sample["input_ids"], store.layers)
+            for layer in store.layers:
+                got = sample["hidden"][layer].float()
+                scale = ref[layer].abs().max()
+                assert torch.allclose(got, ref[layer], atol=tolerance * scale, rtol=tolerance), (split, i, layer)
+
+
+def test_manifest_describes_the_store(tiny_target_dir, tmp_path):
+    from mtptrain.features.store import load_manifest
+    from mtptrain.io import sha256_file
+    from mtptrain.target import load_target
+
+    recipe = tiny_recipe(tiny_target_dir, write_sharegpt(tmp_path / "c.json", 30), tmp_path / "out", shard_mb=0.05)
+    run_precompute(recipe, show_progress=False)
+    manifest = load_manifest(tmp_path / "out")
+    target = load_target(recipe.target)
+    assert manifest["target"] == target.identity()
+    assert manifest["layers"] == [0, 2, 3] and manifest["dtype"] == "bfloat16" and manifest["max_length"] == 160
+    assert len(manifest["shards"]) > 2
+    for shard in manifest["shards"]:
+        assert sha256_file(tmp_path / "out" / shard["file"]) == shard["sha256"]
+    assert sum(s["tokens"] for s in manifest["shards"]) == sum(t["tokens"] for t in manifest["totals"].values())
+    assert (tmp_path / "out" / "recipe.yaml").is_file() and (tmp_path / "out" / "summary.json").is_file()
+    # The reader gives back exactly the tokenized samples.
+    samples, _ = prepare_samples(recipe.data, target.tokenizer, show_progress=False)
+    by_key = {s.key: s for s in samples}
+    store = FeatureStore(tmp_path / "out", "train", target=target, layers=[2])
+    for i in range(len(store)):
+        item = store[i]
+        assert np.array_equal(item["input_ids"].numpy(), by_key[item["key"]].input_ids)
+        assert np.array_equal(item["loss_mask"].numpy(), by_key[item["key"]].loss_mask)
+    assert store.lengths() == [len(store[i]["input_ids"]) for i in range(len(store))]
+
+
+def test_rerun_skips_complete_shards_and_keeps_them(tiny_target_dir, tmp_path):
+    recipe = tiny_recipe(tiny_target_dir, write_sharegpt(tmp_path / "c.json", 30), tmp_path / "out", shard_mb=0.05)
+    first = run_precompute(recipe, show_progress=False)
+    stamps = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "out").glob("*.safetensors")}
+    (tmp_path / "out" / "manifest.json").unlink()  # as if killed just before the manifest
+    second = run_precompute(recipe, show_progress=False)
+    assert second["shards_written"] == 0 and second["shards_skipped"] == first["shards_written"]
+    assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "out").glob("*.safetensors")} == stamps
+    assert second["complete"]
+
+
+def test_another_recipe_into_the_same_directory_is_refused(tiny_target_dir, tmp_path):
+    data = write_sharegpt(tmp_path / "c.json", 20)
+    run_precompute(tiny_recipe(tiny_target_dir, data, tmp_path / "out"), show_progress=False)
+    before = sorted(p.name for p in (tmp_path / "out").iterdir())
+    other = tiny_recipe(tiny_target_dir, data, tmp_path / "out", layers="[1]")
+    with pytest.raises(FeatureStoreError, match="another recipe"):
+        run_precompute(other, show_progress=False)
+    (tmp_path / "out" / "manifest.json").unlink()
+    with pytest.raises(FeatureStoreError, match="another plan"):
+        run_precompute(other, show_progress=False)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(set(before) - {"manifest.json"})
+
+
+def _precompute_cmd(recipe_path: Path, *overrides: str) -> list[str]:
+    return [sys.executable, "-m", "mtptrain.cli", "precompute", "--no-progress", "-r", str(recipe_path),
+            *[a for o in overrides for a in ("--set", o)]]
+
+
+def _write_recipe(tmp_path: Path, recipe) -> Path:
+    from mtptrain.config import dump_recipe
+
+    dump_recipe(recipe, tmp_path / "recipe.yaml")
+    return tmp_path / "recipe.yaml"
+
+
+def test_kill_9_then_resume_gives_the_store_of_an_uninterrupted_run(tiny_target_dir, tmp_path):
+    data = write_sharegpt(tmp_path / "c.json", 400)
+    recipe_path = _write_recipe(tmp_path, tiny_recipe(tiny_target_dir, data, tmp_path / "x", shard_mb=0.02,
+                                                      dtype="float32"))
+    killed_dir, clean_dir = tmp_path / "killed", tmp_path / "clean"
+    proc = subprocess.Popen(_precompute_cmd(recipe_path, f"precompute.output_dir={killed_dir}"), cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while not list(killed_dir.glob("train-*.json")) and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.005)
+    os.kill(proc.pid, signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL
+    # What the kill left behind: no manifest, so no reader accepts it; each finished shard is whole.
+    with pytest.raises(FeatureStoreError, match="has not finished"):
+        FeatureStore(killed_dir)
+    done = list(killed_dir.glob("*-*.json"))
+    shards = list(killed_dir.glob("*.safetensors"))
+    assert done and len(shards) <= len(done) + 1
+    subprocess.run(_precompute_cmd(recipe_path, f"precompute.output_dir={killed_dir}"), cwd=REPO, check=True,
+                   capture_output=True)
+    subprocess.run(_precompute_cmd(recipe_path, f"precompute.output_dir={clean_dir}"), cwd=REPO, check=True,
+                   capture_output=True)
+    killed, clean = (json.loads((d / "manifest.json").read_text()) for d in (killed_dir, clean_dir))
+    assert killed["shards"] == clean["shards"] and len(clean["shards"]) > len(done)
+    for name in ("created",):
+        killed.pop(name), clean.pop(name)
+    assert killed == clean
+    for shard in clean["shards"]:
+        assert (killed_dir / shard["file"]).read_bytes() == (clean_dir / shard["file"]).read_bytes()
+
+
+@pytest.mark.multiprocess
+def test_two_processes_store_the_same_samples_as_one(tiny_target_dir, tmp_path):
+    recipe_path = _write_recipe(tmp_path, tiny_recipe(tiny_target_dir, write_sharegpt(tmp_path / "c.json", 60),
+                                                      tmp_path / "x", shard_mb=0.02, dtype="float32"))
+    one, two = tmp_path / "one", tmp_path / "two"
+    subprocess.run(_precompute_cmd(recipe_path, f"precompute.output_dir={one}"), cwd=REPO, check=True,
+                   capture_output=True)
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    run = subprocess.run(launcher + _precompute_cmd(recipe_path, f"precompute.output_dir={two}")[1:], cwd=REPO,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "rank 0 of 2" in run.stdout
+    written = [json.loads(p.read_text()) for p in two.glob("*-*.json")]
+    assert len(written) > 2
+    for split in ("train", "validation"):
+        a, b = store_samples(one, split), store_samples(two, split)
+        assert sorted(a) == sorted(b) and a
+        for key in a:
+            assert torch.equal(a[key]["input_ids"], b[key]["input_ids"])
+            assert torch.equal(a[key]["loss_mask"], b[key]["loss_mask"])
+            for layer in a[key]["hidden"]:
+                assert torch.allclose(a[key]["hidden"][layer], b[key]["hidden"][layer], atol=1e-5, rtol=1e-4)

@@ -1,0 +1,67 @@
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mtptrain.config import Recipe, RecipeError, dump_recipe, load_recipe
+
+RECIPES = sorted(Path(__file__).resolve().parents[1].joinpath("recipes").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=[p.name for p in RECIPES])
+def test_every_shipped_recipe_validates(path):
+    assert isinstance(load_recipe(path), Recipe)
+
+
+def test_shipped_recipes_exist():
+    assert any(p.name == "quickstart.yaml" for p in RECIPES)
+
+
+def test_unknown_key_names_it_and_suggests_the_closest(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text("data:\n  max_lenght: 10\n")
+    with pytest.raises(RecipeError) as err:
+        load_recipe(path)
+    assert "unknown key 'data.max_lenght'" in str(err.value)
+    assert "did you mean 'data.max_length'" in str(err.value)
+
+
+def test_unknown_section_is_an_error():
+    with pytest.raises(RecipeError, match="unknown key 'precomptue'.*did you mean 'precompute'"):
+        load_recipe(None, ["precomptue.dtype=float16"])
+
+
+def test_overrides_are_parsed_as_yaml_and_revalidated(tmp_path):
+    recipe = load_recipe(None, ["data.max_length=77", "precompute.layers=[0, 3]", "target.trust_remote_code=true"])
+    assert recipe.data.max_length == 77
+    assert recipe.precompute.layers == [0, 3]
+    assert recipe.target.trust_remote_code is True
+    with pytest.raises(RecipeError, match="data.max_length"):
+        load_recipe(None, ["data.max_length=not-a-number"])
+    with pytest.raises(RecipeError, match="precompute.dtype"):
+        load_recipe(None, ["precompute.dtype=int8"])
+    with pytest.raises(RecipeError, match="must look like"):
+        load_recipe(None, ["data.max_length"])
+
+
+def test_later_override_wins_over_recipe_file(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text("data:\n  max_length: 10\n")
+    assert load_recipe(path, ["data.max_length=20"]).data.max_length == 20
+
+
+def test_resolved_recipe_roundtrips(tmp_path):
+    recipe = load_recipe(None, ["name=x", "data.seed=5"])
+    dump_recipe(recipe, tmp_path / "recipe.yaml")
+    written = yaml.safe_load((tmp_path / "recipe.yaml").read_text())
+    assert written["precompute"]["dtype"] == "bfloat16"  # defaults are spelled out
+    assert load_recipe(tmp_path / "recipe.yaml") == recipe
+
+
+def test_bad_yaml_and_missing_file(tmp_path):
+    with pytest.raises(RecipeError, match="does not exist"):
+        load_recipe(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("data: [unclosed\n")
+    with pytest.raises(RecipeError, match="not valid YAML"):
+        load_recipe(bad)
