@@ -229,6 +229,12 @@ class ShardWriter:
                            np.concatenate([s.loss_mask for s in samples]), offsets, buffer.hidden, self.plan_id)
 
 
+def _to_host(states: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """On an accelerator, narrow before the copy (half the bytes over the bus). On the CPU the
+    writer thread's copy into the shard buffer converts, off the compute thread."""
+    return states.to(dtype).cpu() if states.device.type != "cpu" else states
+
+
 @dataclass
 class RankResult:
     shards_written: int = 0
@@ -260,7 +266,7 @@ def compute_shards(target: Target, shards: list[ShardPlan], layers: list[int], r
             buffer = _ShardBuffer.allocate(shard, layers, target.hidden_size, dtype, len(batches))
             for batch in batches:
                 outputs = forward_batch(target, capture, batch)
-                writer.put((buffer, batch, {k: v.to(dtype).cpu() for k, v in outputs.items()}))
+                writer.put((buffer, batch, {k: _to_host(v, dtype) for k, v in outputs.items()}))
                 tokens = sum(len(s) for s in batch)
                 result.tokens += tokens
                 result.padded_tokens += len(batch) * max(len(s) for s in batch)

@@ -1,0 +1,85 @@
+"""Precompute throughput against a bare forward pass over the same batches, in one run.
+
+    python benchmarks/precompute_throughput.py [--set data.max_conversations=80 ...]
+
+Prints tokens/s of (a) the target's decoder stack alone over exactly the
+batches precompute plans, with nothing captured or written, and (b) the full
+precompute stage (hooks, dtype conversion, shard assembly, serialisation,
+sha256, fsync), and their ratio. Target: ratio >= 0.9, i.e. writing overlaps
+compute. Also prints bytes per token on disk against the minimum
+(captured layers x hidden size x bytes per element).
+
+The bare pass runs before and after precompute; the ratio uses their mean, so
+a machine that speeds up or slows down during the run does not bias it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import tempfile
+import time
+
+import torch
+
+from data_prep.prepare import prepare_samples
+from mtptrain.config import load_recipe
+from mtptrain.features.precompute import make_batches, plan_shards, resolve_layers, run_precompute
+from mtptrain.target import load_target
+
+
+def bare_forward_tokens_per_second(target, batches) -> float:
+    decoder = target.decoder()
+    tokens = 0
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for batch in batches:
+            longest = max(len(s) for s in batch)
+            ids = torch.zeros(len(batch), longest, dtype=torch.long)
+            for row, sample in enumerate(batch):
+                ids[row, : len(sample)] = torch.from_numpy(sample.input_ids)
+            decoder(input_ids=ids.to(target.device), use_cache=False)
+            tokens += sum(len(s) for s in batch)
+    return tokens / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--recipe", default="recipes/quickstart.yaml")
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        help="recipe override (repeatable); default data.max_conversations=80")
+    args = parser.parse_args()
+    overrides = ["data.max_conversations=80", *args.overrides]
+    logging.basicConfig(level=logging.WARNING)
+
+    with tempfile.TemporaryDirectory() as out:
+        recipe = load_recipe(args.recipe, [*overrides, f"precompute.output_dir={out}"])
+        target = load_target(recipe.target)
+        layers = resolve_layers(recipe.precompute.layers, target.num_layers)
+        samples, _ = prepare_samples(recipe.data, target.tokenizer, show_progress=False)
+        element = torch.finfo(getattr(torch, recipe.precompute.dtype)).bits // 8
+        min_bytes = len(layers) * target.hidden_size * element
+        shards = plan_shards(samples, max(1, int(recipe.precompute.shard_mb * 2**20 / min_bytes)))
+        batches = [b for s in shards for b in make_batches(s.samples, recipe.precompute.batch_tokens,
+                                                           recipe.precompute.max_batch_size)]
+        n_tokens = sum(len(s) for s in samples)
+        print(f"target {target.name}, {len(samples)} samples, {n_tokens:,} tokens, {len(batches)} batches, "
+              f"layers {layers}, {recipe.precompute.dtype}, {torch.get_num_threads()} threads")
+
+        bare_forward_tokens_per_second(target, batches[:1])  # warm-up
+        before = bare_forward_tokens_per_second(target, batches)
+        summary = run_precompute(recipe, show_progress=False)
+        after = bare_forward_tokens_per_second(target, batches)
+
+    bare = (before + after) / 2
+    full = summary["tokens_per_second"]
+    print(f"bare forward      {before:10,.0f} tok/s before, {after:,.0f} after (mean {bare:,.0f})")
+    print(f"precompute        {full:10,.0f} tok/s  (capture + convert + write + sha256 + fsync)")
+    print(f"ratio             {full / bare:10.3f}   (target >= 0.9)")
+    print(f"padding           {summary['padding_fraction']:10.1%}   of the forward batches")
+    print(f"bytes per token   {summary['bytes_per_token']:10,.1f}   minimum {min_bytes:,} "
+          f"({len(layers)} layers x {target.hidden_size} x {element} B): x{summary['bytes_per_token'] / min_bytes:.4f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Benchmark prompt sets and evaluation entry points."""

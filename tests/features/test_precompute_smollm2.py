@@ -1,0 +1,44 @@
+"""The embedded default end to end: real SmolLM2-135M-Instruct over real ShareGPT rows."""
+
+import pytest
+import torch
+from helpers import reference_hidden
+
+from mtptrain.config import load_recipe
+from mtptrain.features.precompute import run_precompute
+from mtptrain.features.store import FeatureStore
+from mtptrain.target import embedded_gguf_path, load_target
+
+pytestmark = pytest.mark.real_model
+
+
+def test_stored_states_equal_a_fresh_forward_of_smollm2(tmp_path):
+    recipe = load_recipe("recipes/quickstart.yaml", ["data.max_conversations=8", "data.max_length=96",
+                                                     f"precompute.output_dir={tmp_path}"])
+    summary = run_precompute(recipe, show_progress=False)
+    assert summary["complete"] and summary["rows"]["rows"] == 8
+    target = load_target(recipe.target)
+    store = FeatureStore(tmp_path, "train", target=target, layers=[1, 14, 26, 29])
+    assert len(store) >= 4
+    for i in range(len(store)):
+        sample = store[i]
+        ref = reference_hidden(target.model, sample["input_ids"], store.layers)
+        for layer in store.layers:
+            # bf16 storage: relative error of one bf16 rounding (2^-8) on each element.
+            expected = ref[layer].to(torch.bfloat16).float()
+            assert torch.allclose(sample["hidden"][layer].float(), expected, rtol=2**-7,
+                                  atol=2**-7 * ref[layer].abs().mean().item()), (i, layer)
+
+
+def test_gguf_conversion_keeps_the_logits():
+    from transformers import AutoModelForCausalLM
+
+    from mtptrain.config import TargetConfig
+
+    gguf = embedded_gguf_path()
+    original = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    converted = load_target(TargetConfig())
+    assert converted.model.lm_head.weight.data_ptr() == converted.decoder().embed_tokens.weight.data_ptr()
+    ids = converted.tokenizer("The feature store keeps hidden states.", return_tensors="pt").input_ids
+    with torch.no_grad():
+        assert torch.equal(original(ids).logits, converted.model(ids).logits)

@@ -1,0 +1,58 @@
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import write_sharegpt
+from typer.testing import CliRunner
+
+from mtptrain.cli import app
+
+runner = CliRunner()
+
+
+def test_help_explains_each_command():
+    top = runner.invoke(app, ["--help"])
+    assert top.exit_code == 0 and "precompute" in top.output and "recipe" in top.output
+    help_text = runner.invoke(app, ["precompute", "--help"]).output
+    assert "--recipe" in help_text and "--set" in help_text and "resumes" in help_text
+
+
+def test_recipe_command_prints_the_resolved_recipe():
+    result = runner.invoke(app, ["recipe", "-r", "recipes/quickstart.yaml", "--set", "data.max_length=64"])
+    assert result.exit_code == 0
+    assert "max_length: 64" in result.output and "dtype: bfloat16" in result.output
+
+
+def test_bad_recipe_key_exits_2_with_a_suggestion():
+    result = runner.invoke(app, ["recipe", "--set", "data.max_conversation=3"])
+    assert result.exit_code == 2
+    assert "did you mean 'data.max_conversations'" in result.output
+
+
+def test_missing_data_exits_1_with_a_message(tmp_path, tiny_target_dir):
+    result = runner.invoke(app, ["precompute", "--no-progress", "--set", f"target.model={tiny_target_dir}",
+                                 "--set", f"data.source={tmp_path / 'nope.json'}",
+                                 "--set", f"precompute.output_dir={tmp_path / 'out'}"])
+    assert result.exit_code == 1
+    assert "nope.json does not exist" in result.output
+
+
+def test_independent_ranks_without_rendezvous_still_produce_one_manifest(tmp_path, tiny_target_dir):
+    """The srun / job-array path: ranks from the environment, no process group, last one merges."""
+    data = write_sharegpt(tmp_path / "c.json", 60)
+    cmd = [sys.executable, "-m", "mtptrain.cli", "precompute", "--no-progress",
+           "--set", f"target.model={tiny_target_dir}", "--set", f"data.source={data}", "--set", "data.max_length=160",
+           "--set", f"precompute.output_dir={tmp_path / 'out'}", "--set", "precompute.shard_mb=0.02",
+           "--set", "precompute.layers=[1]"]
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "WORLD_SIZE", "RANK")}
+    procs = [subprocess.Popen(cmd, env={**env, "SLURM_PROCID": str(r), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(r)},
+                              cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for r in range(2)]
+    for proc in procs:
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err.decode()[-2000:]
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    records = {json.loads(p.read_text())["file"] for p in (tmp_path / "out").glob("*-*.json")}
+    assert {s["file"] for s in manifest["shards"]} == records and len(records) > 2
