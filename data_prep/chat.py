@@ -1,16 +1,16 @@
 """Rendering a conversation with the target's chat template, and its loss mask.
 
-The mask marks the tokens the assistant wrote, including the template's
-end-of-turn marker after each answer (so a head learns when a turn ends), and
-nothing of the prompt, the system text or the role headers.
+The mask marks what the assistant writes: from the end of the generation
+prompt through the answer and the end-of-turn special token right after it
+(so a head learns when a turn ends). Nothing of the prompt, the system text,
+the role headers or a template's closing footer is marked.
 
 It is found in character space, so it holds for any chat template without
-knowing its markup: for assistant turn i the rendering of messages[:i] with
-the generation prompt ends exactly where the answer starts, and the rendering
-of messages[:i+1] ends where it stops. Tokens whose character span overlaps
-those ranges are assistant tokens. Templates whose renderings are not
-prefixes of each other (some rewrite earlier turns) fall back to locating the
-answer's text itself.
+knowing its markup: the rendering of messages[:i] with the generation prompt
+is a prefix of the whole conversation and ends where answer i starts; the
+answer's text is then located from there. Templates that rewrite earlier
+answers (so the text no longer appears) make the row a bad row, never a
+wrong mask.
 """
 
 from __future__ import annotations
@@ -39,24 +39,31 @@ def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[in
         full = render(tokenizer, messages)
     except Exception as exc:  # jinja raises TemplateError, or a template's own raise_exception
         raise BadRow("chat template rejected it", str(exc)) from None
+    end_markers = _special_strings(tokenizer)
     spans: list[tuple[int, int]] = []
     cursor = 0
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
         before = render(tokenizer, messages[:i], add_generation_prompt=True) if i else ""
-        through = render(tokenizer, messages[: i + 1])
-        if full.startswith(before) and full.startswith(through) and len(through) > len(before) >= cursor:
-            start, end = len(before), len(through.rstrip())
-        else:
-            start = full.find(message["content"], cursor)
-            if start < 0:
-                raise BadRow("template rewrites answers", f"assistant turn {i} does not appear verbatim in the "
-                             "rendered conversation, so its tokens cannot be found")
-            end = start + len(message["content"])
-        spans.append((start, end))
-        cursor = end
+        start = len(before) if full.startswith(before) and len(before) >= cursor else cursor
+        text = message["content"].strip()  # templates may trim the answer
+        found = full.find(text, start)
+        if found < 0:
+            raise BadRow("template rewrites answers", f"assistant turn {i} does not appear verbatim in the "
+                         "rendered conversation, so its tokens cannot be found")
+        end = found + len(text)
+        marker = next((m for m in end_markers if full.startswith(m, end)), "")
+        spans.append((start if start == len(before) else found, end + len(marker)))
+        cursor = end + len(marker)
     return full, spans
+
+
+def _special_strings(tokenizer) -> list[str]:
+    """Text of the tokenizer's special tokens, longest first (end-of-turn markers are among them)."""
+    specials = set(tokenizer.all_special_tokens)
+    specials.update(t.content for t in tokenizer.added_tokens_decoder.values() if t.special)
+    return sorted((s for s in specials if s), key=len, reverse=True)
 
 
 def tokenize_conversation(tokenizer, messages: list[dict], max_length: int,

@@ -69,16 +69,26 @@ def test_template_that_raises_is_a_bad_row():
     assert bad.value.reason == "chat template rejected it" and "alternate" in bad.value.detail
 
 
-def test_template_with_a_closing_footer_falls_back_to_the_answer_text():
-    # A footer after the last message breaks the prefix property of the renderings.
-    template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>{% endfor %}"
-                "{% if add_generation_prompt %}<assistant>{% else %}[end]{% endif %}")
-    tok = make_tokenizer(template)
+FOOTER = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}<|im_end|>{% endfor %}"
+          "{% if add_generation_prompt %}<assistant>{% else %}[end]{% endif %}")
+
+
+def test_a_closing_footer_is_not_masked():
+    tok = make_tokenizer(FOOTER)
     out = tokenize_conversation(tok, CONVERSATION, max_length=1000)
-    runs = masked_runs(tok, out.input_ids, out.loss_mask)
-    # The first answer is found by its text; the last one still lines up and keeps what the template
-    # writes after it.
-    assert runs == ["you see a long day", "people come back, 42 times!</s>[end]"]
+    answers = [m["content"] for m in CONVERSATION if m["role"] == "assistant"]
+    assert masked_runs(tok, out.input_ids, out.loss_mask) == [a + "<|im_end|>" for a in answers]
+
+
+def test_an_answer_repeating_the_question_is_masked_in_the_answer():
+    tok = make_tokenizer(FOOTER)
+    conversation = [{"role": "user", "content": "the word is hot"}, {"role": "assistant", "content": "hot"},
+                    {"role": "user", "content": "hot or not"}, {"role": "assistant", "content": "hot"}]
+    out = tokenize_conversation(tok, conversation, max_length=1000)
+    text = tok.decode(out.input_ids)
+    assert masked_runs(tok, out.input_ids, out.loss_mask) == ["hot<|im_end|>", "hot<|im_end|>"]
+    first_masked = int(out.loss_mask.argmax())
+    assert tok.decode(out.input_ids[:first_masked]) == text[: text.index("<assistant>hot") + len("<assistant>")]
 
 
 def test_template_rewriting_earlier_answers_is_a_bad_row_not_a_wrong_mask():
