@@ -78,10 +78,12 @@ def read_json_array(path: Path) -> Iterator[RawRow]:
     """Stream the elements of a top-level JSON array one by one.
 
     Invalid bytes survive decoding as lone surrogates (surrogateescape) and
-    are reported per row by the normaliser. A file cut off mid-element yields
-    every complete element and then one damaged row for the remainder.
+    are reported per row by the normaliser. A file cut off at the end (a
+    download or package that stopped short) yields every complete element
+    and then one damaged row. Broken JSON in the middle of the file stops the
+    run with the element and line, since everything after it would be lost.
     """
-    text = path.read_bytes().decode("utf-8", errors="surrogateescape")
+    text = path.read_bytes().decode("utf-8", errors="surrogateescape").removeprefix("\ufeff")
     decoder = json.JSONDecoder()
     pos = _skip_ws(text, 0)
     if pos >= len(text) or text[pos] != "[":
@@ -89,13 +91,15 @@ def read_json_array(path: Path) -> Iterator[RawRow]:
                               "use a .jsonl file for one conversation per line")
     pos = _skip_ws(text, pos + 1)
     index = 0
+    cut_short = not text.rstrip().endswith("]")
     while pos < len(text) and text[pos] != "]":
         ref = f"{path.name}[{index}]"
         try:
             value, end = decoder.raw_decode(text, pos)
         except json.JSONDecodeError as exc:
-            yield RawRow(ref, problem=("malformed JSON", f"{exc.msg} at byte {exc.pos}; the rest of the file "
-                                       f"({len(text) - pos} characters) is not read"))
+            _broken(path, text, ref, exc.msg, exc.pos, cut_short)
+            yield RawRow(ref, problem=("file cut off", f"the file ends inside this element "
+                                       f"(line {_line(text, pos)}), {len(text) - pos:,} characters not read"))
             return
         yield RawRow(ref, value)
         index += 1
@@ -103,8 +107,17 @@ def read_json_array(path: Path) -> Iterator[RawRow]:
         if pos < len(text) and text[pos] == ",":
             pos = _skip_ws(text, pos + 1)
         elif pos < len(text) and text[pos] != "]":
-            yield RawRow(f"{path.name}[{index}]", problem=("malformed JSON", f"expected ',' at byte {pos}"))
-            return
+            _broken(path, text, f"{path.name}[{index}]", "expected ',' or ']'", pos, cut_short=False)
+
+
+def _broken(path: Path, text: str, ref: str, message: str, pos: int, cut_short: bool) -> None:
+    if not cut_short:
+        raise DataSourceError(f"{path}: malformed JSON in element {ref} at line {_line(text, pos)}: {message}. "
+                              "Fix that element (or convert the file to JSONL, where a bad line is skipped).")
+
+
+def _line(text: str, pos: int) -> int:
+    return text.count("\n", 0, pos) + 1
 
 
 def _skip_ws(text: str, pos: int) -> int:

@@ -14,8 +14,18 @@ def test_truncated_json_array_yields_complete_rows_then_one_damaged_row(tmp_path
     path.write_text(text[: text.rindex('"yo"')])  # cut inside the last record
     read = list(read_rows(str(path)))
     assert [r.value["id"] for r in read[:4]] == ["0", "1", "2", "3"]
-    assert read[4].problem[0] == "malformed JSON" and read[4].ref == "cut.json[4]"
+    assert read[4].problem[0] == "file cut off" and read[4].ref == "cut.json[4]"
     assert len(read) == 5
+
+
+def test_broken_json_in_the_middle_stops_with_the_element_and_line(tmp_path):
+    rows = [{"conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": "a"}]} for i in range(4)]
+    text = json.dumps(rows, indent=1).replace('"q2"', '"q2" oops', 1)
+    path = tmp_path / "broken.json"
+    path.write_text("\ufeff" + text)  # a byte-order mark is accepted
+    with pytest.raises(DataSourceError) as err:
+        list(read_rows(str(path)))
+    assert "broken.json[2]" in str(err.value) and f"line {text[:text.index('oops')].count(chr(10)) + 1}" in str(err.value)
 
 
 def test_jsonl_reports_line_numbers_for_bad_json_and_bad_bytes(tmp_path):
