@@ -69,7 +69,7 @@ def split_of(key: str, seed: int, validation_fraction: float) -> str:
 def prepare_samples(cfg: DataConfig, tokenizer, show_progress: bool = True) -> tuple[list[Sample], RowStats]:
     stats = RowStats()
     samples: list[Sample] = []
-    seen: Counter = Counter()
+    seen: Counter = Counter()  # keys in use -> repeats of that id so far
     rows = read_rows(cfg.source, split=cfg.dataset_split, config=cfg.dataset_config, limit=cfg.max_conversations)
     for row in tqdm(rows, desc="tokenizing", unit=" rows", disable=not show_progress, total=cfg.max_conversations):
         stats.rows += 1
@@ -83,9 +83,10 @@ def prepare_samples(cfg: DataConfig, tokenizer, show_progress: bool = True) -> t
             stats.skip(row.ref, bad.reason, bad.detail)
             continue
         key = conversation.id
-        seen[key] += 1
-        if seen[key] > 1:
-            key = f"{key}#{seen[key] - 1}"
+        while key in seen:  # repeated ids get #1, #2, ... (skipping any already taken)
+            seen[conversation.id] += 1
+            key = f"{conversation.id}#{seen[conversation.id]}"
+        seen[key] += 0
         stats.kept += 1
         stats.truncated += tokenized.truncated
         samples.append(Sample(key, split_of(key, cfg.seed, cfg.validation_fraction),

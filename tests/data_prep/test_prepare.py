@@ -48,6 +48,7 @@ def test_split_is_deterministic_and_independent_of_order_and_subsets(tmp_path):
 def test_duplicate_ids_get_unique_keys(tmp_path):
     row = {"id": "same", "conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}
     path = tmp_path / "dup.json"
-    path.write_text(json.dumps([row, row, row]))
+    taken = {**row, "id": "same#1"}
+    path.write_text(json.dumps([row, taken, row, row]))
     samples, _ = prepare_samples(DataConfig(source=str(path)), make_tokenizer(), show_progress=False)
-    assert [s.key for s in samples] == ["same", "same#1", "same#2"]
+    assert [s.key for s in samples] == ["same", "same#1", "same#2", "same#3"]
