@@ -42,7 +42,7 @@ def precompute(recipe: RecipeOpt = None, overrides: SetOpt = None,
 
     cfg = _recipe(recipe, overrides)
     summary = _guarded(lambda: run_precompute(cfg, show_progress=progress))
-    if summary["rank"] == 0:
+    if summary["rank"] == 0 or summary["wrote_manifest"]:
         typer.echo(format_summary(summary))
 
 

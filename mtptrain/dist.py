@@ -1,8 +1,11 @@
 """Distributed state in one place: who am I, how many are we.
 
 Read from the launcher's environment (torchrun / the deepspeed launcher set
-RANK, WORLD_SIZE, LOCAL_RANK; srun sets SLURM_PROCID, SLURM_NTASKS,
-SLURM_LOCALID). Passed down explicitly as a frozen `DistInfo`.
+RANK, WORLD_SIZE, LOCAL_RANK; srun sets SLURM_PROCID, SLURM_STEP_NUM_TASKS,
+SLURM_LOCALID). Only a job step started by srun counts as several ranks: the
+batch script itself also sees SLURM_NTASKS and SLURM_PROCID=0, and a command
+run there directly is one process, not rank 0 of many. Passed down
+explicitly as a frozen `DistInfo`.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as torch_dist
@@ -30,8 +34,8 @@ class DistInfo:
         env = dict(os.environ if env is None else env)
         if "WORLD_SIZE" in env:
             return cls(int(env.get("RANK", 0)), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)))
-        if "SLURM_NTASKS" in env and "SLURM_PROCID" in env:
-            return cls(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)))
+        if "SLURM_STEP_NUM_TASKS" in env and "SLURM_PROCID" in env:
+            return cls(int(env["SLURM_PROCID"]), int(env["SLURM_STEP_NUM_TASKS"]), int(env.get("SLURM_LOCALID", 0)))
         return cls()
 
 
@@ -45,7 +49,9 @@ def init_process_group(dist: DistInfo) -> bool:
     if dist.world_size <= 1 or "MASTER_ADDR" not in os.environ:
         return False
     if not torch_dist.is_initialized():
-        torch_dist.init_process_group("gloo", rank=dist.rank, world_size=dist.world_size)
+        # Ranks wait at the barrier for the slowest one's shards: allow for long runs.
+        torch_dist.init_process_group("gloo", rank=dist.rank, world_size=dist.world_size,
+                                      timeout=timedelta(hours=12))
     return True
 
 

@@ -9,14 +9,17 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import secrets
+import socket
 from pathlib import Path
 from typing import Any, Callable
 
 _CHUNK = 8 << 20
 
 
-def _tmp_name(path: Path) -> Path:
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+def tmp_name(path: Path) -> Path:
+    """A sibling name no other writer uses, even ranks on other hosts sharing the file system."""
+    return path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}")
 
 
 def fsync_dir(directory: Path) -> None:
@@ -31,7 +34,7 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
     """Call `write(tmp_path)`, fsync the result and rename it to `path`."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _tmp_name(path)
+    tmp = tmp_name(path)
     try:
         write(tmp)
         with open(tmp, "rb+") as fh:

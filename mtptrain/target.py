@@ -34,6 +34,7 @@ from torch import nn
 
 from mtptrain.config import EMBEDDED_TARGET, TargetConfig
 from mtptrain.dist import DistInfo, pick_device
+from mtptrain.io import tmp_name
 
 log = logging.getLogger(__name__)
 
@@ -158,8 +159,7 @@ def converted_gguf_dir(gguf_path: Path) -> Path:
     if (out / "config.json").is_file():
         return out
     log.info("converting %s to a safetensors model directory (once) ...", gguf_path.name)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = tmp_name(out)
     try:
         _convert_gguf(gguf_path, tmp)
         out.parent.mkdir(parents=True, exist_ok=True)

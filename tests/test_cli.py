@@ -46,13 +46,33 @@ def test_independent_ranks_without_rendezvous_still_produce_one_manifest(tmp_pat
            "--set", f"target.model={tiny_target_dir}", "--set", f"data.source={data}", "--set", "data.max_length=160",
            "--set", f"precompute.output_dir={tmp_path / 'out'}", "--set", "precompute.shard_mb=0.02",
            "--set", "precompute.layers=[1]"]
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "WORLD_SIZE", "RANK")}
-    procs = [subprocess.Popen(cmd, env={**env, "SLURM_PROCID": str(r), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(r)},
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "WORLD_SIZE", "RANK")
+           and not k.startswith("SLURM_")}
+    procs = [subprocess.Popen(cmd, env={**env, "SLURM_PROCID": str(r), "SLURM_STEP_NUM_TASKS": "2",
+                                        "SLURM_LOCALID": str(r)},
                               cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
              for r in range(2)]
+    outputs = []
     for proc in procs:
-        _, err = proc.communicate(timeout=300)
+        out, err = proc.communicate(timeout=300)
         assert proc.returncode == 0, err.decode()[-2000:]
+        outputs.append(out.decode())
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
-    records = {json.loads(p.read_text())["file"] for p in (tmp_path / "out").glob("*-*.json")}
-    assert {s["file"] for s in manifest["shards"]} == records and len(records) > 2
+    records = [json.loads(p.read_text()) for p in (tmp_path / "out").glob("*-*.json")]
+    assert sorted(s["file"] for s in manifest["shards"]) == sorted(r["file"] for r in records)
+    # Disjoint work: rank r wrote exactly the shards r, r+2, ... of the plan's order.
+    plan_order = [s["file"] for s in manifest["shards"]]
+    assert len(plan_order) > 2
+    assert all(s["rank"] == i % 2 for i, s in enumerate(manifest["shards"]))
+    # The rank that completed the store says so; summary.json exists.
+    assert sum("on disk:" in out for out in outputs) == 1
+    assert (tmp_path / "out" / "summary.json").is_file()
+
+
+def test_a_batch_script_itself_is_one_process_not_rank_0_of_many():
+    from mtptrain.dist import DistInfo
+
+    assert DistInfo.from_env({"SLURM_NTASKS": "16", "SLURM_PROCID": "0"}).world_size == 1
+    assert DistInfo.from_env({"SLURM_STEP_NUM_TASKS": "4", "SLURM_PROCID": "3", "SLURM_LOCALID": "1"}) == \
+        DistInfo(rank=3, world_size=4, local_rank=1)
+    assert DistInfo.from_env({"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}) == DistInfo(1, 2, 1)

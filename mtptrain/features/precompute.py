@@ -32,14 +32,13 @@ from data_prep.prepare import RowStats, Sample, prepare_samples
 from mtptrain.config import Recipe, dump_recipe
 from mtptrain.dist import DistInfo, barrier, destroy_process_group, init_process_group, setup_logging
 from mtptrain.features.store import (
-    MANIFEST, SCHEMA_VERSION, FeatureStoreError, ShardRecord, load_manifest, read_complete_record,
+    MANIFEST, SCHEMA_VERSION, SPLITS, FeatureStoreError, ShardRecord, load_manifest, read_complete_record,
     write_manifest, write_shard,
 )
 from mtptrain.io import atomic_write_json
 from mtptrain.target import Target, load_target
 
 log = logging.getLogger(__name__)
-SPLITS = ("train", "validation")
 
 
 def resolve_layers(spec: list[int] | str, num_layers: int) -> list[int]:
@@ -81,15 +80,14 @@ def plan_shards(samples: list[Sample], tokens_per_shard: int) -> list[ShardPlan]
     for split in SPLITS:
         ordered = sorted((s for s in samples if s.split == split), key=lambda s: (len(s), s.key))
         current: list[Sample] = []
-        tokens = 0
-        for sample in ordered:
-            current.append(sample)
-            tokens += len(sample)
-            if tokens >= tokens_per_shard:
-                shards.append(ShardPlan(f"{split}-{sum(p.split == split for p in shards):05d}.safetensors", split, current))
-                current, tokens = [], 0
-        if current:
-            shards.append(ShardPlan(f"{split}-{sum(p.split == split for p in shards):05d}.safetensors", split, current))
+        tokens = index = 0
+        for sample in ordered + [None]:  # None flushes the last, partial shard
+            if sample is not None:
+                current.append(sample)
+                tokens += len(sample)
+            if current and (sample is None or tokens >= tokens_per_shard):
+                shards.append(ShardPlan(f"{split}-{index:05d}.safetensors", split, current))
+                current, tokens, index = [], 0, index + 1
     return shards
 
 
@@ -169,28 +167,27 @@ def forward_batch(target: Target, capture: LayerCapture, batch: list[Sample]) ->
 class _ShardBuffer:
     plan: ShardPlan
     hidden: dict[int, torch.Tensor]
-    row_of: dict[str, int]
-    pending: int
+    pending: int  # batches still to arrive
 
     @classmethod
     def allocate(cls, plan: ShardPlan, layers: list[int], hidden_size: int, dtype: torch.dtype, n_batches: int):
-        starts = np.cumsum([0] + [len(s) for s in plan.samples])
-        hidden = {layer: torch.empty(plan.tokens, hidden_size, dtype=dtype) for layer in layers}
-        return cls(plan, hidden, {s.key: int(starts[i]) for i, s in enumerate(plan.samples)}, n_batches)
+        return cls(plan, {layer: torch.empty(plan.tokens, hidden_size, dtype=dtype) for layer in layers}, n_batches)
 
-    def add(self, batch: list[Sample], outputs: dict[int, torch.Tensor]) -> None:
+    def add(self, first_row: int, batch: list[Sample], outputs: dict[int, torch.Tensor]) -> None:
+        """Copy a batch's rows into place; batches cover the shard's samples in order, so rows are contiguous."""
         for layer, states in outputs.items():
-            for row, sample in enumerate(batch):
-                start = self.row_of[sample.key]
-                self.hidden[layer][start : start + len(sample)].copy_(states[row, : len(sample)])
+            row = first_row
+            for b, sample in enumerate(batch):
+                self.hidden[layer][row : row + len(sample)].copy_(states[b, : len(sample)])
+                row += len(sample)
         self.pending -= 1
 
 
 class ShardWriter:
     """A background thread that assembles shards from finished batches and writes them."""
 
-    def __init__(self, out_dir: Path, plan_id: str, depth: int):
-        self.out_dir, self.plan_id = out_dir, plan_id
+    def __init__(self, out_dir: Path, plan_id: str, rank: int, depth: int):
+        self.out_dir, self.plan_id, self.rank = out_dir, plan_id, rank
         self.records: list[ShardRecord] = []
         self.error: BaseException | None = None
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
@@ -203,8 +200,10 @@ class ShardWriter:
         self._queue.put(item)
 
     def close(self) -> list[ShardRecord]:
-        self._queue.put(None)
-        self._thread.join()
+        """Wait for every queued batch to be written; safe to call more than once."""
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
         if self.error is not None:
             raise RuntimeError("the shard writer failed") from self.error
         return self.records
@@ -212,8 +211,8 @@ class ShardWriter:
     def _run(self) -> None:
         try:
             while (item := self._queue.get()) is not None:
-                buffer, batch, outputs = item
-                buffer.add(batch, outputs)
+                buffer, first_row, batch, outputs = item
+                buffer.add(first_row, batch, outputs)
                 if buffer.pending == 0:
                     self.records.append(self._write(buffer))
         except BaseException as exc:  # reported to the main thread on its next put / close
@@ -226,7 +225,8 @@ class ShardWriter:
         offsets = np.cumsum([0] + [len(s) for s in samples]).astype(np.int64)
         return write_shard(self.out_dir / buffer.plan.name, buffer.plan.split, [s.key for s in samples],
                            np.concatenate([s.input_ids for s in samples]),
-                           np.concatenate([s.loss_mask for s in samples]), offsets, buffer.hidden, self.plan_id)
+                           np.concatenate([s.loss_mask for s in samples]), offsets, buffer.hidden,
+                           self.plan_id, self.rank)
 
 
 def _to_host(states: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -246,7 +246,7 @@ class RankResult:
 
 
 def compute_shards(target: Target, shards: list[ShardPlan], layers: list[int], recipe: Recipe, out_dir: Path,
-                   plan_id: str, show_progress: bool) -> RankResult:
+                   plan_id: str, rank: int, show_progress: bool) -> RankResult:
     cfg = recipe.precompute
     dtype = getattr(torch, cfg.dtype)
     todo = [s for s in shards if read_complete_record(out_dir / s.name, plan_id) is None]
@@ -256,7 +256,7 @@ def compute_shards(target: Target, shards: list[ShardPlan], layers: list[int], r
     if not todo:
         return result
     capture = LayerCapture(target, layers)
-    writer = ShardWriter(out_dir, plan_id, cfg.write_queue)
+    writer = ShardWriter(out_dir, plan_id, rank, cfg.write_queue)
     progress = tqdm(total=sum(s.tokens for s in todo), unit="tok", unit_scale=True, desc="precompute",
                     disable=not show_progress)
     start = time.perf_counter()
@@ -264,15 +264,19 @@ def compute_shards(target: Target, shards: list[ShardPlan], layers: list[int], r
         for shard in todo:
             batches = make_batches(shard.samples, cfg.batch_tokens, cfg.max_batch_size)
             buffer = _ShardBuffer.allocate(shard, layers, target.hidden_size, dtype, len(batches))
+            first_row = 0
             for batch in batches:
                 outputs = forward_batch(target, capture, batch)
-                writer.put((buffer, batch, {k: _to_host(v, dtype) for k, v in outputs.items()}))
+                writer.put((buffer, first_row, batch, {k: _to_host(v, dtype) for k, v in outputs.items()}))
                 tokens = sum(len(s) for s in batch)
+                first_row += tokens
                 result.tokens += tokens
                 result.padded_tokens += len(batch) * max(len(s) for s in batch)
                 progress.update(tokens)
-        result.records = writer.close()
     finally:
+        # Always stop the writer thread: on success it flushes the last shard, on error it
+        # finishes what was queued (each shard is atomic) and exits.
+        result.records = writer.close()
         capture.close()
         progress.close()
     result.seconds = time.perf_counter() - start
@@ -323,60 +327,85 @@ def _precompute(recipe: Recipe, dist: DistInfo, grouped: bool, show_progress: bo
     target = load_target(recipe.target, dist)
     layers = resolve_layers(recipe.precompute.layers, target.num_layers)
     samples, stats = prepare_samples(recipe.data, target.tokenizer, show_progress=show_progress)
+    for split in SPLITS:
+        if not any(s.split == split for s in samples):
+            log.warning("the %s split is empty (data.validation_fraction=%s)", split, recipe.data.validation_fraction)
     bytes_per_token = len(layers) * target.hidden_size * torch.finfo(getattr(torch, recipe.precompute.dtype)).bits // 8
     plan = plan_shards(samples, max(1, int(recipe.precompute.shard_mb * 2**20 / bytes_per_token)))
     plan_id = make_plan_id(target, recipe, layers, plan)
-    if (out_dir / MANIFEST).is_file():
-        existing = load_manifest(out_dir)
-        if existing["plan_id"] != plan_id:
-            raise FeatureStoreError(f"{out_dir / MANIFEST} belongs to a store made by another recipe (other data, "
-                                    "target, layers or dtype). Use a new precompute.output_dir, or delete this one.")
+    # Refuse another recipe's directory before writing anything into it.
+    complete = [read_complete_record(out_dir / shard.name, plan_id) is not None for shard in plan]
+    existing = _existing_manifest(out_dir)
+    if existing is not None and existing["plan_id"] != plan_id:
+        raise FeatureStoreError(f"{out_dir / MANIFEST} belongs to a store made by another recipe (other data, "
+                                "target, layers or dtype). Use a new precompute.output_dir, or delete this one.")
+    if existing is not None and all(complete):
         log.info("%s is already complete; nothing to compute", out_dir)
-        return _finish(out_dir, existing, RankResult(shards_skipped=len(plan)), dist, bytes_per_token)
+        return _finish(out_dir, existing, RankResult(shards_skipped=len(plan)), dist, bytes_per_token, False)
+    if existing is not None and dist.is_main:
+        log.warning("%s lists shards that are missing or damaged: recomputing them", out_dir / MANIFEST)
+        (out_dir / MANIFEST).unlink(missing_ok=True)  # rewritten once every shard is back
     if dist.is_main:
         dump_recipe(recipe, out_dir / "recipe.yaml")
     log.info("plan: %d samples, %d tokens, layers %s, %d shards over %d rank(s)", len(samples),
              sum(len(s) for s in samples), layers, len(plan), dist.world_size)
     mine = plan[dist.rank :: dist.world_size]
-    result = compute_shards(target, mine, layers, recipe, out_dir, plan_id, show_progress)
+    _remove_stale_temporaries(out_dir, mine)
+    result = compute_shards(target, mine, layers, recipe, out_dir, plan_id, dist.rank, show_progress)
     if grouped:
         barrier()
-    manifest = None
+    manifest, wrote = None, False
     if dist.is_main or not grouped:
         manifest = build_manifest(out_dir, plan, plan_id, target, layers, recipe, stats)
         if manifest is not None:
             write_manifest(out_dir, manifest)
-        elif not grouped:
-            log.warning("this rank is done; the manifest is written by the rank that finishes last")
+            wrote = True
     if grouped:
         barrier()
-    if manifest is None and (out_dir / MANIFEST).is_file():
-        manifest = load_manifest(out_dir)
-    return _finish(out_dir, manifest, result, dist, bytes_per_token)
+    return _finish(out_dir, manifest, result, dist, bytes_per_token, wrote)
 
 
-def _finish(out_dir: Path, manifest: dict | None, result: RankResult, dist: DistInfo, min_bytes_per_token: int) -> dict:
+def _existing_manifest(out_dir: Path) -> dict | None:
+    """The manifest already in out_dir, or None; an unreadable one is set aside, as if absent."""
+    if not (out_dir / MANIFEST).is_file():
+        return None
+    try:
+        return load_manifest(out_dir)
+    except FeatureStoreError as exc:
+        log.warning("ignoring the manifest in %s (%s); it will be rewritten", out_dir, exc)
+        return None
+
+
+def _remove_stale_temporaries(out_dir: Path, mine: list[ShardPlan]) -> None:
+    """Temporary files of this rank's shards left by a killed run (no other rank writes these shards)."""
+    for shard in mine:
+        for stale in out_dir.glob(f".{shard.name}.tmp-*"):
+            stale.unlink(missing_ok=True)
+
+
+def _finish(out_dir: Path, manifest: dict | None, result: RankResult, dist: DistInfo, min_bytes_per_token: int,
+            wrote_manifest: bool) -> dict:
     summary = {
-        "rank": dist.rank, "world_size": dist.world_size,
+        "rank": dist.rank, "world_size": dist.world_size, "wrote_manifest": wrote_manifest,
         "shards_written": result.shards_written, "shards_skipped": result.shards_skipped,
         "tokens_computed": result.tokens, "seconds": round(result.seconds, 2),
         "tokens_per_second": round(result.tokens / result.seconds, 1) if result.seconds else None,
         "padding_fraction": round(1 - result.tokens / result.padded_tokens, 4) if result.padded_tokens else 0.0,
     }
-    if manifest is not None:
-        stored_bytes = sum(s["bytes"] for s in manifest["shards"])
-        tokens = sum(t["tokens"] for t in manifest["totals"].values())
-        summary.update({
-            "complete": True,
-            "samples": {split: t["samples"] for split, t in manifest["totals"].items()},
-            "tokens": tokens, "rows": manifest["data"]["rows"], "bytes_on_disk": stored_bytes,
-            "bytes_per_token": round(stored_bytes / max(tokens, 1), 1),
-            "min_bytes_per_token": min_bytes_per_token,
-        })
-        if dist.is_main:
-            atomic_write_json(out_dir / "summary.json", summary)
-    else:
+    if manifest is None:
         summary["complete"] = False
+        return summary
+    stored_bytes = sum(s["bytes"] for s in manifest["shards"])
+    tokens = sum(t["tokens"] for t in manifest["totals"].values())
+    summary.update({
+        "complete": True,
+        "samples": {split: t["samples"] for split, t in manifest["totals"].items()},
+        "tokens": tokens, "rows": manifest["data"]["rows"], "bytes_on_disk": stored_bytes,
+        "bytes_per_token": round(stored_bytes / max(tokens, 1), 1),
+        "min_bytes_per_token": min_bytes_per_token,
+    })
+    if wrote_manifest:
+        atomic_write_json(out_dir / "summary.json", summary)
     return summary
 
 
@@ -387,7 +416,8 @@ def format_summary(summary: dict) -> str:
                      f"{summary['tokens_per_second']:,.0f} tokens/s (rank {summary['rank']} of "
                      f"{summary['world_size']}), padding {summary['padding_fraction']:.1%}")
     if not summary.get("complete"):
-        lines.append("store incomplete: other ranks are still writing; rerun to finish it")
+        lines.append("this rank is done; the store is complete once every rank has finished (the last one "
+                     "writes manifest.json). If none is running any more, rerun the same command.")
         return "\n".join(lines)
     rows = summary["rows"]
     lines.append(f"samples: {summary['samples']['train']:,} train, {summary['samples']['validation']:,} validation; "

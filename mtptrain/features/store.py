@@ -37,6 +37,7 @@ from mtptrain.io import atomic_write, atomic_write_json, sha256_file
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
+SPLITS = ("train", "validation")
 REQUIRED_MANIFEST_KEYS = ("schema_version", "target", "layers", "dtype", "max_length", "plan_id", "shards")
 
 
@@ -57,6 +58,7 @@ class ShardRecord:
     bytes: int
     sha256: str
     plan_id: str
+    rank: int  # which rank wrote it (provenance; any rank may redo it on resume)
 
 
 def record_path(shard_path: Path) -> Path:
@@ -64,7 +66,7 @@ def record_path(shard_path: Path) -> Path:
 
 
 def write_shard(path: Path, split: str, keys: list[str], input_ids: np.ndarray, loss_mask: np.ndarray,
-                offsets: np.ndarray, hidden: dict[int, torch.Tensor], plan_id: str) -> ShardRecord:
+                offsets: np.ndarray, hidden: dict[int, torch.Tensor], plan_id: str, rank: int = 0) -> ShardRecord:
     """Write one shard atomically, then its record; the record's presence marks the shard complete."""
     tensors = {
         "input_ids": torch.from_numpy(np.ascontiguousarray(input_ids, dtype=np.int32)),
@@ -75,7 +77,8 @@ def write_shard(path: Path, split: str, keys: list[str], input_ids: np.ndarray, 
     metadata = {"keys": json.dumps(keys), "plan_id": plan_id, "split": split}
     written: dict[str, Any] = {}
     atomic_write(path, lambda tmp: written.update(write_safetensors(tmp, tensors, metadata)))
-    record = ShardRecord(path.name, split, len(keys), int(len(input_ids)), written["bytes"], written["sha256"], plan_id)
+    record = ShardRecord(path.name, split, len(keys), int(len(input_ids)), written["bytes"], written["sha256"], plan_id,
+                         rank)
     atomic_write_json(record_path(path), asdict(record))
     return record
 
@@ -131,7 +134,7 @@ def read_complete_record(path: Path, plan_id: str) -> ShardRecord | None:
         return None
     if record.plan_id != plan_id:
         raise FeatureStoreError(
-            f"{rec_path} was written for another plan (other data, target, layers or dtype). "
+            f"{rec_path} was written by another recipe (other data, target, layers or dtype). "
             "Point precompute.output_dir at a new directory, or delete this one to start over.")
     if not path.is_file() or path.stat().st_size != record.bytes:
         return None
@@ -162,12 +165,17 @@ class FeatureStore:
         self.split = split
         if target is not None:
             check_target(self.manifest, target if isinstance(target, dict) else target.identity(), self.directory)
-        self.layers = list(self.manifest["layers"])
+        if split not in SPLITS:
+            raise ValueError(f"split must be one of {SPLITS}, not {split!r}")
+        if verify not in ("sha256", "size"):
+            raise ValueError(f"verify must be 'sha256' or 'size', not {verify!r}")
+        stored = list(self.manifest["layers"])
         if layers is not None:
-            missing = sorted(set(layers) - set(self.layers))
+            missing = sorted(set(layers) - set(stored))
             if missing:
                 raise FeatureStoreError(f"{self.directory / MANIFEST}: layers {missing} were not captured "
-                                        f"(store has {self.layers}); rerun precompute with these layers")
+                                        f"(store has {stored}); rerun precompute with these layers")
+        self.layers = sorted(set(layers)) if layers is not None else stored  # only these are read
         self.shards = [s for s in self.manifest["shards"] if s["split"] == split]
         self._handles: dict[int, Any] = {}
         self._index: list[tuple[int, int, int]] = []  # (shard, start row, end row) per sample

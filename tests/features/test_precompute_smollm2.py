@@ -42,3 +42,14 @@ def test_gguf_conversion_keeps_the_logits():
     ids = converted.tokenizer("The feature store keeps hidden states.", return_tensors="pt").input_ids
     with torch.no_grad():
         assert torch.equal(original(ids).logits, converted.model(ids).logits)
+
+
+def test_a_gguf_path_and_gguf_file_in_a_directory_load_the_same_target():
+    from mtptrain.config import TargetConfig
+
+    gguf = embedded_gguf_path()
+    embedded = load_target(TargetConfig())
+    by_path = load_target(TargetConfig(model=str(gguf)))
+    by_dir = load_target(TargetConfig(model=str(gguf.parent), gguf_file=gguf.name))
+    assert embedded.fingerprint == by_path.fingerprint == by_dir.fingerprint
+    assert embedded.tokenizer_fingerprint == by_path.tokenizer_fingerprint == by_dir.tokenizer_fingerprint

@@ -84,3 +84,11 @@ def test_store_pickles_without_open_handles(store_dir):
     first = store[0]
     clone = pickle.loads(pickle.dumps(store))
     assert clone._handles == {} and clone[0]["key"] == first["key"]
+
+
+def test_reader_arguments_are_checked_and_layers_select_what_is_read(store_dir):
+    with pytest.raises(ValueError, match="split must be one of"):
+        FeatureStore(store_dir, "valid")
+    with pytest.raises(ValueError, match="verify must be"):
+        FeatureStore(store_dir, verify="md5")
+    assert list(FeatureStore(store_dir, layers=[3])[0]["hidden"]) == [3]
