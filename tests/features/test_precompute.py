@@ -14,7 +14,8 @@ from helpers import reference_hidden, store_samples
 from transformers import AutoModelForCausalLM
 
 from data_prep.prepare import prepare_samples
-from mtptrain.features.precompute import make_batches, resolve_layers, run_precompute
+from mtptrain.features.plan import make_batches, resolve_layers
+from mtptrain.features.precompute import run_precompute
 from mtptrain.features.store import FeatureStore, FeatureStoreError
 from mtptrain.target import load_tokenizer
 

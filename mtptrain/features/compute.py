@@ -1,0 +1,187 @@
+"""Computing shards: forward passes with layer hooks, and a writer thread that overlaps I/O.
+
+The main thread runs forward passes while the writer thread copies finished
+batches into shard buffers, serialises, hashes and writes them.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from data_prep.prepare import Sample
+from mtptrain.config import Recipe
+from mtptrain.features.plan import ShardPlan, make_batches
+from mtptrain.features.store import ShardRecord, read_complete_record, write_shard
+from mtptrain.target import Target
+
+log = logging.getLogger(__name__)
+
+
+class LayerCapture:
+    """Forward hooks that keep the outputs of chosen decoder layers during one forward pass."""
+
+    def __init__(self, target: Target, layers: list[int]):
+        self.outputs: dict[int, torch.Tensor] = {}
+        self._hooks = [target.decoder_layers()[i].register_forward_hook(self._keeper(i)) for i in layers]
+
+    def _keeper(self, layer: int):
+        def keep(_module, _inputs, output):
+            self.outputs[layer] = output[0] if isinstance(output, tuple) else output
+        return keep
+
+    def take(self) -> dict[int, torch.Tensor]:
+        outputs, self.outputs = self.outputs, {}
+        return outputs
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+
+
+@torch.inference_mode()
+def forward_batch(target: Target, capture: LayerCapture, batch: list[Sample]) -> dict[int, torch.Tensor]:
+    """Captured hidden states [B, T, H] of a right-padded batch.
+
+    Right padding needs no attention mask: under the causal mask a real token
+    never attends to the padding after it, so every real row is computed
+    exactly as it would be alone.
+    """
+    longest = max(len(s) for s in batch)
+    ids = torch.zeros(len(batch), longest, dtype=torch.long)
+    for row, sample in enumerate(batch):
+        ids[row, : len(sample)] = torch.from_numpy(sample.input_ids)
+    # The decoder stack alone: the LM head's vocab-sized logits are not needed.
+    target.decoder()(input_ids=ids.to(target.device), use_cache=False)
+    return capture.take()
+
+
+@dataclass
+class _ShardBuffer:
+    plan: ShardPlan
+    hidden: dict[int, torch.Tensor]
+    pending: int  # batches still to arrive
+
+    @classmethod
+    def allocate(cls, plan: ShardPlan, layers: list[int], hidden_size: int, dtype: torch.dtype, n_batches: int):
+        return cls(plan, {layer: torch.empty(plan.tokens, hidden_size, dtype=dtype) for layer in layers}, n_batches)
+
+    def add(self, first_row: int, batch: list[Sample], outputs: dict[int, torch.Tensor]) -> None:
+        """Copy a batch's rows into place; batches cover the shard's samples in order, so rows are contiguous."""
+        for layer, states in outputs.items():
+            row = first_row
+            for b, sample in enumerate(batch):
+                self.hidden[layer][row : row + len(sample)].copy_(states[b, : len(sample)])
+                row += len(sample)
+        self.pending -= 1
+
+
+class ShardWriter:
+    """A background thread that assembles shards from finished batches and writes them."""
+
+    def __init__(self, out_dir: Path, plan_id: str, rank: int, depth: int):
+        self.out_dir, self.plan_id, self.rank = out_dir, plan_id, rank
+        self.records: list[ShardRecord] = []
+        self.error: BaseException | None = None
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._thread = threading.Thread(target=self._run, name="shard-writer", daemon=True)
+        self._thread.start()
+
+    def put(self, item) -> None:
+        if self.error is not None:
+            raise RuntimeError("the shard writer failed") from self.error
+        self._queue.put(item)
+
+    def close(self) -> list[ShardRecord]:
+        """Wait for every queued batch to be written; safe to call more than once."""
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+        if self.error is not None:
+            raise RuntimeError("the shard writer failed") from self.error
+        return self.records
+
+    def _run(self) -> None:
+        try:
+            while (item := self._queue.get()) is not None:
+                buffer, first_row, batch, outputs = item
+                buffer.add(first_row, batch, outputs)
+                if buffer.pending == 0:
+                    self.records.append(self._write(buffer))
+        except BaseException as exc:  # reported to the main thread on its next put / close
+            self.error = exc
+            while self._queue.get() is not None:  # drain so the producer never blocks
+                pass
+
+    def _write(self, buffer: _ShardBuffer) -> ShardRecord:
+        samples = buffer.plan.samples
+        offsets = np.cumsum([0] + [len(s) for s in samples]).astype(np.int64)
+        return write_shard(self.out_dir / buffer.plan.name, buffer.plan.split, [s.key for s in samples],
+                           np.concatenate([s.input_ids for s in samples]),
+                           np.concatenate([s.loss_mask for s in samples]), offsets, buffer.hidden,
+                           self.plan_id, self.rank)
+
+
+def _to_host(states: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """On an accelerator, narrow before the copy (half the bytes over the bus). On the CPU the
+    writer thread's copy into the shard buffer converts, off the compute thread."""
+    return states.to(dtype).cpu() if states.device.type != "cpu" else states
+
+
+@dataclass
+class RankResult:
+    shards_written: int = 0
+    shards_skipped: int = 0
+    tokens: int = 0
+    padded_tokens: int = 0
+    seconds: float = 0.0
+    records: list[ShardRecord] = field(default_factory=list)
+
+
+def compute_shards(target: Target, shards: list[ShardPlan], layers: list[int], recipe: Recipe, out_dir: Path,
+                   plan_id: str, rank: int, show_progress: bool) -> RankResult:
+    cfg = recipe.precompute
+    dtype = getattr(torch, cfg.dtype)
+    todo = [s for s in shards if read_complete_record(out_dir / s.name, plan_id) is None]
+    result = RankResult(shards_skipped=len(shards) - len(todo))
+    if result.shards_skipped:
+        log.info("resuming: %d of %d shards of this rank are already complete", result.shards_skipped, len(shards))
+    if not todo:
+        return result
+    capture = LayerCapture(target, layers)
+    writer = ShardWriter(out_dir, plan_id, rank, cfg.write_queue)
+    progress = tqdm(total=sum(s.tokens for s in todo), unit="tok", unit_scale=True, desc="precompute",
+                    disable=not show_progress)
+    start = time.perf_counter()
+    try:
+        for shard in todo:
+            batches = make_batches(shard.samples, cfg.batch_tokens, cfg.max_batch_size)
+            buffer = _ShardBuffer.allocate(shard, layers, target.hidden_size, dtype, len(batches))
+            first_row = 0
+            for batch in batches:
+                outputs = forward_batch(target, capture, batch)
+                writer.put((buffer, first_row, batch, {k: _to_host(v, dtype) for k, v in outputs.items()}))
+                tokens = sum(len(s) for s in batch)
+                first_row += tokens
+                result.tokens += tokens
+                result.padded_tokens += len(batch) * max(len(s) for s in batch)
+                progress.update(tokens)
+    finally:
+        # Always stop the writer thread: on success it flushes the last shard, on error it
+        # finishes what was queued (each shard is atomic) and exits.
+        result.records = writer.close()
+        capture.close()
+        progress.close()
+    result.seconds = time.perf_counter() - start
+    result.shards_written = len(result.records)
+    return result
+
+
