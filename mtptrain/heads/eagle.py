@@ -1,0 +1,52 @@
+"""The EAGLE-1/2 draft head (Li et al., arXiv:2401.15077), with RMSNorm restoration by default.
+
+Index shift: the target's hidden state at position t, h_t, is what produced
+the distribution of token x_{t+1}. The head at position t reads
+(h_t, embedding of x_{t+1}) and predicts h_{t+1}, and through the LM head the
+distribution of x_{t+2}. Drafting further, it reads its own predicted state in
+place of the target's.
+
+Feature space. "restored" (the default) regresses the target's pre-norm
+last-layer output, exactly what the feature store holds, and maps it to
+logits as the target does: a final RMSNorm, then the frozen LM head.
+"stripped" is the original EAGLE placement for the ablation: no norms in the
+head, and features taken after the target's final norm, fed straight to the
+LM head.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mtptrain.heads.common import FrozenTarget, FusionBlock, rms_norm_like
+
+
+class EagleHead(nn.Module):
+    kind = "eagle"
+
+    def __init__(self, target: FrozenTarget, norms: str = "restored"):
+        super().__init__()
+        self.frozen = target  # a plain attribute: not a submodule, never in state_dict
+        self.block = FusionBlock(target, norms, proj_bias=True)  # EAGLE's fc carries a bias
+        restored = norms == "restored"
+        self.norm = rms_norm_like(target.final_norm, target.config.hidden_size) if restored else nn.Identity()
+
+    @property
+    def norms(self) -> str:
+        return self.block.norms
+
+    def features(self, target_hidden: torch.Tensor) -> torch.Tensor:
+        """Stored target states (pre-norm) in this head's feature space."""
+        return target_hidden if self.norms == "restored" else self.frozen.final_norm(target_hidden)
+
+    def forward(self, features: torch.Tensor, next_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                cache=None, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """features [B, T, H] at positions t, next_ids [B, T] = x_{t+1}; returns predicted features of t+1."""
+        if position_ids is None:
+            past = cache.get_seq_length() if cache is not None else 0
+            position_ids = torch.arange(past, past + next_ids.shape[1], device=next_ids.device)[None]
+        return self.block(self.frozen.embed(next_ids), features, position_ids, cache, mask)
+
+    def logits(self, predicted: torch.Tensor) -> torch.Tensor:
+        return self.frozen.lm_head(self.norm(predicted))

@@ -1,0 +1,145 @@
+"""The EAGLE-3 draft head (Li et al., arXiv:2503.01840).
+
+Three differences from EAGLE-1/2:
+
+* Fused features. The target's states from a low, a middle and a high layer
+  are concatenated and projected: fc [3H -> H]. The decoder layer's attention
+  reads [input_norm(embedding) ; hidden_norm(feature)], so its q/k/v
+  projections take 2H inputs. The residual stream is the feature.
+* Training-time test (TTT). During training the head is unrolled for several
+  steps, each reading its own previous output as the feature. Step j at
+  position t reads (f^j_t, embedding of x_{t+1+j}) and predicts x_{t+2+j};
+  f^0_t = fc(fused target states at t), f^j_t = the head's output of step j-1.
+  Its attention sees what it would see while drafting: the step-0 entries at
+  positions <= t (computed from the target's real states) and its own chain
+  at position t from steps 1..j. Rotary position of step j is t + j.
+* Reduced draft vocabulary. The head predicts over the N most frequent
+  target tokens of the training data, with draft->target and target->draft
+  maps. Its LM head [N, H] starts as those rows of the target's LM head and
+  is trained. The embedding stays the target's own, frozen.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from mtptrain.heads.common import FrozenTarget, attention_mask, head_layer_config, rms_norm_like
+
+
+@dataclass
+class DraftVocab:
+    draft_to_target: torch.Tensor  # long [N]: target id of draft id i, ascending
+    target_to_draft: torch.Tensor  # long [V]: draft id of a target id, -1 where absent
+
+    @classmethod
+    def from_counts(cls, counts: Counter, size: int, target_vocab: int) -> "DraftVocab":
+        """The `size` most frequent tokens (ties broken by lower id); too few seen tokens are topped up by id."""
+        if not 0 < size <= target_vocab:
+            raise ValueError(f"draft vocabulary size {size} must be in 1..{target_vocab}")
+        ranked = sorted(counts, key=lambda t: (-counts[t], t))[:size]
+        chosen = set(ranked)
+        ranked += [t for t in range(target_vocab) if t not in chosen][: size - len(ranked)]
+        draft_to_target = torch.tensor(sorted(ranked), dtype=torch.long)
+        target_to_draft = torch.full((target_vocab,), -1, dtype=torch.long)
+        target_to_draft[draft_to_target] = torch.arange(size)
+        return cls(draft_to_target, target_to_draft)
+
+    @classmethod
+    def from_token_streams(cls, streams: Iterable, size: int, target_vocab: int) -> "DraftVocab":
+        counts: Counter = Counter()
+        for ids in streams:
+            counts.update(int(t) for t in ids)
+        return cls.from_counts(counts, size, target_vocab)
+
+    def __len__(self) -> int:
+        return len(self.draft_to_target)
+
+
+class Eagle3Head(nn.Module):
+    kind = "eagle3"
+
+    def __init__(self, target: FrozenTarget, vocab: DraftVocab, num_features: int = 3):
+        super().__init__()
+        config = target.config
+        hidden = config.hidden_size
+        self.frozen = target  # a plain attribute: not a submodule, never in state_dict
+        self.fc = nn.Linear(num_features * hidden, hidden, bias=False)
+        layer = target.layer_class(head_layer_config(config), layer_idx=0)
+        attn = layer.self_attn
+        for name in ("q_proj", "k_proj", "v_proj"):  # attention reads [embedding ; feature]: 2H inputs
+            old = getattr(attn, name)
+            setattr(attn, name, nn.Linear(2 * hidden, old.out_features, bias=old.bias is not None))
+        self.layer = layer
+        self.hidden_norm = rms_norm_like(target.final_norm, hidden)
+        self.rotary = target.rotary_class(config=head_layer_config(config))
+        self.norm = rms_norm_like(target.final_norm, hidden)
+        self.lm_head = nn.Linear(hidden, len(vocab), bias=False)
+        with torch.no_grad():
+            self.lm_head.weight.copy_(target.lm_head.weight[vocab.draft_to_target])
+        self.register_buffer("draft_to_target", vocab.draft_to_target.clone())
+        self.register_buffer("target_to_draft", vocab.target_to_draft.clone())
+
+    def fuse(self, layer_states: list[torch.Tensor]) -> torch.Tensor:
+        """The step-0 feature from the target's states at the captured layers, low to high."""
+        return self.fc(torch.cat(layer_states, dim=-1))
+
+    def forward(self, feature: torch.Tensor, next_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                cache=None, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """One step: feature [B, T, H] at positions t (fused, or the head's own output), next_ids = x_{t+1}."""
+        if position_ids is None:
+            past = cache.get_seq_length() if cache is not None else 0
+            position_ids = torch.arange(past, past + next_ids.shape[1], device=next_ids.device)[None]
+        embeds = self.frozen.embed(next_ids)
+        if mask is None and cache is not None:
+            mask = attention_mask(feature.shape[1], cache.get_seq_length(), feature.dtype, feature.device)
+        x = torch.cat([self.layer.input_layernorm(embeds), self.hidden_norm(feature)], dim=-1)
+        attended, _ = self.layer.self_attn(x, position_embeddings=self.rotary(feature, position_ids),
+                                           attention_mask=mask, past_key_values=cache, position_ids=position_ids)
+        out = feature + attended
+        return out + self.layer.mlp(self.layer.post_attention_layernorm(out))
+
+    def unroll(self, fused: torch.Tensor, input_ids: torch.Tensor, steps: int) -> list[torch.Tensor]:
+        """Training-time test over whole sequences: fused [B, T, H] (step-0 features), input_ids [B, T].
+
+        Step j covers positions t = 0 .. T-2-j (those with x_{t+1+j} known) and returns states that
+        predict x_{t+2+j}. The attention of step j over the cache [step 0 | step 1 | ... | step j]
+        is causal on the step-0 block and diagonal on the others.
+        """
+        from transformers import DynamicCache
+
+        length = input_ids.shape[1] - 1
+        cache = DynamicCache()
+        outputs: list[torch.Tensor] = []
+        feature = fused[:, :length]
+        for step in range(min(steps, length)):
+            # Keep every block the same length so block i's column t is position t of step i.
+            tokens = input_ids[:, 1 + step:]
+            tokens = torch.cat([tokens, tokens.new_zeros(tokens.shape[0], step)], dim=1)
+            positions = torch.arange(step, step + length, device=input_ids.device)[None]
+            mask = ttt_mask(length, step, feature.dtype, feature.device)
+            out = self.forward(feature, tokens, positions, cache, mask)
+            outputs.append(out[:, : length - step])
+            feature = out
+        return outputs
+
+    def logits(self, predicted: torch.Tensor) -> torch.Tensor:
+        """Logits over the draft vocabulary."""
+        return self.lm_head(self.norm(predicted))
+
+    def target_logits(self, target_hidden: torch.Tensor) -> torch.Tensor:
+        """The target's logits restricted to the draft vocabulary (only those rows of its LM head)."""
+        weight = self.frozen.lm_head.weight[self.draft_to_target]
+        return self.frozen.final_norm(target_hidden) @ weight.T
+
+
+def ttt_mask(length: int, step: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Additive mask [1, 1, T, (step+1)*T] for TTT step `step`: causal over step 0, diagonal over steps 1..step."""
+    t = torch.arange(length, device=device)
+    allowed = [t[None, :] <= t[:, None]] + [t[None, :] == t[:, None]] * step
+    mask = torch.zeros(length, (step + 1) * length, dtype=dtype, device=device)
+    return mask.masked_fill_(~torch.cat(allowed, dim=1), torch.finfo(dtype).min)[None, None]

@@ -1,0 +1,84 @@
+"""Training losses for draft heads.
+
+Distillation compares the head's next-token distribution with the target's,
+computed from the stored pre-norm last-layer state through the target's own
+frozen final norm and LM head. Vocabularies are large (128k for Llama-3), so
+logits are made one chunk of positions at a time. Each chunk is
+recomputed in backward (activation checkpointing): only one chunk's
+[chunk, vocab] logits exist at any moment, in forward and in backward.
+
+    soft cross-entropy  CE(p, q) = -sum_v p_v log q_v
+    forward KL          KL(p || q) = CE(p, q) - H(p)   (same gradient in q)
+
+p = target distribution, q = head distribution. The loss minimised is the
+soft cross-entropy; KL is reported because it reads as a distance (0 = equal).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+
+@dataclass
+class DistillStats:
+    loss: torch.Tensor  # mean soft cross-entropy over masked positions (differentiable)
+    kl: float  # mean forward KL(target || head)
+    correct: int  # positions where the head's top-1 equals the target's top-1
+    count: int  # masked positions
+
+
+def _upcast(logits: torch.Tensor) -> torch.Tensor:
+    """Softmax over a large vocabulary in at least float32."""
+    return logits.float() if logits.dtype in (torch.bfloat16, torch.float16) else logits
+
+
+def _chunk_terms(head_logits: Callable, target_logits: Callable, predicted: torch.Tensor, target_hidden: torch.Tensor):
+    with torch.no_grad():
+        target_logp = F.log_softmax(_upcast(target_logits(target_hidden)), dim=-1)
+        target_p = target_logp.exp()
+        entropy = -(target_p * target_logp).sum(-1)
+        target_top = target_logp.argmax(-1)
+    head_logp = F.log_softmax(_upcast(head_logits(predicted)), dim=-1)
+    cross_entropy = -(target_p * head_logp).sum(-1)
+    correct = (head_logp.argmax(-1) == target_top).sum()
+    return cross_entropy.sum(), (cross_entropy.detach() - entropy).sum(), correct
+
+
+def distill_loss(head_logits: Callable[[torch.Tensor], torch.Tensor],
+                 target_logits: Callable[[torch.Tensor], torch.Tensor],
+                 predicted: torch.Tensor, target_hidden: torch.Tensor, mask: torch.Tensor,
+                 chunk: int = 1024) -> DistillStats:
+    """predicted [..., H] (head states), target_hidden [..., H] (the target's states that produced the
+    distributions to match, already index-shifted), mask [...] (1 = counts)."""
+    keep = mask.reshape(-1).bool()
+    predicted = predicted.reshape(-1, predicted.shape[-1])[keep]
+    target_hidden = target_hidden.reshape(-1, target_hidden.shape[-1])[keep]
+    count = int(keep.sum())
+    if count == 0:
+        zero = predicted.sum() * 0.0
+        return DistillStats(zero, 0.0, 0, 0)
+    ce_total = predicted.new_zeros((), dtype=torch.promote_types(predicted.dtype, torch.float32))
+    kl_total, correct = 0.0, 0
+    for start in range(0, count, chunk):
+        piece = slice(start, start + chunk)
+        if torch.is_grad_enabled() and predicted.requires_grad:
+            ce, kl, hits = checkpoint(_chunk_terms, head_logits, target_logits, predicted[piece], target_hidden[piece],
+                                      use_reentrant=False)
+        else:
+            ce, kl, hits = _chunk_terms(head_logits, target_logits, predicted[piece], target_hidden[piece])
+        ce_total = ce_total + ce
+        kl_total += float(kl)
+        correct += int(hits)
+    return DistillStats(ce_total / count, kl_total / count, correct, count)
+
+
+def feature_loss(predicted: torch.Tensor, target_features: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Smooth L1 between predicted and true features, mean over masked positions (EAGLE's regression term)."""
+    per_position = F.smooth_l1_loss(predicted.float(), target_features.float(), reduction="none").mean(-1)
+    weights = mask.to(per_position.dtype)
+    return (per_position * weights).sum() / weights.sum().clamp_min(1.0)

@@ -1,0 +1,67 @@
+"""DeepSeek-V3 style multi-token prediction modules (DeepSeek-AI, arXiv:2412.19437, section 2.2).
+
+Depth k (1-based) at position t reads the previous depth's hidden state at t
+(for k = 1, the target's own h_t) and the embedding of x_{t+k}, and predicts
+x_{t+k+1}:
+
+    h^k_t = block_k(eh_proj([enorm(emb(x_{t+k})) ; hnorm(h^{k-1}_t)]))
+    p(x_{t+k+1}) = softmax(lm_head(head_norm_k(h^k_t)))
+
+The modules are chained: one per depth, or (share=True) one module reused at
+every depth. Each depth has its own output norm (DeepSeek's shared_head.norm;
+"shared" refers to the LM head, which is the target's).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mtptrain.heads.common import FrozenTarget, FusionBlock, rms_norm_like
+
+
+class MTPHead(nn.Module):
+    kind = "mtp"
+
+    def __init__(self, target: FrozenTarget, depths: int = 1, share: bool = False, norms: str = "restored"):
+        super().__init__()
+        if depths < 1:
+            raise ValueError("an MTP head needs at least one depth")
+        self.frozen = target  # a plain attribute: not a submodule, never in state_dict
+        self.depths = depths
+        modules = 1 if share else depths
+        hidden = target.config.hidden_size
+        self.blocks = nn.ModuleList(FusionBlock(target, norms, proj_bias=False) for _ in range(modules))
+        self.head_norms = nn.ModuleList(
+            rms_norm_like(target.final_norm, hidden) if norms == "restored" else nn.Identity() for _ in range(modules))
+
+    def _index(self, depth: int) -> int:
+        if not 1 <= depth <= self.depths:
+            raise ValueError(f"depth {depth} outside 1..{self.depths}")
+        return min(depth, len(self.blocks)) - 1
+
+    def step(self, depth: int, previous: torch.Tensor, token_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+             cache=None, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """One depth: previous [B, T, H] (h^{depth-1} at positions t), token_ids = x_{t+depth}."""
+        if position_ids is None:
+            past = cache.get_seq_length() if cache is not None else 0
+            position_ids = torch.arange(past, past + token_ids.shape[1], device=token_ids.device)[None]
+        return self.blocks[self._index(depth)](self.frozen.embed(token_ids), previous, position_ids, cache, mask)
+
+    def forward(self, target_hidden: torch.Tensor, input_ids: torch.Tensor) -> list[torch.Tensor]:
+        """Teacher-forced training pass over whole sequences.
+
+        target_hidden [B, T, H] and input_ids [B, T] of the same samples. Depth k
+        returns states for positions t = 0 .. T-k-1 (the ones with x_{t+k} known),
+        so output k has length T - k.
+        """
+        length = input_ids.shape[1]
+        outputs = []
+        previous = target_hidden
+        for depth in range(1, self.depths + 1):
+            previous = self.step(depth, previous[:, : length - depth], input_ids[:, depth:])
+            outputs.append(previous)
+        return outputs
+
+    def logits(self, predicted: torch.Tensor, depth: int) -> torch.Tensor:
+        return self.frozen.lm_head(self.head_norms[self._index(depth)](predicted))

@@ -1,0 +1,72 @@
+from collections import Counter
+
+import pytest
+import torch
+from conftest import make_tiny_llama
+from transformers import DynamicCache
+
+from mtptrain.heads import FrozenTarget
+from mtptrain.heads.eagle3 import DraftVocab, Eagle3Head, ttt_mask
+
+
+@pytest.fixture(scope="module")
+def frozen():
+    return FrozenTarget.of(make_tiny_llama(400).double())
+
+
+def test_draft_vocab_takes_the_most_frequent_tokens_and_maps_both_ways():
+    counts = Counter({7: 50, 3: 40, 9: 40, 1: 5, 399: 1})
+    vocab = DraftVocab.from_counts(counts, 3, 400)
+    assert vocab.draft_to_target.tolist() == [3, 7, 9]  # 7, then the tie 3/9; stored ascending
+    for draft_id, target_id in enumerate(vocab.draft_to_target.tolist()):
+        assert vocab.target_to_draft[target_id] == draft_id
+    assert int((vocab.target_to_draft >= 0).sum()) == 3
+    topped_up = DraftVocab.from_counts(Counter({5: 2}), 4, 400)
+    assert topped_up.draft_to_target.tolist() == [0, 1, 2, 5]
+    streams = DraftVocab.from_token_streams([[1, 1, 2], torch.tensor([2, 2, 3])], 2, 10)
+    assert streams.draft_to_target.tolist() == [1, 2]
+    with pytest.raises(ValueError, match="must be in 1..400"):
+        DraftVocab.from_counts(counts, 0, 400)
+
+
+def test_head_shapes_and_frozen_parts(frozen):
+    vocab = DraftVocab.from_counts(Counter(range(100)), 64, 400)
+    head = Eagle3Head(frozen, vocab).double()
+    assert head.layer.self_attn.q_proj.in_features == 128 and head.fc.in_features == 192
+    assert torch.equal(head.lm_head.weight, frozen.lm_head.weight[vocab.draft_to_target])  # initialised from the target
+    assert head.lm_head.weight.data_ptr() != frozen.lm_head.weight.data_ptr()  # but its own, trained
+    state = head.state_dict()
+    assert "draft_to_target" in state and "target_to_draft" in state
+    assert not any(t.shape[0] == 400 and t.dim() == 2 for t in state.values())  # no target-vocab matrix
+    h = torch.randn(2, 5, 64, dtype=torch.float64)
+    assert torch.allclose(head.target_logits(h), frozen.target_logits(h)[..., vocab.draft_to_target])
+
+
+def test_ttt_mask_pattern():
+    mask = ttt_mask(3, 2, torch.float32, torch.device("cpu"))[0, 0] == 0
+    expected = torch.tensor([[1, 0, 0, 1, 0, 0, 1, 0, 0],
+                             [1, 1, 0, 0, 1, 0, 0, 1, 0],
+                             [1, 1, 1, 0, 0, 1, 0, 0, 1]], dtype=torch.bool)
+    assert torch.equal(mask, expected)
+
+
+@torch.no_grad()
+def test_training_time_test_equals_drafting_with_a_cache(frozen):
+    torch.manual_seed(0)
+    head = Eagle3Head(frozen, DraftVocab.from_counts(Counter(), 50, 400)).double()
+    layer_states = [torch.randn(1, 10, 64, dtype=torch.float64) for _ in range(3)]
+    ids = torch.randint(0, 400, (1, 10))
+    fused = head.fuse(layer_states)
+    steps = 4
+    unrolled = head.unroll(fused, ids, steps)
+    assert [u.shape[1] for u in unrolled] == [9, 8, 7, 6]
+    for t0 in range(0, 6):
+        # Drafting after a verified prefix ending at t0: prefill with the target's states, then chain.
+        cache = DynamicCache()
+        out = head(fused[:, : t0 + 1], ids[:, 1 : t0 + 2], cache=cache)[:, -1:]
+        assert torch.allclose(out, unrolled[0][:, t0 : t0 + 1], atol=1e-10)
+        for step in range(1, steps):
+            if t0 + 1 + step >= ids.shape[1]:
+                break
+            out = head(out, ids[:, t0 + 1 + step : t0 + 2 + step], cache=cache)
+            assert torch.allclose(out, unrolled[step][:, t0 : t0 + 1], atol=1e-10), (t0, step)
