@@ -46,6 +46,34 @@ def precompute(recipe: RecipeOpt = None, overrides: SetOpt = None,
         typer.echo(format_summary(summary))
 
 
+@app.command()
+def train(recipe: RecipeOpt = None, overrides: SetOpt = None,
+          no_wandb: Annotated[bool, typer.Option("--no-wandb", help="Log to metrics.jsonl only, not to W&B.")] = False,
+          progress: Annotated[bool, typer.Option(help="Show the progress bar.")] = True) -> None:
+    """Train a draft head (head.kind: eagle, eagle3, mtp) on a precomputed feature store.
+
+    DeepSpeed does the optimisation (ZeRO stage, precision, accumulation and clipping from the recipe).
+    Checkpoints go to train.output_dir/checkpoints; rerunning the same command resumes from the latest
+    one. The trained head is exported to train.output_dir/head. W&B logs offline unless credentials are
+    configured. Several processes: torchrun --nproc-per-node N -m mtptrain.cli train ... or the deepspeed
+    launcher.
+    """
+    from mtptrain.train.trainer import run_train
+
+    cfg = _recipe(recipe, overrides)
+    summary = _guarded(lambda: run_train(cfg, wandb="disabled" if no_wandb else None, show_progress=progress))
+    if summary["rank"] == 0:
+        typer.echo(format_train_summary(summary))
+
+
+def format_train_summary(summary: dict) -> str:
+    accuracy = "  ".join(f"{k.removeprefix('val/')} {v:.3f}" for k, v in summary.items() if k.startswith("val/acc"))
+    return (f"trained {summary['steps']} steps at {summary['tokens_per_second']:,.0f} tokens/s per process "
+            f"(data wait {summary['data_wait_fraction']:.1%})\n"
+            f"validation top-1 agreement per draft position: {accuracy or 'no validation split'}\n"
+            f"head: {summary['head']}   last checkpoint: {summary['checkpoint']}")
+
+
 @app.command("recipe")
 def show_recipe(recipe: RecipeOpt = None, overrides: SetOpt = None) -> None:
     """Validate a recipe and print it fully resolved (every default spelled out)."""
@@ -61,10 +89,12 @@ def _guarded(run):
     from mtptrain.embedded import EmbeddedAssetError
     from mtptrain.features.store import FeatureStoreError
     from mtptrain.target import TargetError
+    from mtptrain.train.trainer import RunMismatch, TrainingDiverged
 
     try:
         return run()
-    except (NoUsableData, DataSourceError, EmbeddedAssetError, FeatureStoreError, TargetError, ValueError) as exc:
+    except (NoUsableData, DataSourceError, EmbeddedAssetError, FeatureStoreError, TargetError, RunMismatch,
+            TrainingDiverged, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None
 

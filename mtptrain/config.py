@@ -100,11 +100,70 @@ class PrecomputeConfig(_Section):
         return value
 
 
+class HeadConfig(_Section):
+    kind: Literal["eagle", "eagle3", "mtp"] = Field("eagle3", description="Head family.")
+    norms: Literal["restored", "stripped"] = Field(
+        "restored", description="RMSNorm restoration (default) or the original stripped EAGLE placement "
+        "(eagle and mtp; eagle3 always keeps its norms).")
+    feature_layers: list[int] | Literal["auto"] = Field(
+        "auto", description="eagle3: captured layers fused as features; auto = every captured layer but the last.")
+    ttt_steps: int = Field(3, ge=1, description="eagle3: training-time-test unroll length.")
+    draft_vocab_size: int = Field(
+        8192, ge=1, description="eagle3: draft vocabulary size (most frequent target tokens of the training data).")
+    mtp_depths: int = Field(2, ge=1, description="mtp: number of chained depths.")
+    mtp_share: bool = Field(False, description="mtp: reuse one module at every depth.")
+    step_weights: list[float] | Literal["auto"] = Field(
+        "auto", description="Loss weight per TTT step / MTP depth; auto = 0.8^k (the EAGLE-3 recipe's decay).")
+    feature_weight: float = Field(
+        0.1, ge=0.0, description="eagle: weight of the smooth-L1 feature regression next to distillation.")
+
+
+class TrainConfig(_Section):
+    features: str = Field("runs/quickstart/features", description="Feature store written by precompute.")
+    output_dir: str = Field("runs/quickstart/train", description="Run directory: checkpoints, logs, exported head.")
+    seed: int = Field(0, description="Seed of the head's initialisation and of the data order.")
+    epochs: float = Field(1.0, gt=0, description="Passes over the training split (fractions allowed).")
+    max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps (overrides epochs).")
+    micro_batch_size: int = Field(4, ge=1, description="Samples per rank per forward/backward.")
+    grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
+    lr: float = Field(3e-4, gt=0, description="Peak learning rate (AdamW).")
+    weight_decay: float = Field(0.0, ge=0)
+    warmup_ratio: float = Field(0.05, ge=0, lt=1, description="Share of the steps spent warming up linearly.")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Cosine decay floor, as a share of lr.")
+    grad_clip: float = Field(1.0, ge=0, description="Global gradient-norm clipping (0 = off).")
+    precision: Literal["auto", "bf16", "fp16", "fp32"] = Field(
+        "auto", description="auto = bf16 on CUDA, fp32 on CPU.")
+    zero_stage: int = Field(
+        1, description="DeepSpeed ZeRO stage 0, 1 or 2. Stage 3 is refused: it partitions the parameters "
+        "themselves, which a draft head of one decoder layer does not need, and the export and rank-0 "
+        "validation read whole parameters.")
+    loss_chunk: int = Field(1024, ge=1, description="Positions per chunk of full-vocabulary logits.")
+    num_workers: int = Field(1, ge=0, description="Data-loader worker processes.")
+    log_every: int = Field(10, ge=1, description="Steps between logged metrics.")
+    eval_every: int = Field(100, ge=1, description="Steps between validation passes.")
+    checkpoint_every: int = Field(200, ge=1, description="Steps between checkpoints (and one at the end).")
+    wandb: Literal["auto", "offline", "online", "disabled"] = Field(
+        "auto", description="auto = online when W&B credentials are configured, offline otherwise.")
+    wandb_project: str = Field("mtptrain", description="W&B project.")
+
+    @field_validator("zero_stage")
+    @classmethod
+    def _zero_stage(cls, value: int) -> int:
+        if value == 3:
+            raise ValueError("ZeRO stage 3 partitions the parameters themselves; a draft head (one decoder layer) "
+                             "gains nothing from it and its export needs whole parameters: use 0, 1 or 2")
+        if value not in (0, 1, 2):
+            raise ValueError("ZeRO stage must be 0, 1 or 2")
+        return value
+
+
 class Recipe(_Section):
     name: str = Field("run", description="Run name, used in logs and output metadata.")
     target: TargetConfig = TargetConfig()
     data: DataConfig = DataConfig()
     precompute: PrecomputeConfig = PrecomputeConfig()
+    head: HeadConfig = HeadConfig()
+    train: TrainConfig = TrainConfig()
 
 
 # --------------------------------------------------------------------------- loading

@@ -65,3 +65,9 @@ def test_bad_yaml_and_missing_file(tmp_path):
     bad.write_text("data: [unclosed\n")
     with pytest.raises(RecipeError, match="not valid YAML"):
         load_recipe(bad)
+
+
+def test_zero_stage_3_is_refused_with_the_reason():
+    assert load_recipe(None, ["train.zero_stage=2"]).train.zero_stage == 2
+    with pytest.raises(RecipeError, match="stage 3 partitions the parameters"):
+        load_recipe(None, ["train.zero_stage=3"])

@@ -60,7 +60,8 @@ def run_precompute(recipe: Recipe, show_progress: bool = True) -> dict:
     try:
         return _precompute(recipe, dist, grouped, show_progress and dist.is_main)
     finally:
-        destroy_process_group()
+        if grouped:
+            destroy_process_group()
 
 
 def _precompute(recipe: Recipe, dist: DistInfo, grouped: bool, show_progress: bool) -> dict:

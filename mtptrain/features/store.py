@@ -213,6 +213,13 @@ class FeatureStore:
     def lengths(self) -> list[int]:
         return [end - start for _, start, end in self._index]
 
+    def token_ids(self, i: int, assistant_only: bool = False) -> torch.Tensor:
+        """Token ids of sample i without touching its hidden states (all, or only the loss-masked ones)."""
+        shard_no, start, end = self._index[i]
+        handle = self._handle(shard_no)
+        ids = handle.get_slice("input_ids")[start:end]
+        return ids[handle.get_slice("loss_mask")[start:end].bool()] if assistant_only else ids
+
     def __getitem__(self, i: int) -> dict[str, Any]:
         shard_no, start, end = self._index[i]
         handle = self._handle(shard_no)

@@ -36,7 +36,15 @@ class FrozenTarget:
 
     def target_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The target's own logits from its pre-norm last-layer state: final norm, then LM head."""
-        return self.lm_head(self.final_norm(hidden))
+        return self.lm_head(self.final_norm(hidden.to(self.lm_head.weight.dtype)))
+
+    def embed_as(self, ids: torch.Tensor, like: nn.Module) -> torch.Tensor:
+        """Token embeddings in the dtype of a head's own weights (a bf16 head over an fp32 target, say)."""
+        return self.embed(ids).to(next(like.parameters()).dtype)
+
+    def head_logits(self, states: torch.Tensor) -> torch.Tensor:
+        """The frozen LM head applied to a head's (already normed) states."""
+        return self.lm_head(states.to(self.lm_head.weight.dtype))
 
 
 def head_layer_config(target_config):

@@ -38,7 +38,9 @@ class EagleHead(nn.Module):
 
     def features(self, target_hidden: torch.Tensor) -> torch.Tensor:
         """Stored target states (pre-norm) in this head's feature space."""
-        return target_hidden if self.norms == "restored" else self.frozen.final_norm(target_hidden)
+        if self.norms == "restored":
+            return target_hidden
+        return self.frozen.final_norm(target_hidden.to(self.frozen.lm_head.weight.dtype)).to(target_hidden.dtype)
 
     def forward(self, features: torch.Tensor, next_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 cache=None, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -46,7 +48,7 @@ class EagleHead(nn.Module):
         if position_ids is None:
             past = cache.get_seq_length() if cache is not None else 0
             position_ids = torch.arange(past, past + next_ids.shape[1], device=next_ids.device)[None]
-        return self.block(self.frozen.embed(next_ids), features, position_ids, cache, mask)
+        return self.block(self.frozen.embed_as(next_ids, self), features, position_ids, cache, mask)
 
     def logits(self, predicted: torch.Tensor) -> torch.Tensor:
-        return self.frozen.lm_head(self.norm(predicted))
+        return self.frozen.head_logits(self.norm(predicted))

@@ -94,7 +94,7 @@ class Eagle3Head(nn.Module):
         if position_ids is None:
             past = cache.get_seq_length() if cache is not None else 0
             position_ids = torch.arange(past, past + next_ids.shape[1], device=next_ids.device)[None]
-        embeds = self.frozen.embed(next_ids)
+        embeds = self.frozen.embed_as(next_ids, self)
         if mask is None and cache is not None:
             mask = attention_mask(feature.shape[1], cache.get_seq_length(), feature.dtype, feature.device)
         x = torch.cat([self.layer.input_layernorm(embeds), self.hidden_norm(feature)], dim=-1)
@@ -134,7 +134,7 @@ class Eagle3Head(nn.Module):
     def target_logits(self, target_hidden: torch.Tensor) -> torch.Tensor:
         """The target's logits restricted to the draft vocabulary (only those rows of its LM head)."""
         weight = self.frozen.lm_head.weight[self.draft_to_target]
-        return self.frozen.final_norm(target_hidden) @ weight.T
+        return self.frozen.final_norm(target_hidden.to(weight.dtype)) @ weight.T
 
 
 def ttt_mask(length: int, step: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

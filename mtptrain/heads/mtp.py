@@ -46,7 +46,7 @@ class MTPHead(nn.Module):
         if position_ids is None:
             past = cache.get_seq_length() if cache is not None else 0
             position_ids = torch.arange(past, past + token_ids.shape[1], device=token_ids.device)[None]
-        return self.blocks[self._index(depth)](self.frozen.embed(token_ids), previous, position_ids, cache, mask)
+        return self.blocks[self._index(depth)](self.frozen.embed_as(token_ids, self), previous, position_ids, cache, mask)
 
     def forward(self, target_hidden: torch.Tensor, input_ids: torch.Tensor) -> list[torch.Tensor]:
         """Teacher-forced training pass over whole sequences.
@@ -64,4 +64,4 @@ class MTPHead(nn.Module):
         return outputs
 
     def logits(self, predicted: torch.Tensor, depth: int) -> torch.Tensor:
-        return self.frozen.lm_head(self.head_norms[self._index(depth)](predicted))
+        return self.frozen.head_logits(self.head_norms[self._index(depth)](predicted))

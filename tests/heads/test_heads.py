@@ -48,7 +48,7 @@ def test_the_stripped_switch_really_removes_the_norms(target):
     # stripped keeps only the post-attention norm inside the decoder layer, as the original EAGLE head did
     assert len(_rms_norms(stripped)) == 1
     assert isinstance(stripped.block.layer.input_layernorm, torch.nn.Identity)
-    h = torch.randn(2, 5, 64)
+    h = torch.randn(2, 5, 64, dtype=torch.float64)
     assert torch.equal(restored.features(h), h)
     assert torch.allclose(stripped.features(h), frozen.final_norm(h))
     with pytest.raises(ValueError, match="restored"):

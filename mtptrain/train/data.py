@@ -1,0 +1,111 @@
+"""Training batches from a feature store: deterministic, length-bucketed, resumable, rank-sharded.
+
+The run's micro-batches form one global sequence, epoch after epoch, fixed
+by the seed. Epoch e shuffles the samples, sorts them by length inside
+windows of `bucket` micro-batches (little padding, still random), cuts them
+into micro-batches and shuffles those. Rank r of W takes the global
+micro-batches r, r+W, r+2W, ..., so one optimizer step of W ranks x A
+accumulation steps consumes the same W x A micro-batches as one process with
+W x A accumulation steps. Resuming is starting the sequence at a saved index.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from mtptrain.features.store import FeatureStore
+
+
+def epoch_batches(lengths: list[int], micro_batch_size: int, seed: int, epoch: int, bucket: int = 32) -> list[list[int]]:
+    rng = np.random.default_rng([seed, epoch])
+    order = rng.permutation(len(lengths))
+    window = micro_batch_size * bucket
+    batches: list[list[int]] = []
+    for start in range(0, len(order), window):
+        chunk = sorted(order[start : start + window].tolist(), key=lambda i: (-lengths[i], i))
+        batches.extend(chunk[i : i + micro_batch_size] for i in range(0, len(chunk), micro_batch_size))
+    rng.shuffle(batches)
+    return batches
+
+
+@dataclass
+class BatchPlan:
+    """The run's micro-batches for this rank, from a global position on."""
+
+    lengths: list[int]
+    micro_batch_size: int
+    seed: int
+    world_size: int
+    rank: int
+    steps: int  # optimizer steps in the run
+    grad_accum: int
+
+    @property
+    def micro_batches_per_step(self) -> int:
+        return self.world_size * self.grad_accum
+
+    def global_sequence(self) -> list[list[int]]:
+        needed = self.steps * self.micro_batches_per_step
+        sequence: list[list[int]] = []
+        epoch = 0
+        while len(sequence) < needed:
+            sequence.extend(epoch_batches(self.lengths, self.micro_batch_size, self.seed, epoch))
+            epoch += 1
+        return sequence[:needed]
+
+    def for_rank(self, start: int = 0) -> list[list[int]]:
+        """This rank's micro-batches from global micro-batch `start` (a multiple of micro_batches_per_step)."""
+        return self.global_sequence()[start + self.rank :: self.world_size]
+
+
+def steps_for(num_samples: int, micro_batch_size: int, world_size: int, grad_accum: int, epochs: float,
+              max_steps: int | None) -> int:
+    per_step = micro_batch_size * world_size * grad_accum
+    steps = max_steps if max_steps is not None else int(epochs * num_samples // per_step)
+    if steps < 1:
+        raise ValueError(f"{num_samples} training samples make no full step of {per_step} samples "
+                         f"({world_size} rank(s) x grad_accum {grad_accum} x micro_batch_size {micro_batch_size}); "
+                         "lower train.micro_batch_size or set train.max_steps")
+    return steps
+
+
+class BatchDataset(Dataset):
+    """Micro-batch k of a list, padded: input_ids / loss_mask [B, T], hidden {layer: [B, T, H]}."""
+
+    def __init__(self, store: FeatureStore, batches: list[list[int]]):
+        self.store, self.batches = store, batches
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, k: int) -> dict:
+        return collate([self.store[i] for i in self.batches[k]])
+
+
+def collate(items: list[dict]) -> dict:
+    """Right padding: under causal attention a real token never sees the padding after it."""
+    longest = max(len(item["input_ids"]) for item in items)
+    batch = {
+        "input_ids": torch.zeros(len(items), longest, dtype=torch.long),
+        "loss_mask": torch.zeros(len(items), longest, dtype=torch.long),
+        "lengths": torch.tensor([len(item["input_ids"]) for item in items]),
+        "hidden": {},
+    }
+    for row, item in enumerate(items):
+        n = len(item["input_ids"])
+        batch["input_ids"][row, :n] = item["input_ids"]
+        batch["loss_mask"][row, :n] = item["loss_mask"]
+        for layer, states in item["hidden"].items():
+            if layer not in batch["hidden"]:
+                batch["hidden"][layer] = torch.zeros(len(items), longest, states.shape[-1], dtype=states.dtype)
+            batch["hidden"][layer][row, :n] = states
+    return batch
+
+
+def loader(store: FeatureStore, batches: list[list[int]], num_workers: int) -> DataLoader:
+    return DataLoader(BatchDataset(store, batches), batch_size=None, shuffle=False, num_workers=num_workers,
+                      prefetch_factor=4 if num_workers else None, persistent_workers=False)

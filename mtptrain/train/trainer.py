@@ -1,0 +1,319 @@
+"""`mtptrain train`: fit a draft head on a feature store with DeepSpeed.
+
+DeepSpeed owns the optimizer (AdamW), the warmup + cosine schedule, ZeRO,
+precision, accumulation and clipping, all from one config generated from the
+recipe and saved with the run. Its checkpoints (every `checkpoint_every`
+steps and at the end, with its `latest` pointer) carry the trainer's own
+state: the global micro-batch position and the RNG states, so a resumed run
+continues exactly where the last checkpoint stood. DeepSpeed writes them as
+torch pickles; they are read back only from this run's own directory.
+
+The head module itself knows nothing of this: the loss comes from
+`objective.batch_objective`, through the head's own forward code.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import json
+import logging
+import os
+import random
+import socket
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as torch_dist
+from tqdm import tqdm
+
+from mtptrain.config import HeadConfig, Recipe, TrainConfig, dump_recipe
+from mtptrain.dist import DistInfo, destroy_process_group, pick_device, setup_logging
+from mtptrain.features.store import FeatureStore, load_manifest
+from mtptrain.heads import FrozenTarget
+from mtptrain.heads.checkpoint import HeadSpec, build_head, save_head
+from mtptrain.heads.eagle3 import DraftVocab
+from mtptrain.io import atomic_write_json
+from mtptrain.target import load_target
+from mtptrain.train.data import BatchPlan, loader, steps_for
+from mtptrain.train.metrics import MetricsLog
+from mtptrain.train.objective import batch_objective, step_weights
+
+log = logging.getLogger(__name__)
+
+
+class TrainingDiverged(RuntimeError):
+    pass
+
+
+class RunMismatch(RuntimeError):
+    pass
+
+
+def head_spec(cfg: HeadConfig, manifest: dict) -> HeadSpec:
+    captured = manifest["layers"]
+    last = manifest["last_layer"]
+    features: list[int] = []
+    if cfg.kind == "eagle3":
+        features = [l for l in captured if l != last] if cfg.feature_layers == "auto" else list(cfg.feature_layers)
+        if not features:
+            raise ValueError(f"eagle3 fuses inner layers, but the store captured only {captured}: "
+                             "precompute with precompute.layers=eagle3 (or list the layers)")
+    vocab = min(cfg.draft_vocab_size, manifest["target"]["vocab_size"]) if cfg.kind == "eagle3" else 0
+    return HeadSpec(kind=cfg.kind, norms=cfg.norms, last_layer=last, feature_layers=features,
+                    ttt_steps=cfg.ttt_steps if cfg.kind == "eagle3" else 1, draft_vocab_size=vocab,
+                    mtp_depths=cfg.mtp_depths if cfg.kind == "mtp" else 1, mtp_share=cfg.mtp_share)
+
+
+def pick_precision(requested: str, device: torch.device) -> str:
+    if requested != "auto":
+        return requested
+    return "bf16" if device.type == "cuda" else "fp32"
+
+
+def deepspeed_config(cfg: TrainConfig, steps: int, world_size: int, precision: str) -> dict:
+    """The one place batch sizes, precision and the schedule are decided."""
+    return {
+        "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
+        "gradient_accumulation_steps": cfg.grad_accum,
+        "train_batch_size": cfg.micro_batch_size * cfg.grad_accum * world_size,
+        "gradient_clipping": cfg.grad_clip,
+        "optimizer": {"type": "AdamW", "params": {"lr": cfg.lr, "betas": [0.9, 0.95], "eps": 1e-8,
+                                                  "weight_decay": cfg.weight_decay}},
+        "scheduler": {"type": "WarmupCosineLR", "params": {
+            "total_num_steps": steps, "warmup_num_steps": max(1, round(cfg.warmup_ratio * steps)),
+            "warmup_min_ratio": 0.0, "cos_min_ratio": cfg.min_lr_ratio, "warmup_type": "linear"}},
+        "zero_optimization": {"stage": cfg.zero_stage},
+        "bf16": {"enabled": precision == "bf16"},
+        "fp16": {"enabled": precision == "fp16"},
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+
+
+def run_fingerprint(recipe: Recipe, manifest: dict, world_size: int) -> str:
+    """What a checkpoint must share with the run resuming it (not logging or checkpoint cadence)."""
+    train = recipe.train.model_dump(exclude={"output_dir", "log_every", "eval_every", "checkpoint_every",
+                                              "wandb", "wandb_project", "num_workers"})
+    blob = json.dumps({"head": recipe.head.model_dump(mode="json"), "train": train, "store": manifest["plan_id"],
+                       "world_size": world_size}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _launcher_env(dist: DistInfo) -> None:
+    """DeepSpeed reads RANK / WORLD_SIZE / MASTER_*; a plain single process gets a loopback rendezvous."""
+    if dist.world_size == 1 and "MASTER_ADDR" not in os.environ:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    os.environ.setdefault("RANK", str(dist.rank))
+    os.environ.setdefault("WORLD_SIZE", str(dist.world_size))
+    os.environ.setdefault("LOCAL_RANK", str(dist.local_rank))
+
+
+def run_train(recipe: Recipe, wandb: str | None = None, show_progress: bool = True) -> dict:
+    dist = DistInfo.from_env()
+    setup_logging(dist)
+    _launcher_env(dist)
+    import deepspeed
+
+    device = pick_device(recipe.target.device, dist)
+    if not torch_dist.is_initialized():
+        deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", auto_mpi_discovery=False)
+        # DeepSpeed caches its process groups for the life of the process, so the group stays up
+        # across runs in one process and is torn down at exit (ranks abort if it is left open).
+        atexit.register(destroy_process_group)
+    return Trainer(recipe, dist, device, wandb or recipe.train.wandb, show_progress and dist.is_main).run()
+
+
+class Trainer:
+    def __init__(self, recipe: Recipe, dist: DistInfo, device: torch.device, wandb_mode: str, show_progress: bool):
+        self.recipe, self.cfg, self.dist, self.device = recipe, recipe.train, dist, device
+        self.show_progress, self.wandb_mode = show_progress, wandb_mode
+        self.run_dir = Path(self.cfg.output_dir)
+        self.ckpt_dir = self.run_dir / "checkpoints"
+        manifest = load_manifest(Path(self.cfg.features))
+        self.spec = head_spec(recipe.head, manifest)
+        self.target = load_target(recipe.target, dist)
+        layers = sorted({self.spec.last_layer, *self.spec.feature_layers})
+        # Refused here, before any training: a store of another target, or without the layers the head reads.
+        self.train_store = FeatureStore(self.cfg.features, "train", target=self.target, layers=layers)
+        self.val_store = FeatureStore(self.cfg.features, "validation", target=self.target, layers=layers,
+                                      verify="size")
+        self.weights = step_weights(recipe.head.step_weights, self.spec.draft_positions)
+        self.steps = steps_for(len(self.train_store), self.cfg.micro_batch_size, dist.world_size,
+                               self.cfg.grad_accum, self.cfg.epochs, self.cfg.max_steps)
+        self.plan = BatchPlan(self.train_store.lengths(), self.cfg.micro_batch_size, self.cfg.seed,
+                              dist.world_size, dist.rank, self.steps, self.cfg.grad_accum)
+        self.fingerprint = run_fingerprint(recipe, manifest, dist.world_size)
+        self.precision = pick_precision(self.cfg.precision, device)
+
+    # ------------------------------------------------------------------ set-up
+
+    def _draft_vocab(self) -> DraftVocab | None:
+        if self.spec.kind != "eagle3":
+            return None
+        store = self.train_store
+        streams = (store.token_ids(i, assistant_only=True) for i in range(len(store)))
+        return DraftVocab.from_token_streams(streams, self.spec.draft_vocab_size, self.target.vocab_size)
+
+    def _engine(self):
+        import deepspeed
+
+        torch.manual_seed(self.cfg.seed)
+        frozen = FrozenTarget.of(self.target.model)
+        head = build_head(self.spec, frozen, self._draft_vocab()).to(self.device)
+        config = deepspeed_config(self.cfg, self.steps, self.dist.world_size, self.precision)
+        if self.dist.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            atomic_write_json(self.run_dir / "deepspeed.json", config)
+            dump_recipe(self.recipe, self.run_dir / "recipe.yaml")
+        engine, _, _, scheduler = deepspeed.initialize(
+            model=head, model_parameters=[p for p in head.parameters() if p.requires_grad], config=config)
+        return engine, scheduler
+
+    def _resume(self, engine) -> dict:
+        if not (self.ckpt_dir / "latest").is_file():
+            return {"micro_batch": 0, "step": 0}
+        _, client = engine.load_checkpoint(str(self.ckpt_dir), load_lr_scheduler_states=True)
+        if client is None or client.get("fingerprint") != self.fingerprint:
+            raise RunMismatch(f"{self.ckpt_dir} holds checkpoints of another run (other recipe, store or number "
+                              "of ranks). Use a new train.output_dir, or delete that directory to start over.")
+        torch.set_rng_state(client["rng"]["torch"])
+        np.random.set_state(client["rng"]["numpy"])
+        random.setstate(client["rng"]["python"])
+        log.info("resumed from %s at step %d", self.ckpt_dir / (self.ckpt_dir / "latest").read_text().strip(),
+                 client["step"])
+        return client
+
+    # ------------------------------------------------------------------ loop
+
+    def run(self) -> dict:
+        engine, scheduler = self._engine()
+        state = self._resume(engine)
+        metrics = MetricsLog(self.run_dir, self.dist.is_main, self.wandb_mode, self.cfg.wandb_project,
+                             name=f"{self.recipe.name}-train", group=self.recipe.name,
+                             config=self.recipe.model_dump(mode="json"), resume_id=state.get("wandb_id"))
+        step = state["step"]
+        per_step = self.plan.micro_batches_per_step
+        batches = self.plan.for_rank(step * per_step)
+        progress = tqdm(total=self.steps, initial=step, desc="train", unit="step", disable=not self.show_progress)
+        window = _Window(self.spec.draft_positions)
+        totals = {"tokens": 0, "compute": 0.0, "wait": 0.0}
+        last_checkpoint = state.get("checkpoint")
+        head = engine.module
+        dtype = next(head.parameters()).dtype
+        try:
+            clock = time.perf_counter()
+            for k, batch in enumerate(loader(self.train_store, batches, self.cfg.num_workers)):
+                started = time.perf_counter()
+                totals["wait"] += started - clock
+                batch = _to_device(batch, self.device, dtype)
+                result = batch_objective(head, batch, self.spec.last_layer, self.spec.feature_layers, self.weights,
+                                         self.recipe.head.feature_weight, self.spec.ttt_steps, self.cfg.loss_chunk)
+                engine.backward(result.loss)
+                engine.step()
+                window.add(result)
+                totals["tokens"] += int(batch["lengths"].sum())
+                clock = time.perf_counter()
+                totals["compute"] += clock - started
+                if (k + 1) % self.cfg.grad_accum:
+                    continue
+                step += 1
+                grad_norm = engine.get_global_grad_norm()
+                if grad_norm is not None and not np.isfinite(float(grad_norm)):
+                    raise TrainingDiverged(
+                        f"gradient norm is {float(grad_norm)} at step {step} (loss {float(result.loss):.4g}); "
+                        f"last good checkpoint: {last_checkpoint or 'none yet'}. Lower train.lr or check the data.")
+                progress.update(1)
+                if step % self.cfg.log_every == 0 or step == self.steps:
+                    logged = window.reduce(self.dist)
+                    logged.update({"train/lr": scheduler.get_last_lr()[0], "train/grad_norm": float(grad_norm or 0),
+                                   "train/tokens_per_s": totals["tokens"] / max(totals["compute"], 1e-9),
+                                   "train/data_wait_fraction": totals["wait"] / max(totals["wait"] + totals["compute"], 1e-9)})
+                    metrics.log(step, logged)
+                    progress.set_postfix(loss=f"{logged['train/loss']:.3f}", acc1=f"{logged['train/acc_1']:.3f}")
+                if step % self.cfg.eval_every == 0 or step == self.steps:
+                    metrics.log(step, self.validate(head, dtype))
+                if step % self.cfg.checkpoint_every == 0 or step == self.steps:
+                    last_checkpoint = self._checkpoint(engine, step, metrics.run_id)
+        finally:
+            progress.close()
+            metrics.close()
+        return self._finish(head, step, totals, last_checkpoint)
+
+    @torch.no_grad()
+    def validate(self, head, dtype: torch.dtype) -> dict:
+        """Teacher-forced top-1 agreement with the target, per draft position, on the validation split."""
+        if len(self.val_store) == 0 or not self.dist.is_main:
+            return {}
+        window = _Window(self.spec.draft_positions)
+        batches = [list(range(i, min(i + self.cfg.micro_batch_size, len(self.val_store))))
+                   for i in range(0, len(self.val_store), self.cfg.micro_batch_size)]
+        for batch in loader(self.val_store, batches, 0):
+            window.add(batch_objective(head, _to_device(batch, self.device, dtype), self.spec.last_layer,
+                                       self.spec.feature_layers, self.weights, self.recipe.head.feature_weight,
+                                       self.spec.ttt_steps, self.cfg.loss_chunk))
+        return {k.replace("train/", "val/"): v for k, v in window.reduce(None).items()}
+
+    def _checkpoint(self, engine, step: int, wandb_id: str | None) -> str:
+        tag = f"step-{step:07d}"
+        client = {"fingerprint": self.fingerprint, "step": step, "micro_batch": step * self.plan.micro_batches_per_step,
+                  "checkpoint": str(self.ckpt_dir / tag), "wandb_id": wandb_id,
+                  "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}}
+        engine.save_checkpoint(str(self.ckpt_dir), tag=tag, client_state=client)
+        return str(self.ckpt_dir / tag)
+
+    def _finish(self, head, step: int, totals: dict, last_checkpoint: str | None) -> dict:
+        summary = {"steps": step, "rank": self.dist.rank, "world_size": self.dist.world_size,
+                   "tokens_per_second": totals["tokens"] / max(totals["compute"], 1e-9),
+                   "data_wait_fraction": totals["wait"] / max(totals["wait"] + totals["compute"], 1e-9),
+                   "checkpoint": last_checkpoint, "head": str(self.run_dir / "head")}
+        if self.dist.is_main:
+            summary.update(self.validate(head, next(head.parameters()).dtype))
+            save_head(self.run_dir / "head", head, self.spec, self.target.identity(),
+                      {"features": {"store": str(self.cfg.features), "layers": self.train_store.layers},
+                       "train": {"steps": step, "recipe": self.recipe.model_dump(mode="json")}})
+            atomic_write_json(self.run_dir / "summary.json", summary)
+        if torch_dist.is_initialized():
+            torch_dist.barrier()
+        return summary
+
+
+class _Window:
+    """Loss and top-1 agreement per draft position, accumulated between two logging steps."""
+
+    def __init__(self, positions: int):
+        self.positions = positions
+        # per position: cross-entropy x count, KL x count, correct, count; then objective sum, micro-batches
+        self.sums = torch.zeros(4 * positions + 2, dtype=torch.float64)
+
+    def add(self, result) -> None:
+        for p, stats in enumerate(result.positions):
+            self.sums[4 * p : 4 * p + 4] += torch.tensor(
+                [float(stats.loss.detach()) * stats.count, stats.kl * stats.count, stats.correct, stats.count],
+                dtype=torch.float64)
+        self.sums[-2] += float(result.loss.detach())
+        self.sums[-1] += 1
+
+    def reduce(self, dist: DistInfo | None) -> dict:
+        sums = self.sums.clone()
+        if dist is not None and dist.world_size > 1:
+            torch_dist.all_reduce(sums)
+        self.sums.zero_()
+        out = {"train/loss": float(sums[-2] / sums[-1].clamp_min(1))}
+        for p in range(self.positions):
+            ce, kl, correct, count = (float(x) for x in sums[4 * p : 4 * p + 4])
+            out[f"train/ce_{p + 1}"] = ce / max(count, 1)
+            out[f"train/kl_{p + 1}"] = kl / max(count, 1)
+            out[f"train/acc_{p + 1}"] = correct / max(count, 1)
+        return out
+
+
+def _to_device(batch: dict, device: torch.device, dtype: torch.dtype) -> dict:
+    return {"input_ids": batch["input_ids"].to(device), "loss_mask": batch["loss_mask"].to(device),
+            "lengths": batch["lengths"],
+            "hidden": {k: v.to(device=device, dtype=dtype) for k, v in batch["hidden"].items()}}

@@ -1,0 +1,180 @@
+"""The DeepSpeed trainer on a tiny random target: learning, frozen parts, checkpoints, resume, ranks, guards."""
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+from conftest import tiny_recipe, write_sharegpt
+from safetensors.torch import load_file
+from train_helpers import REPO, clean_env, train_cmd, train_recipe
+
+from mtptrain.features.precompute import run_precompute
+from mtptrain.features.store import FeatureStoreError
+from mtptrain.train.trainer import TrainingDiverged, run_train
+
+VOCAB = 400
+
+
+@pytest.fixture(scope="module")
+def tiny_store(tiny_target_dir, tmp_path_factory):
+    """A feature store of the tiny target with layers [0, 1, 2] and the last (3)."""
+    tmp = tmp_path_factory.mktemp("train-store")
+    recipe = tiny_recipe(tiny_target_dir, write_sharegpt(tmp / "c.json", 160, seed=5), tmp / "features",
+                         layers="[0, 1, 2]", dtype="float32")
+    run_precompute(recipe, show_progress=False)
+    return tmp / "features"
+
+
+def _metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+# EAGLE-3 learns a 3-step unroll and its own LM head: it gets more steps (it reaches 0.94 / 0.91 / 0.86
+# top-1 agreement at positions 1 / 2 / 3 after 8 epochs of this data).
+BUDGET = {"eagle": ["train.epochs=3"], "mtp": ["train.epochs=3"], "eagle3": ["train.epochs=5", "train.lr=1e-2"]}
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "mtp"])
+def test_loss_falls_and_agreement_rises_far_above_chance(tiny_target_dir, tiny_store, tmp_path, kind):
+    recipe = train_recipe(tiny_target_dir, tiny_store, tmp_path / "run", f"head.kind={kind}", *BUDGET[kind])
+    summary = run_train(recipe, show_progress=False)
+    logged = [m for m in _metrics(tmp_path / "run") if "train/kl_1" in m]
+    assert logged[-1]["train/kl_1"] < 0.3 * logged[0]["train/kl_1"]
+    assert logged[-1]["train/acc_1"] > logged[0]["train/acc_1"] + 0.3
+    assert summary["val/acc_1"] > 0.4  # chance: 1/400 (1/128 within eagle3's draft vocabulary)
+    positions = {"eagle": 1, "eagle3": 3, "mtp": 2}[kind]
+    assert sorted(k for k in summary if k.startswith("val/acc")) == [f"val/acc_{p}" for p in range(1, positions + 1)]
+
+
+def test_frozen_target_is_untouched_and_never_saved(tiny_target_dir, tiny_store, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    import mtptrain.train.trainer as trainer_module
+
+    seen = {}
+    original_init = trainer_module.Trainer.__init__
+
+    def keep(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        seen["model"] = self.target.model
+
+    trainer_module.Trainer.__init__ = keep
+    try:
+        run_train(train_recipe(tiny_target_dir, tiny_store, tmp_path / "run", "head.kind=eagle3",
+                               "train.max_steps=8", "train.checkpoint_every=4"), show_progress=False)
+    finally:
+        trainer_module.Trainer.__init__ = original_init
+    fresh = AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32).state_dict()
+    for name, tensor in seen["model"].state_dict().items():
+        assert torch.equal(tensor, fresh[name]), name
+    exported = load_file(tmp_path / "run" / "head" / "model.safetensors")
+    assert exported and not any(VOCAB in t.shape and t.dim() == 2 for t in exported.values())
+    for state_file in (tmp_path / "run" / "checkpoints").glob("*/mp_rank_00_model_states.pt"):
+        state = torch.load(state_file, map_location="cpu", weights_only=False)["module"]  # our own file
+        assert not any("embed_tokens" in k or "lm_head.weight" == k and v.shape[0] == VOCAB for k, v in state.items())
+        assert not any(v.dim() == 2 and v.shape[0] == VOCAB for v in state.values())
+    assert len(list((tmp_path / "run" / "checkpoints").glob("step-*"))) == 2
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "step-0000008"
+    config = json.loads((tmp_path / "run" / "head" / "config.json").read_text())
+    assert config["head"]["kind"] == "eagle3" and config["target"]["fingerprint"]
+
+
+def test_a_store_of_another_target_is_refused_before_training(other_target_dir, tiny_store, tmp_path):
+    with pytest.raises(FeatureStoreError, match="same target.model"):
+        run_train(train_recipe(other_target_dir, tiny_store, tmp_path / "run"), show_progress=False)
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_layers_the_store_lacks_are_refused_before_training(tiny_target_dir, tiny_store, tmp_path):
+    with pytest.raises(FeatureStoreError, match=r"layers \[5\] were not captured"):
+        run_train(train_recipe(tiny_target_dir, tiny_store, tmp_path / "run", "head.kind=eagle3",
+                               "head.feature_layers=[1, 5]"), show_progress=False)
+
+
+def test_divergence_stops_with_the_step_and_the_last_good_checkpoint(tiny_target_dir, tiny_store, tmp_path):
+    recipe = train_recipe(tiny_target_dir, tiny_store, tmp_path / "run", "head.kind=eagle", "train.max_steps=40",
+                          "train.lr=1e30", "train.warmup_ratio=0", "train.grad_clip=0", "train.checkpoint_every=1")
+    with pytest.raises(TrainingDiverged, match=r"at step \d+ .*last good checkpoint: .*step-\d+"):
+        run_train(recipe, show_progress=False)
+
+
+def test_kill_and_resume_gives_the_weights_of_an_uninterrupted_run(tiny_target_dir, tiny_store, tmp_path):
+    recipe = train_recipe(tiny_target_dir, tiny_store, tmp_path / "x", "head.kind=mtp", "train.max_steps=24",
+                          "train.checkpoint_every=6", "train.grad_accum=2")
+    clean, killed = tmp_path / "clean", tmp_path / "killed"
+    subprocess.run(train_cmd(recipe, tmp_path / "r.yaml", f"train.output_dir={clean}"), cwd=REPO, check=True,
+                   capture_output=True, env=clean_env())
+    proc = subprocess.Popen(train_cmd(recipe, tmp_path / "r.yaml", f"train.output_dir={killed}"), cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=clean_env())
+    latest = killed / "checkpoints" / "latest"
+    deadline = time.time() + 180
+    while not latest.is_file() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.01)
+    os.kill(proc.pid, signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL
+    stopped_at = latest.read_text().strip()
+    assert stopped_at != "step-0000024" and not (killed / "head").exists()
+    resumed = subprocess.run(train_cmd(recipe, tmp_path / "r.yaml", f"train.output_dir={killed}"), cwd=REPO,
+                             capture_output=True, text=True, env=clean_env())
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    a, b = (load_file(d / "head" / "model.safetensors") for d in (clean, killed))
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.allclose(a[name], b[name], atol=1e-6, rtol=1e-5), name
+    # The metrics after the resume continue the same curve.
+    steps = [m["step"] for m in _metrics(killed) if "train/loss" in m]
+    assert steps[-1] == 24
+
+
+def test_a_changed_recipe_does_not_resume_another_runs_checkpoint(tiny_target_dir, tiny_store, tmp_path):
+    from mtptrain.train.trainer import RunMismatch
+
+    run_train(train_recipe(tiny_target_dir, tiny_store, tmp_path / "run", "head.kind=eagle", "train.max_steps=2"),
+              show_progress=False)
+    with pytest.raises(RunMismatch, match="another run"):
+        run_train(train_recipe(tiny_target_dir, tiny_store, tmp_path / "run", "head.kind=eagle",
+                               "train.max_steps=2", "train.lr=1e-4"), show_progress=False)
+
+
+@pytest.mark.multiprocess
+def test_two_process_zero2_matches_one_process_with_the_same_global_batch(tiny_target_dir, tiny_store, tmp_path):
+    recipe = train_recipe(tiny_target_dir, tiny_store, tmp_path / "x", "head.kind=eagle", "train.max_steps=10",
+                          "train.zero_stage=2", "train.checkpoint_every=1000")
+    one, two = tmp_path / "one", tmp_path / "two"
+    subprocess.run(train_cmd(recipe, tmp_path / "r.yaml", f"train.output_dir={one}", "train.grad_accum=2"),
+                   cwd=REPO, check=True, capture_output=True, env=clean_env())
+    launcher = [train_cmd(recipe, tmp_path / "r.yaml")[0], "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node=2"]
+    run = subprocess.run(launcher + train_cmd(recipe, tmp_path / "r.yaml", f"train.output_dir={two}",
+                                              "train.grad_accum=1")[1:],
+                         cwd=REPO, capture_output=True, text=True, timeout=600, env=clean_env())
+    assert run.returncode == 0, run.stderr[-3000:]
+    a, b = (load_file(d / "head" / "model.safetensors") for d in (one, two))
+    for name in a:
+        assert torch.allclose(a[name], b[name], atol=2e-5, rtol=1e-4), name
+    la, lb = ([m for m in _metrics(d) if "train/loss" in m][-1] for d in (one, two))
+    assert la["step"] == lb["step"] == 10
+    assert abs(la["train/loss"] - lb["train/loss"]) < 1e-4
+
+
+def test_the_offline_wandb_run_holds_the_logged_metrics(tiny_target_dir, tiny_store, tmp_path):
+    from mtptrain.train.metrics import read_offline_history
+
+    run_dir = tmp_path / "run"
+    run_train(train_recipe(tiny_target_dir, tiny_store, run_dir, "head.kind=eagle", "train.max_steps=10",
+                           "train.log_every=2", "train.eval_every=5", "train.wandb=offline"), show_progress=False)
+    (run_file,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
+    history = read_offline_history(run_file)
+    by_step: dict = {}  # W&B merges what is logged at one step into one row
+    for line in _metrics(run_dir):
+        by_step.setdefault(line.pop("step"), {}).update(line)
+    assert [row["_step"] for row in history] == sorted(by_step) and len(by_step) >= 5
+    for row in history:
+        for key, value in by_step[row["_step"]].items():
+            assert row[key] == pytest.approx(value), key
+    assert {"train/loss", "train/acc_1", "train/lr", "train/grad_norm", "train/tokens_per_s"} <= set(history[0])
+    assert any("val/acc_1" in row for row in history)

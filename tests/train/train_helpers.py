@@ -1,0 +1,31 @@
+"""Recipes and commands for trainer tests."""
+
+import sys
+from pathlib import Path
+
+from mtptrain.config import dump_recipe, load_recipe
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def train_recipe(target_dir, store, out, *overrides):
+    return load_recipe(None, [f"target.model={target_dir}", f"train.features={store}", f"train.output_dir={out}",
+                              "train.micro_batch_size=4", "train.lr=3e-3", "train.warmup_ratio=0.1",
+                              "train.log_every=5", "train.eval_every=1000", "train.num_workers=0",
+                              "train.wandb=disabled", "head.draft_vocab_size=128", *overrides])
+
+
+LAUNCHER_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+
+
+def clean_env() -> dict:
+    """This process's environment without the rendezvous that in-process training runs left in it."""
+    import os
+
+    return {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS and not k.startswith("SLURM_")}
+
+
+def train_cmd(recipe, path: Path, *overrides: str) -> list[str]:
+    dump_recipe(recipe, path)
+    return [sys.executable, "-m", "mtptrain.cli", "train", "--no-progress", "-r", str(path),
+            *[a for o in overrides for a in ("--set", o)]]
