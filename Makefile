@@ -15,12 +15,14 @@ setup: $(BIN)/mtptrain
 
 quickstart: setup
 	$(BIN)/mtptrain precompute --recipe recipes/quickstart.yaml $(foreach s,$(SET),--set $(s))
+	$(BIN)/mtptrain train --recipe recipes/quickstart.yaml $(foreach s,$(SET),--set $(s))
 
 test: setup
 	$(BIN)/python -m pytest -q
 
 bench: setup
 	$(BIN)/python benchmarks/precompute_throughput.py
+	$(BIN)/python benchmarks/train_throughput.py
 
 clean:
 	rm -rf runs .pytest_cache
