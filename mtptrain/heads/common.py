@@ -48,17 +48,22 @@ class FrozenTarget:
 
 
 def head_layer_config(target_config):
-    """The target's config for a single-layer head, with sdpa (or eager) attention."""
+    """The target's config for a single-layer head, always with sdpa attention.
+
+    Heads pass explicit masks for cached steps and TTT, and rely on sdpa's
+    is_causal for full sequences: eager attention without a mask would not be
+    causal, and flash-attn takes no arbitrary masks.
+    """
     config = copy.deepcopy(target_config)
     config.num_hidden_layers = 1
-    if getattr(config, "_attn_implementation", None) not in ("sdpa", "eager"):
-        config._attn_implementation = "sdpa"
+    config._attn_implementation = "sdpa"
     return config
 
 
 def rms_norm_like(final_norm: nn.Module, hidden_size: int) -> nn.Module:
-    """A fresh RMSNorm of the target's own class and epsilon, initialised to ones."""
-    norm = copy.deepcopy(final_norm)
+    """A fresh RMSNorm of the target's own class and epsilon, initialised to ones, in float32 like the
+    head's other fresh layers (whatever dtype the target was loaded in)."""
+    norm = copy.deepcopy(final_norm).float()
     norm.requires_grad_(True)
     with torch.no_grad():
         norm.weight.fill_(1.0)

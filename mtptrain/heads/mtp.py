@@ -7,9 +7,9 @@ x_{t+k+1}:
     h^k_t = block_k(eh_proj([enorm(emb(x_{t+k})) ; hnorm(h^{k-1}_t)]))
     p(x_{t+k+1}) = softmax(lm_head(head_norm_k(h^k_t)))
 
-The modules are chained: one per depth, or (share=True) one module reused at
-every depth. Each depth has its own output norm (DeepSeek's shared_head.norm;
-"shared" refers to the LM head, which is the target's).
+The modules are chained: one per depth, or (share=True) one module, with its
+output norm, reused at every depth. The output norm is DeepSeek's
+shared_head.norm; "shared" refers to the LM head, which is the target's.
 """
 
 from __future__ import annotations

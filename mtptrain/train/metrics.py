@@ -50,6 +50,17 @@ class MetricsLog:
     def run_id(self) -> str | None:
         return self.wandb_run.id if self.wandb_run is not None else None
 
+    def forget_after(self, step: int) -> None:
+        """Drop metrics.jsonl rows past `step` (a resumed run logs those steps again).
+
+        W&B keeps its rows and ignores re-logged steps that are not past its last one; they carry the
+        same values, since training from a checkpoint is deterministic.
+        """
+        if not self.enabled or not self.path.is_file():
+            return
+        rows = [line for line in self.path.read_text().splitlines() if json.loads(line)["step"] <= step]
+        self.path.write_text("".join(line + "\n" for line in rows))
+
     def log(self, step: int, metrics: dict) -> None:
         if not self.enabled:
             return

@@ -62,11 +62,13 @@ def batch_objective(head, batch: dict, last_layer: int, feature_layers: list[int
         fused = head.fuse([batch["hidden"][layer] for layer in feature_layers])
         outputs = head.unroll(fused, ids, ttt_steps)
         logits = [head.logits] * len(outputs)
-    target_logits = head.target_logits if head.kind == "eagle3" else head.frozen.target_logits
+    eagle3 = head.kind == "eagle3"
+    target_logits = head.target_logits if eagle3 else head.frozen.target_logits
     result = BatchResult(last.new_zeros((), dtype=torch.float32))
     for position, (out, to_logits) in enumerate(zip(outputs, logits), start=1):
         m = _target_mask(mask, position, out.shape[1])
-        stats = distill_loss(to_logits, target_logits, out, last[:, position : position + out.shape[1]], m, chunk)
+        stats = distill_loss(to_logits, target_logits, out, last[:, position : position + out.shape[1]], m, chunk,
+                             agreement=head.agreement if eagle3 else None)
         result.loss = result.loss + weights[position - 1] * stats.loss
         result.positions.append(stats)
     return result

@@ -84,7 +84,9 @@ def deepspeed_config(cfg: TrainConfig, steps: int, world_size: int, precision: s
                                                   "weight_decay": cfg.weight_decay}},
         "scheduler": {"type": "WarmupCosineLR", "params": {
             "total_num_steps": steps, "warmup_num_steps": max(1, round(cfg.warmup_ratio * steps)),
-            "warmup_min_ratio": 0.0, "cos_min_ratio": cfg.min_lr_ratio, "warmup_type": "linear"}},
+            # No warmup asked: start at the peak (DeepSpeed always warms up over >= 2 steps otherwise).
+            "warmup_min_ratio": 0.0 if cfg.warmup_ratio > 0 else 1.0,
+            "cos_min_ratio": cfg.min_lr_ratio, "warmup_type": "linear"}},
         "zero_optimization": {"stage": cfg.zero_stage},
         "bf16": {"enabled": precision == "bf16"},
         "fp16": {"enabled": precision == "fp16"},
@@ -178,15 +180,21 @@ class Trainer:
     def _resume(self, engine) -> dict:
         if not (self.ckpt_dir / "latest").is_file():
             return {"micro_batch": 0, "step": 0}
+        tag = (self.ckpt_dir / "latest").read_text().strip()
         _, client = engine.load_checkpoint(str(self.ckpt_dir), load_lr_scheduler_states=True)
-        if client is None or client.get("fingerprint") != self.fingerprint:
+        if client is None:
+            raise RunMismatch(f"{self.ckpt_dir / tag} could not be loaded (files missing or damaged). Point "
+                              f"{self.ckpt_dir / 'latest'} at an earlier complete step-* directory, or delete "
+                              "the checkpoints to start over.")
+        if client.get("fingerprint") != self.fingerprint:
             raise RunMismatch(f"{self.ckpt_dir} holds checkpoints of another run (other recipe, store or number "
                               "of ranks). Use a new train.output_dir, or delete that directory to start over.")
         torch.set_rng_state(client["rng"]["torch"])
+        if client["rng"].get("cuda") is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(client["rng"]["cuda"])
         np.random.set_state(client["rng"]["numpy"])
         random.setstate(client["rng"]["python"])
-        log.info("resumed from %s at step %d", self.ckpt_dir / (self.ckpt_dir / "latest").read_text().strip(),
-                 client["step"])
+        log.info("resumed from %s at step %d", self.ckpt_dir / tag, client["step"])
         return client
 
     # ------------------------------------------------------------------ loop
@@ -198,11 +206,13 @@ class Trainer:
                              name=f"{self.recipe.name}-train", group=self.recipe.name,
                              config=self.recipe.model_dump(mode="json"), resume_id=state.get("wandb_id"))
         step = state["step"]
+        metrics.forget_after(step)  # rows a killed run logged past its last checkpoint are logged again
         per_step = self.plan.micro_batches_per_step
         batches = self.plan.for_rank(step * per_step)
         progress = tqdm(total=self.steps, initial=step, desc="train", unit="step", disable=not self.show_progress)
         window = _Window(self.spec.draft_positions)
         totals = {"tokens": 0, "compute": 0.0, "wait": 0.0}
+        unhealthy = torch.zeros(1, device=self.device)  # any rank saw a non-finite loss since the last step
         last_checkpoint = state.get("checkpoint")
         head = engine.module
         dtype = next(head.parameters()).dtype
@@ -214,6 +224,7 @@ class Trainer:
                 batch = _to_device(batch, self.device, dtype)
                 result = batch_objective(head, batch, self.spec.last_layer, self.spec.feature_layers, self.weights,
                                          self.recipe.head.feature_weight, self.spec.ttt_steps, self.cfg.loss_chunk)
+                unhealthy += 0.0 if torch.isfinite(result.loss) else 1.0
                 engine.backward(result.loss)
                 engine.step()
                 window.add(result)
@@ -223,23 +234,24 @@ class Trainer:
                 if (k + 1) % self.cfg.grad_accum:
                     continue
                 step += 1
-                grad_norm = engine.get_global_grad_norm()
-                if grad_norm is not None and not np.isfinite(float(grad_norm)):
-                    raise TrainingDiverged(
-                        f"gradient norm is {float(grad_norm)} at step {step} (loss {float(result.loss):.4g}); "
-                        f"last good checkpoint: {last_checkpoint or 'none yet'}. Lower train.lr or check the data.")
+                grad_norm = engine.get_global_grad_norm()  # None where DeepSpeed computed none (fp32, ZeRO-0)
+                self._check_health(engine, step, unhealthy, grad_norm, last_checkpoint)
                 progress.update(1)
                 if step % self.cfg.log_every == 0 or step == self.steps:
-                    logged = window.reduce(self.dist)
-                    logged.update({"train/lr": scheduler.get_last_lr()[0], "train/grad_norm": float(grad_norm or 0),
+                    logged = window.reduce(self.dist, self.device)
+                    if grad_norm is not None:
+                        logged["train/grad_norm"] = float(grad_norm)
+                    logged.update({"train/lr": scheduler.get_last_lr()[0],
                                    "train/tokens_per_s": totals["tokens"] / max(totals["compute"], 1e-9),
                                    "train/data_wait_fraction": totals["wait"] / max(totals["wait"] + totals["compute"], 1e-9)})
                     metrics.log(step, logged)
                     progress.set_postfix(loss=f"{logged['train/loss']:.3f}", acc1=f"{logged['train/acc_1']:.3f}")
                 if step % self.cfg.eval_every == 0 or step == self.steps:
-                    metrics.log(step, self.validate(head, dtype))
+                    self.last_validation = self.validate(head, dtype)
+                    metrics.log(step, self.last_validation)
                 if step % self.cfg.checkpoint_every == 0 or step == self.steps:
                     last_checkpoint = self._checkpoint(engine, step, metrics.run_id)
+                clock = time.perf_counter()  # logging, validation and checkpoints are not waiting for data
         finally:
             progress.close()
             metrics.close()
@@ -259,11 +271,29 @@ class Trainer:
                                        self.spec.ttt_steps, self.cfg.loss_chunk))
         return {k.replace("train/", "val/"): v for k, v in window.reduce(None).items()}
 
+    def _check_health(self, engine, step: int, unhealthy: torch.Tensor, grad_norm, last_checkpoint) -> None:
+        """Stop on a non-finite loss on any rank, or a non-finite norm of an applied step.
+
+        In fp16, an overflowing step is skipped by DeepSpeed while it calibrates the loss scale: normal,
+        not divergence. The flag is all-reduced so that every rank stops at the same step.
+        """
+        if self.dist.world_size > 1:
+            torch_dist.all_reduce(unhealthy)
+        bad_loss = bool(unhealthy.item())
+        unhealthy.zero_()
+        skipped = self.precision == "fp16" and not engine.was_step_applied()
+        bad_norm = grad_norm is not None and not skipped and not np.isfinite(float(grad_norm))
+        if bad_loss or bad_norm:
+            what = "the loss" if bad_loss else f"the gradient norm ({float(grad_norm)})"
+            raise TrainingDiverged(f"{what} is not finite at step {step}; last good checkpoint: "
+                                   f"{last_checkpoint or 'none yet'}. Lower train.lr or check the data.")
+
     def _checkpoint(self, engine, step: int, wandb_id: str | None) -> str:
         tag = f"step-{step:07d}"
         client = {"fingerprint": self.fingerprint, "step": step, "micro_batch": step * self.plan.micro_batches_per_step,
                   "checkpoint": str(self.ckpt_dir / tag), "wandb_id": wandb_id,
-                  "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}}
+                  "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
+                          "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}}
         engine.save_checkpoint(str(self.ckpt_dir), tag=tag, client_state=client)
         return str(self.ckpt_dir / tag)
 
@@ -273,7 +303,7 @@ class Trainer:
                    "data_wait_fraction": totals["wait"] / max(totals["wait"] + totals["compute"], 1e-9),
                    "checkpoint": last_checkpoint, "head": str(self.run_dir / "head")}
         if self.dist.is_main:
-            summary.update(self.validate(head, next(head.parameters()).dtype))
+            summary.update(getattr(self, "last_validation", {}))
             save_head(self.run_dir / "head", head, self.spec, self.target.identity(),
                       {"features": {"store": str(self.cfg.features), "layers": self.train_store.layers},
                        "train": {"steps": step, "recipe": self.recipe.model_dump(mode="json")}})
@@ -299,10 +329,12 @@ class _Window:
         self.sums[-2] += float(result.loss.detach())
         self.sums[-1] += 1
 
-    def reduce(self, dist: DistInfo | None) -> dict:
+    def reduce(self, dist: DistInfo | None, device: torch.device | None = None) -> dict:
         sums = self.sums.clone()
-        if dist is not None and dist.world_size > 1:
-            torch_dist.all_reduce(sums)
+        if dist is not None and dist.world_size > 1:  # on the device: NCCL reduces only CUDA tensors
+            on_device = sums.to(device)
+            torch_dist.all_reduce(on_device)
+            sums = on_device.cpu()
         self.sums.zero_()
         out = {"train/loss": float(sums[-2] / sums[-1].clamp_min(1))}
         for p in range(self.positions):

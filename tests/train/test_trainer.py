@@ -98,7 +98,7 @@ def test_layers_the_store_lacks_are_refused_before_training(tiny_target_dir, tin
 def test_divergence_stops_with_the_step_and_the_last_good_checkpoint(tiny_target_dir, tiny_store, tmp_path):
     recipe = train_recipe(tiny_target_dir, tiny_store, tmp_path / "run", "head.kind=eagle", "train.max_steps=40",
                           "train.lr=1e30", "train.warmup_ratio=0", "train.grad_clip=0", "train.checkpoint_every=1")
-    with pytest.raises(TrainingDiverged, match=r"at step \d+ .*last good checkpoint: .*step-\d+"):
+    with pytest.raises(TrainingDiverged, match=r"not finite at step \d+; last good checkpoint: .*step-\d+"):
         run_train(recipe, show_progress=False)
 
 
@@ -121,13 +121,15 @@ def test_kill_and_resume_gives_the_weights_of_an_uninterrupted_run(tiny_target_d
     resumed = subprocess.run(train_cmd(recipe, tmp_path / "r.yaml", f"train.output_dir={killed}"), cwd=REPO,
                              capture_output=True, text=True, env=clean_env())
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    resumed_step = int(stopped_at.removeprefix("step-"))
+    assert f"resumed from {killed / 'checkpoints' / stopped_at} at step {resumed_step}" in resumed.stderr
     a, b = (load_file(d / "head" / "model.safetensors") for d in (clean, killed))
     assert a.keys() == b.keys()
     for name in a:
         assert torch.allclose(a[name], b[name], atol=1e-6, rtol=1e-5), name
     # The metrics after the resume continue the same curve.
     steps = [m["step"] for m in _metrics(killed) if "train/loss" in m]
-    assert steps[-1] == 24
+    assert steps == sorted(set(steps)) and steps[-1] == 24  # rows past the checkpoint were not kept twice
 
 
 def test_a_changed_recipe_does_not_resume_another_runs_checkpoint(tiny_target_dir, tiny_store, tmp_path):
@@ -178,3 +180,14 @@ def test_the_offline_wandb_run_holds_the_logged_metrics(tiny_target_dir, tiny_st
             assert row[key] == pytest.approx(value), key
     assert {"train/loss", "train/acc_1", "train/lr", "train/grad_norm", "train/tokens_per_s"} <= set(history[0])
     assert any("val/acc_1" in row for row in history)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_a_bf16_target_trains_an_fp32_head(tiny_target_dir, tiny_store, tmp_path, kind):
+    """The mix a GPU run has by default (target bf16, head weights fp32 here), reproduced on the CPU."""
+    summary = run_train(train_recipe(tiny_target_dir, tiny_store, tmp_path / "run", f"head.kind={kind}",
+                                     "target.dtype=bfloat16", "train.precision=fp32", "train.max_steps=3"),
+                        show_progress=False)
+    assert summary["steps"] == 3
+    exported = load_file(tmp_path / "run" / "head" / "model.safetensors")
+    assert {t.dtype for t in exported.values() if t.is_floating_point()} == {torch.float32}

@@ -1,0 +1,53 @@
+"""The index shift of every head family, on a right-padded batch: which target state and which mask
+each draft position is scored against."""
+
+import pytest
+import torch
+from conftest import make_tiny_llama
+
+import mtptrain.train.objective as objective
+from mtptrain.heads import FrozenTarget
+from mtptrain.heads.checkpoint import HeadSpec, build_head
+from mtptrain.heads.losses import DistillStats
+
+LENGTHS = [7, 4]  # the second sample is right-padded to 7
+
+
+def _batch():
+    batch_size, length, hidden = len(LENGTHS), max(LENGTHS), 64
+    # Every state carries its own coordinates: value t + 100 * b.
+    coords = torch.arange(length)[None, :, None] + 100 * torch.arange(batch_size)[:, None, None]
+    states = coords.expand(batch_size, length, hidden).float().clone()
+    ids = torch.randint(1, 400, (batch_size, length))
+    mask = torch.tensor([[0, 0, 1, 1, 0, 1, 1], [0, 1, 1, 1, 0, 0, 0]])
+    for b, n in enumerate(LENGTHS):
+        states[b, n:], ids[b, n:], mask[b, n:] = 0, 0, 0
+    return {"input_ids": ids, "loss_mask": mask, "hidden": {0: states.clone(), 1: states.clone(), 2: states.clone(),
+                                                               3: states}}
+
+
+@pytest.mark.parametrize("spec", [HeadSpec("eagle", last_layer=3), HeadSpec("mtp", last_layer=3, mtp_depths=3),
+                                  HeadSpec("eagle3", last_layer=3, feature_layers=[0, 1, 2], ttt_steps=3,
+                                           draft_vocab_size=50)], ids=["eagle", "mtp", "eagle3"])
+def test_position_p_at_t_is_matched_to_state_t_plus_p_and_mask_of_token_t_plus_1_plus_p(spec, monkeypatch):
+    calls = []
+
+    def record(head_logits, target_logits, predicted, target_hidden, mask, chunk, agreement=None):
+        calls.append((target_hidden[..., 0].clone(), mask.clone(), predicted.shape[1]))
+        return DistillStats(predicted.sum() * 0.0, 0.0, 0, 0)
+
+    monkeypatch.setattr(objective, "distill_loss", record)
+    head = build_head(spec, FrozenTarget.of(make_tiny_llama(400)))
+    batch = _batch()
+    objective.batch_objective(head, batch, 3, spec.feature_layers, [1.0] * spec.draft_positions, 0.1,
+                              spec.ttt_steps, 64)
+    assert len(calls) == spec.draft_positions
+    for p, (target, mask, width) in enumerate(calls, start=1):
+        for b, n in enumerate(LENGTHS):
+            for t in range(width):
+                if t + p < n:  # the matched state exists in this sample
+                    assert target[b, t] == t + p + 100 * b, (p, b, t)
+                expected = int(batch["loss_mask"][b, t + 1 + p]) if t + 1 + p < max(LENGTHS) else 0
+                assert mask[b, t] == expected, (p, b, t)
+                if t + 1 + p >= n:
+                    assert mask[b, t] == 0  # nothing past the sample's end (or in its padding) counts
