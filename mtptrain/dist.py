@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import subprocess
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -37,6 +39,27 @@ class DistInfo:
         if "SLURM_STEP_NUM_TASKS" in env and "SLURM_PROCID" in env:
             return cls(int(env["SLURM_PROCID"]), int(env["SLURM_STEP_NUM_TASKS"]), int(env.get("SLURM_LOCALID", 0)))
         return cls()
+
+
+def slurm_rendezvous(env: dict[str, str]) -> tuple[str, str] | None:
+    """(MASTER_ADDR, MASTER_PORT) for the tasks of an srun step, which sets neither.
+
+    The address is the step's first node (`scontrol show hostnames`, where task 0
+    runs under Slurm's default block distribution), or the node that launched
+    srun when scontrol is not on the PATH; the port is derived from the job id,
+    so every task of the step computes the same one.
+    """
+    if "SLURM_STEP_NUM_TASKS" not in env or "SLURM_JOB_ID" not in env:
+        return None
+    address = None
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+    if nodelist and shutil.which("scontrol"):
+        hosts = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True)
+        address = hosts.stdout.split()[0] if hosts.returncode == 0 and hosts.stdout.split() else None
+    address = address or env.get("SLURM_LAUNCH_NODE_IPADDR")
+    if not address:
+        return None
+    return address, str(15000 + int(env["SLURM_JOB_ID"]) % 20000)
 
 
 def init_process_group(dist: DistInfo) -> bool:

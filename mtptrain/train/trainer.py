@@ -30,7 +30,7 @@ import torch.distributed as torch_dist
 from tqdm import tqdm
 
 from mtptrain.config import HeadConfig, Recipe, TrainConfig, dump_recipe
-from mtptrain.dist import DistInfo, destroy_process_group, pick_device, setup_logging
+from mtptrain.dist import DistInfo, destroy_process_group, pick_device, setup_logging, slurm_rendezvous
 from mtptrain.features.store import FeatureStore, load_manifest
 from mtptrain.heads import FrozenTarget
 from mtptrain.heads.checkpoint import HeadSpec, build_head, save_head
@@ -105,7 +105,11 @@ def run_fingerprint(recipe: Recipe, manifest: dict, world_size: int) -> str:
 
 
 def _launcher_env(dist: DistInfo) -> None:
-    """DeepSpeed reads RANK / WORLD_SIZE / MASTER_*; a plain single process gets a loopback rendezvous."""
+    """DeepSpeed reads RANK / WORLD_SIZE / MASTER_*: torchrun and the deepspeed launcher set them; srun
+    tasks get them from the Slurm step; a plain single process gets a loopback rendezvous."""
+    slurm = slurm_rendezvous(dict(os.environ)) if "MASTER_ADDR" not in os.environ else None
+    if slurm is not None and dist.world_size > 1:
+        os.environ.update({"MASTER_ADDR": slurm[0], "MASTER_PORT": slurm[1]})
     if dist.world_size == 1 and "MASTER_ADDR" not in os.environ:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))

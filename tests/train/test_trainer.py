@@ -144,23 +144,44 @@ def test_a_changed_recipe_does_not_resume_another_runs_checkpoint(tiny_target_di
 
 @pytest.mark.multiprocess
 def test_two_process_zero2_matches_one_process_with_the_same_global_batch(tiny_target_dir, tiny_store, tmp_path):
+    """torchrun, the deepspeed launcher and bare srun-style tasks (ranks and rendezvous from Slurm's variables)."""
     recipe = train_recipe(tiny_target_dir, tiny_store, tmp_path / "x", "head.kind=eagle", "train.max_steps=10",
                           "train.zero_stage=2", "train.checkpoint_every=1000")
-    one, two = tmp_path / "one", tmp_path / "two"
-    subprocess.run(train_cmd(recipe, tmp_path / "r.yaml", f"train.output_dir={one}", "train.grad_accum=2"),
-                   cwd=REPO, check=True, capture_output=True, env=clean_env())
-    launcher = [train_cmd(recipe, tmp_path / "r.yaml")[0], "-m", "torch.distributed.run", "--standalone",
-                "--nproc-per-node=2"]
-    run = subprocess.run(launcher + train_cmd(recipe, tmp_path / "r.yaml", f"train.output_dir={two}",
-                                              "train.grad_accum=1")[1:],
-                         cwd=REPO, capture_output=True, text=True, timeout=600, env=clean_env())
-    assert run.returncode == 0, run.stderr[-3000:]
-    a, b = (load_file(d / "head" / "model.safetensors") for d in (one, two))
-    for name in a:
-        assert torch.allclose(a[name], b[name], atol=2e-5, rtol=1e-4), name
-    la, lb = ([m for m in _metrics(d) if "train/loss" in m][-1] for d in (one, two))
-    assert la["step"] == lb["step"] == 10
-    assert abs(la["train/loss"] - lb["train/loss"]) < 1e-4
+    cmd = train_cmd(recipe, tmp_path / "r.yaml")
+    python, module_args = cmd[0], cmd[1:]
+    runs = {"one": None, "torchrun": [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"],
+            "deepspeed": [python, "-m", "deepspeed.launcher.runner", "--num_accelerators", "2", "--master_port",
+                          "29561", "--no_local_rank"]}
+    for name, launcher in runs.items():
+        out = [f"train.output_dir={tmp_path / name}", f"train.grad_accum={2 if launcher is None else 1}"]
+        args = module_args + [a for o in out for a in ("--set", o)]
+        full = [python, *args] if launcher is None else launcher + (["--module"] + args[1:] if name == "deepspeed"
+                                                                     else args)
+        run = subprocess.run(full, cwd=REPO, capture_output=True, text=True, timeout=600, env=clean_env())
+        assert run.returncode == 0, (name, run.stderr[-3000:])
+    srun_args = module_args + ["--set", f"train.output_dir={tmp_path / 'srun'}", "--set", "train.grad_accum=1"]
+    tasks = [subprocess.Popen([python, *srun_args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env={**clean_env(), "SLURM_JOB_ID": "4242", "SLURM_STEP_NUM_TASKS": "2",
+                                   "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r),
+                                   "SLURM_LAUNCH_NODE_IPADDR": "127.0.0.1"}) for r in range(2)]
+    for task in tasks:
+        _, err = task.communicate(timeout=600)
+        assert task.returncode == 0, err.decode()[-3000:]
+    reference = load_file(tmp_path / "one" / "head" / "model.safetensors")
+    for name in ("torchrun", "deepspeed", "srun"):
+        weights = load_file(tmp_path / name / "head" / "model.safetensors")
+        for key in reference:
+            assert torch.allclose(reference[key], weights[key], atol=2e-5, rtol=1e-4), (name, key)
+        a, b = ([m for m in _metrics(tmp_path / d) if "train/loss" in m][-1] for d in ("one", name))
+        assert a["step"] == b["step"] == 10 and abs(a["train/loss"] - b["train/loss"]) < 1e-4
+
+
+def test_slurm_rendezvous_from_the_step_variables():
+    from mtptrain.dist import slurm_rendezvous
+
+    env = {"SLURM_JOB_ID": "123456", "SLURM_STEP_NUM_TASKS": "16", "SLURM_LAUNCH_NODE_IPADDR": "10.0.0.7"}
+    assert slurm_rendezvous(env) == ("10.0.0.7", str(15000 + 123456 % 20000))
+    assert slurm_rendezvous({"SLURM_JOB_ID": "1", "SLURM_NTASKS": "16"}) is None  # a batch script, not a step
 
 
 def test_the_offline_wandb_run_holds_the_logged_metrics(tiny_target_dir, tiny_store, tmp_path):
