@@ -263,17 +263,21 @@ class Trainer:
 
     @torch.no_grad()
     def validate(self, head, dtype: torch.dtype) -> dict:
-        """Teacher-forced top-1 agreement with the target, per draft position, on the validation split."""
-        if len(self.val_store) == 0 or not self.dist.is_main:
+        """Teacher-forced top-1 agreement with the target, per draft position, on the validation split.
+
+        Every rank scores its share of the batches and the counts are all-reduced, so no rank waits
+        in a collective while another validates alone.
+        """
+        if len(self.val_store) == 0:
             return {}
         window = _Window(self.spec.draft_positions)
-        batches = [list(range(i, min(i + self.cfg.micro_batch_size, len(self.val_store))))
-                   for i in range(0, len(self.val_store), self.cfg.micro_batch_size)]
-        for batch in loader(self.val_store, batches, 0):
+        size = self.cfg.micro_batch_size
+        batches = [list(range(i, min(i + size, len(self.val_store)))) for i in range(0, len(self.val_store), size)]
+        for batch in loader(self.val_store, batches[self.dist.rank :: self.dist.world_size], 0):
             window.add(batch_objective(head, _to_device(batch, self.device, dtype), self.spec.last_layer,
                                        self.spec.feature_layers, self.weights, self.recipe.head.feature_weight,
                                        self.spec.ttt_steps, self.cfg.loss_chunk))
-        return {k.replace("train/", "val/"): v for k, v in window.reduce(None).items()}
+        return {k.replace("train/", "val/"): v for k, v in window.reduce(self.dist, self.device).items()}
 
     def _check_health(self, engine, step: int, unhealthy: torch.Tensor, grad_norm, last_checkpoint) -> None:
         """Stop on a non-finite loss on any rank, or a non-finite norm of an applied step.
