@@ -245,6 +245,11 @@ def _load_hint(source: str, exc: Exception) -> str:
 # --------------------------------------------------------------------------- fingerprints
 
 
+def identity_mismatch(stored: dict, given: dict) -> str | None:
+    """The first fingerprint that differs between two target identities, or None when they match."""
+    return next((k for k in ("fingerprint", "tokenizer_fingerprint") if stored.get(k) != given.get(k)), None)
+
+
 def config_fingerprint_dict(config) -> dict:
     return {k: v for k, v in sorted(config.to_dict().items()) if k not in _VOLATILE_CONFIG_KEYS}
 

@@ -255,13 +255,15 @@ def load_manifest(directory: Path) -> dict[str, Any]:
 
 
 def check_target(manifest: dict[str, Any], identity: dict[str, Any], directory: Path) -> None:
+    from mtptrain.target import identity_mismatch
+
     stored = manifest["target"]
-    for key in ("fingerprint", "tokenizer_fingerprint"):
-        if stored.get(key) != identity.get(key):
-            raise FeatureStoreError(
-                f"{Path(directory) / MANIFEST}: made for target '{stored.get('name')}' ({key} {stored.get(key)}), "
-                f"but the target given is '{identity.get('name')}' ({key} {identity.get(key)}). "
-                "Use the same target.model as the precompute run, or precompute again for this target.")
+    key = identity_mismatch(stored, identity)
+    if key is not None:
+        raise FeatureStoreError(
+            f"{Path(directory) / MANIFEST}: made for target '{stored.get('name')}' ({key} {stored.get(key)}), "
+            f"but the target given is '{identity.get('name')}' ({key} {identity.get(key)}). "
+            "Use the same target.model as the precompute run, or precompute again for this target.")
 
 
 def verify_shard(path: Path, shard: dict[str, Any], verify: str) -> None:

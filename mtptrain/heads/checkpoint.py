@@ -13,7 +13,6 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -22,6 +21,7 @@ from mtptrain.heads.eagle import EagleHead
 from mtptrain.heads.eagle3 import DraftVocab, Eagle3Head
 from mtptrain.heads.mtp import MTPHead
 from mtptrain.io import atomic_write, atomic_write_json
+from mtptrain.target import identity_mismatch
 
 HEAD_FORMAT = "mtptrain-head/1"
 
@@ -80,12 +80,12 @@ def load_head(directory: Path, frozen: FrozenTarget, target_identity: dict) -> t
     directory = Path(directory)
     config = read_head_config(directory)
     stored = config["target"]
-    for key in ("fingerprint", "tokenizer_fingerprint"):
-        if stored.get(key) != target_identity.get(key):
-            raise HeadCheckpointError(
-                f"{directory / 'config.json'}: this head was trained for target '{stored.get('name')}' "
-                f"({key} {stored.get(key)}), not for '{target_identity.get('name')}' ({target_identity.get(key)}). "
-                "Load it with the target it was trained on.")
+    key = identity_mismatch(stored, target_identity)
+    if key is not None:
+        raise HeadCheckpointError(
+            f"{directory / 'config.json'}: this head was trained for target '{stored.get('name')}' "
+            f"({key} {stored.get(key)}), not for '{target_identity.get('name')}' ({target_identity.get(key)}). "
+            "Load it with the target it was trained on.")
     spec = HeadSpec(**config["head"])
     head = build_head(spec, frozen)
     head.load_state_dict(load_file(str(directory / "model.safetensors")), strict=True)

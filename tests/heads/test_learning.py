@@ -3,7 +3,6 @@
 The trainer has its own, end-to-end version of this test; this one isolates the modelling path.
 """
 
-from collections import Counter
 
 import pytest
 import torch
