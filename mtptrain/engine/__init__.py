@@ -1,0 +1,1 @@
+"""The speculative inference engine: one loop (prefill, propose, verify, accept, advance) for every scheme."""

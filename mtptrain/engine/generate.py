@@ -1,0 +1,95 @@
+"""The one loop: prefill, then propose, verify, accept, advance, until max_new_tokens or end of sequence.
+
+The target's cache always holds the committed tokens except the newest one
+("pending"), whose logits are not known yet. A step runs the target on
+[pending, d_1 .. d_K]: row i scores the token after pending and the first i
+drafts, which verifies d_{i+1} and supplies the bonus after d_K. After n
+drafts are accepted, the cache is rolled back to the committed prefix plus
+pending plus those n, and the correction (or bonus) token becomes pending.
+With no proposer the same loop is plain autoregressive decoding.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from mtptrain.engine.runner import TargetRunner
+from mtptrain.engine.verify import Sampling, distribution, verify_greedy, verify_sampling
+
+
+@dataclass
+class GenerationStats:
+    steps: int = 0  # verification forwards (the prefill not included)
+    emitted: int = 0  # tokens emitted by those steps, bonus included
+    proposed: list[int] = field(default_factory=list)  # per draft position
+    accepted: list[int] = field(default_factory=list)
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        """Mean accepted length: tokens emitted per target forward, bonus included (1.0 without drafting)."""
+        return self.emitted / self.steps if self.steps else 0.0
+
+    def acceptance(self) -> list[float]:
+        return [a / p for a, p in zip(self.accepted, self.proposed) if p]
+
+    def record(self, drafted: int, accepted: int, emitted: int) -> None:
+        self.steps += 1
+        self.emitted += emitted
+        while len(self.proposed) < drafted:
+            self.proposed.append(0)
+            self.accepted.append(0)
+        for i in range(drafted):
+            self.proposed[i] += 1
+            self.accepted[i] += i < accepted
+
+
+@dataclass
+class Generation:
+    tokens: list[int]
+    stats: GenerationStats
+
+
+def generate(runner: TargetRunner, prompt: list[int], max_new_tokens: int, proposer=None, k: int = 4,
+             sampling: Sampling = Sampling(), eos: set[int] = frozenset(), seed: int = 0) -> Generation:
+    generator = torch.Generator().manual_seed(seed)
+    stats = GenerationStats()
+    runner.reset()
+    if proposer is not None:
+        proposer.reset(prompt)
+    first = _pick(runner.forward(prompt)[-1:], sampling, generator)
+    out = [first]
+    while len(out) < max_new_tokens and out[-1] not in eos:
+        started = time.perf_counter()
+        budget = min(k, max_new_tokens - len(out))
+        draft, draft_probs = proposer.propose(prompt + out, budget) if proposer is not None and budget else ([], None)
+        verifying = time.perf_counter()
+        logits = runner.forward([out[-1]] + draft)
+        if sampling.greedy:
+            verdict = verify_greedy(draft, logits)
+        else:
+            verdict = verify_sampling(draft, draft_probs, distribution(logits, sampling), generator)
+        runner.rollback(len(prompt) + len(out) + verdict.accepted)
+        stats.draft_seconds += verifying - started
+        stats.verify_seconds += time.perf_counter() - verifying
+        emitted = _until_eos(verdict.emitted, eos)
+        stats.record(len(draft), verdict.accepted, len(emitted))
+        out.extend(emitted)
+    return Generation(_until_eos(out, eos)[:max_new_tokens], stats)
+
+
+def _pick(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> int:
+    if sampling.greedy:
+        return int(logits[-1].argmax())
+    return int(torch.multinomial(distribution(logits[-1], sampling), 1, generator=generator))
+
+
+def _until_eos(tokens: list[int], eos: set[int]) -> list[int]:
+    for i, token in enumerate(tokens):
+        if token in eos:
+            return tokens[: i + 1]
+    return tokens
