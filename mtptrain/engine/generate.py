@@ -63,6 +63,9 @@ def generate(runner: TargetRunner, prompt: list[int], max_new_tokens: int, propo
         proposer.reset(prompt)
     first = _pick(runner.forward(prompt)[-1:], sampling, generator)
     out = [first]
+    observes = hasattr(proposer, "observe")
+    if observes:  # drafters that read the target's states see them for every committed position
+        proposer.observe(0, runner.hidden, prompt[1:] + [first])
     while len(out) < max_new_tokens and out[-1] not in eos:
         started = time.perf_counter()
         budget = min(k, max_new_tokens - len(out))
@@ -74,6 +77,9 @@ def generate(runner: TargetRunner, prompt: list[int], max_new_tokens: int, propo
         else:
             verdict = verify_sampling(draft, draft_probs, distribution(logits, sampling), generator)
         runner.rollback(len(prompt) + len(out) + verdict.accepted)
+        if observes:
+            kept = {layer: states[: verdict.accepted + 1] for layer, states in runner.hidden.items()}
+            proposer.observe(len(prompt) + len(out) - 1, kept, verdict.emitted)
         stats.draft_seconds += verifying - started
         stats.verify_seconds += time.perf_counter() - verifying
         emitted = _until_eos(verdict.emitted, eos)

@@ -1,4 +1,10 @@
-"""The target with its KV cache: forward over new tokens, roll back to a prefix."""
+"""The target with its KV cache: forward over new tokens, roll back to a prefix.
+
+When a drafter needs the target's hidden states (the head chain), the runner
+keeps the outputs of the requested decoder layers (0-based "output of layer
+i", the last one before the final norm, as in the feature store) for the
+tokens of the latest forward.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +13,21 @@ from transformers import DynamicCache
 
 
 class TargetRunner:
-    def __init__(self, model):
+    def __init__(self, model, capture: list[int] = ()):
         self.model = model
         self.cache = DynamicCache()
+        self.hidden: dict[int, torch.Tensor] = {}  # layer -> [n, H] for the tokens of the latest forward
+        layers = model.get_decoder().layers
+        self._hooks = [layers[i].register_forward_hook(self._keeper(i)) for i in capture]
+
+    def _keeper(self, layer: int):
+        def keep(_module, _inputs, output):
+            self.hidden[layer] = (output[0] if isinstance(output, tuple) else output)[0]
+        return keep
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
 
     def reset(self) -> None:
         self.cache = DynamicCache()

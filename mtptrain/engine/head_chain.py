@@ -1,0 +1,82 @@
+"""Drafting with a trained EAGLE / EAGLE-3 head, one token at a time, reading its own outputs.
+
+Index shift (as in training): the head at position t reads (feature_t,
+x_{t+1}) and predicts feature_{t+1} and x_{t+2}. With committed tokens
+x_0 .. x_{L-1} (x_{L-1} pending, not yet run through the target), the target
+has produced h_0 .. h_{L-2}. The head's cache holds positions 0 .. L-2 built
+from those true states. Its output at L-2 gives draft d_1. Drafting on, it
+reads its own predicted feature with d_1 at position L-1, and so on.
+
+After verification the head's cache is cut back to the true prefix, and the
+head is re-run over the newly committed tokens with the target's real states
+from the verification forward. That replaces the entries it had built from its
+own guesses, so every draft round starts from exact features.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+from mtptrain.engine.verify import Sampling, distribution
+
+
+class HeadChainProposer:
+    name = "head-chain"
+
+    def __init__(self, head, spec, sampling: Sampling = Sampling(), seed: int = 0):
+        if spec.kind not in ("eagle", "eagle3"):
+            raise ValueError(f"the head chain drafts with eagle or eagle3 heads, not {spec.kind!r}")
+        self.head, self.spec, self.sampling = head.eval(), spec, sampling
+        self.generator = torch.Generator().manual_seed(seed)
+        self.layers = sorted({spec.last_layer, *spec.feature_layers})
+
+    def reset(self, prompt: list[int]) -> None:
+        self.cache = DynamicCache()
+        self.last_feature = self.last_logits = None
+
+    def _features(self, hidden: dict[int, torch.Tensor]) -> torch.Tensor:
+        dtype = next(self.head.parameters()).dtype
+        if self.spec.kind == "eagle3":
+            return self.head.fuse([hidden[layer][None].to(dtype) for layer in self.spec.feature_layers])
+        return self.head.features(hidden[self.spec.last_layer][None].to(dtype))
+
+    @torch.inference_mode()
+    def observe(self, true_length: int, hidden: dict[int, torch.Tensor], next_tokens: list[int]) -> None:
+        """The target ran over positions true_length .. true_length+n-1 with states `hidden` ([n, H]);
+        next_tokens are the n tokens that follow them (the committed tokens, the new pending last)."""
+        if self.cache.get_seq_length() > true_length:
+            self.cache.crop(true_length - self.cache.get_seq_length())
+        ids = torch.tensor([next_tokens], device=next(self.head.parameters()).device)
+        out = self.head(self._features(hidden), ids, cache=self.cache)
+        self.last_feature = out[:, -1:]
+        self.last_logits = self.head.logits(self.last_feature)[0, -1]
+
+    @torch.inference_mode()
+    def propose(self, tokens: list[int], k: int) -> tuple[list[int], torch.Tensor | None]:
+        draft, probs = [], []
+        feature, logits = self.last_feature, self.last_logits
+        for step in range(k):
+            token, q = self._choose(logits)
+            draft.append(token)
+            probs.append(q)
+            if step + 1 == k:
+                break
+            ids = torch.tensor([[token]], device=feature.device)
+            feature = self.head(feature, ids, cache=self.cache)
+            logits = self.head.logits(feature)[0, -1]
+        return draft, None if self.sampling.greedy else torch.stack(probs)
+
+    def _choose(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+        """A draft token in target ids, and the drafter's distribution over the target vocabulary."""
+        to_target = getattr(self.head, "draft_to_target", None)
+        if self.sampling.greedy:
+            choice = int(logits.argmax())
+            return (int(to_target[choice]) if to_target is not None else choice), None
+        q = distribution(logits, self.sampling)
+        choice = int(torch.multinomial(q, 1, generator=self.generator))
+        if to_target is None:
+            return choice, q
+        full = torch.zeros(self.head.frozen.config.vocab_size, dtype=q.dtype, device=q.device)
+        full[to_target] = q
+        return int(to_target[choice]), full

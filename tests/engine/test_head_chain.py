@@ -1,0 +1,128 @@
+"""The head chain: exact output whatever the head, and a head cache rebuilt from the target's true states."""
+
+from collections import Counter
+
+import pytest
+import torch
+from conftest import make_tiny_llama
+from transformers import DynamicCache
+
+from mtptrain.engine.generate import generate
+from mtptrain.engine.head_chain import HeadChainProposer
+from mtptrain.engine.runner import TargetRunner
+from mtptrain.engine.verify import Sampling
+from mtptrain.heads import FrozenTarget
+from mtptrain.heads.checkpoint import HeadSpec, build_head
+from mtptrain.heads.eagle3 import DraftVocab
+
+SPECS = {"eagle": HeadSpec("eagle", last_layer=3),
+         "eagle3": HeadSpec("eagle3", last_layer=3, feature_layers=[0, 1, 2], ttt_steps=2, draft_vocab_size=400)}
+
+
+def _setup(kind):
+    model = make_tiny_llama(400, seed=3).double()
+    spec = SPECS[kind]
+    torch.manual_seed(0)
+    vocab = DraftVocab.from_counts(Counter(), 400, 400) if kind == "eagle3" else None
+    head = build_head(spec, FrozenTarget.of(model), vocab).double()
+    runner = TargetRunner(model, capture=sorted({spec.last_layer, *spec.feature_layers}))
+    return model, spec, head, runner
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_head_chain_output_is_the_targets_greedy_output(kind):
+    model, spec, head, runner = _setup(kind)
+    prompt = torch.randint(0, 400, (9,), generator=torch.Generator().manual_seed(1)).tolist()
+    reference = generate(TargetRunner(model), prompt, 30).tokens
+    result = generate(runner, prompt, 30, HeadChainProposer(head, spec), k=3)
+    assert result.tokens == reference
+    assert sum(result.stats.proposed) > 0
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+@torch.no_grad()
+def test_the_head_cache_after_verification_holds_the_true_prefix(kind):
+    """After rounds of drafting and verification, the head's cache equals one built in a single pass
+    over the committed text with the target's own states."""
+    model, spec, head, runner = _setup(kind)
+    proposer = HeadChainProposer(head, spec)
+    prompt = torch.randint(0, 400, (9,), generator=torch.Generator().manual_seed(2)).tolist()
+    result = generate(runner, prompt, 20, proposer, k=3)
+    committed = prompt + result.tokens
+    # The head has seen pairs (h_t, x_{t+1}) for t up to the position before the last pending token
+    # (plus the draft entries of the round in flight, cut back at the next observe).
+    true_length = len(committed) - 1
+    caught = {}
+    hooks = [model.model.layers[i].register_forward_hook(lambda m, a, o, i=i: caught.__setitem__(i, o))
+             for i in runner.hidden]
+    model(torch.tensor([committed[:-1]]))
+    for hook in hooks:
+        hook.remove()
+    hidden = {i: (o[0] if isinstance(o, tuple) else o)[0] for i, o in caught.items()}
+    fresh = HeadChainProposer(head, spec)
+    fresh.reset(prompt)
+    fresh.observe(0, hidden, committed[1:])
+    proposer.cache.crop(true_length - proposer.cache.get_seq_length())
+    for ours, theirs in zip(proposer.cache.layers, fresh.cache.layers):
+        assert torch.allclose(ours.keys, theirs.keys, atol=1e-9)
+        assert torch.allclose(ours.values, theirs.values, atol=1e-9)
+
+
+def test_sampling_with_the_head_chain_stays_exact_in_law():
+    """Temperature 1, 12-token vocabulary: law of the first two tokens equals the target's exact law."""
+    from mtptrain.engine.verify import distribution
+
+    vocab = 12
+    model = make_tiny_llama(vocab, seed=4).double()
+    spec = HeadSpec("eagle", last_layer=3)
+    torch.manual_seed(0)
+    head = build_head(spec, FrozenTarget.of(model)).double()
+    prompt = [1, 5, 7, 2]
+    sampling = Sampling(temperature=1.0)
+    with torch.no_grad():
+        first = distribution(model(torch.tensor([prompt])).logits[0, -1], sampling)
+        second = torch.stack([distribution(model(torch.tensor([prompt + [t]])).logits[0, -1], sampling)
+                              for t in range(vocab)])
+    exact = (first[:, None] * second).flatten()
+    runner = TargetRunner(model, capture=[3])
+    counts = torch.zeros(vocab * vocab, dtype=torch.float64)
+    trials = 2500
+    for seed in range(trials):
+        proposer = HeadChainProposer(head, spec, sampling, seed=10**6 + seed)
+        tokens = generate(runner, prompt, 2, proposer, k=2, sampling=sampling, seed=seed).tokens
+        counts[tokens[0] * vocab + tokens[1]] += 1
+    assert 0.5 * (counts / trials - exact).abs().sum() < 0.15
+
+
+def test_a_trained_and_exported_head_is_accepted_by_the_engine(tiny_target_dir, tmp_path):
+    """precompute -> train -> export -> load_head -> engine: the drafts of a trained head get accepted."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "train"))
+    from conftest import tiny_recipe, write_sharegpt
+    from train_helpers import train_recipe
+
+    from mtptrain.config import TargetConfig
+    from mtptrain.features.precompute import run_precompute
+    from mtptrain.heads.checkpoint import load_head
+    from mtptrain.target import load_target
+    from mtptrain.train.trainer import run_train
+
+    run_precompute(tiny_recipe(tiny_target_dir, write_sharegpt(tmp_path / "c.json", 160, seed=5),
+                               tmp_path / "features", layers="[0, 1, 2]", dtype="float32"), show_progress=False)
+    run_train(train_recipe(tiny_target_dir, tmp_path / "features", tmp_path / "run", "head.kind=eagle",
+                           "train.epochs=3"), show_progress=False)
+    target = load_target(TargetConfig(model=str(tiny_target_dir)))
+    head, spec = load_head(tmp_path / "run" / "head", FrozenTarget.of(target.model), target.identity())
+    runner = TargetRunner(target.model, capture=[spec.last_layer])
+    untrained = build_head(spec, FrozenTarget.of(target.model))
+    prompt = target.tokenizer.apply_chat_template([{"role": "user", "content": "the word is hot and you see"}],
+                                                  add_generation_prompt=True)
+    prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+    plain = generate(TargetRunner(target.model), prompt, 48).tokens
+    trained_run = generate(runner, prompt, 48, HeadChainProposer(head, spec), k=4)
+    untrained_run = generate(runner, prompt, 48, HeadChainProposer(untrained, spec), k=4)
+    assert trained_run.tokens == untrained_run.tokens == plain
+    assert trained_run.stats.tau > 2.0, trained_run.stats.acceptance()
+    assert untrained_run.stats.tau < 1.3
