@@ -85,7 +85,10 @@ def generate(runner: TargetRunner, prompt: list[int], max_new_tokens: int, propo
         emitted = _until_eos(verdict.emitted, eos)
         stats.record(len(draft), verdict.accepted, len(emitted))
         out.extend(emitted)
-    return Generation(_until_eos(out, eos)[:max_new_tokens], stats)
+    tokens = _until_eos(out, eos)[:max_new_tokens]
+    if hasattr(proposer, "finish"):  # drafters that learn from finished requests (the suffix index)
+        proposer.finish(prompt + tokens)
+    return Generation(tokens, stats)
 
 
 def _pick(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> int:

@@ -1,0 +1,74 @@
+"""Drafting with a small causal LM that shares the target's tokenizer.
+
+The draft model keeps its own KV cache over the committed text. Before each
+round the cache is cut back to the longest prefix it shares with the
+committed tokens, then brought up to date, so tokens it drafted and the target
+rejected leave no trace.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from mtptrain.engine.runner import TargetRunner
+from mtptrain.engine.verify import Sampling, distribution
+
+
+class DraftModelProposer:
+    name = "draft-model"
+
+    def __init__(self, model, sampling: Sampling = Sampling(), seed: int = 0):
+        self.runner = TargetRunner(model)
+        self.sampling = sampling
+        self.generator = torch.Generator().manual_seed(seed)
+        self.cached: list[int] = []  # the tokens whose keys and values the draft cache holds
+
+    def reset(self, prompt: list[int]) -> None:
+        self.runner.reset()
+        self.cached = []
+
+    def propose(self, tokens: list[int], k: int) -> tuple[list[int], torch.Tensor | None]:
+        common = 0
+        limit = min(len(self.cached), len(tokens) - 1)  # the newest token is always run, for its logits
+        while common < limit and self.cached[common] == tokens[common]:
+            common += 1
+        self.runner.rollback(common)
+        logits = self.runner.forward(tokens[common:])[-1]
+        draft, probs = [], []
+        for step in range(k):
+            token, q = self._choose(logits)
+            draft.append(token)
+            probs.append(q)
+            if step + 1 < k:
+                logits = self.runner.forward([token])[-1]
+        self.cached = tokens + draft[:-1]
+        return draft, None if self.sampling.greedy else torch.stack(probs)
+
+    def _choose(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+        if self.sampling.greedy:
+            return int(logits.argmax()), None
+        q = distribution(logits, self.sampling)
+        return int(torch.multinomial(q, 1, generator=self.generator)), q
+
+
+def truncated_target(model: nn.Module, layers: int) -> nn.Module:
+    """The target cut to its first `layers` decoder layers, sharing every weight (nothing is copied).
+
+    A free draft model: same tokenizer, same embedding, final norm and LM head.
+    """
+    total = model.config.num_hidden_layers
+    if not 1 <= layers < total:
+        raise ValueError(f"a truncated target keeps 1..{total - 1} of its {total} layers, not {layers}")
+    draft = copy.copy(model)  # shallow: submodules are shared until replaced below
+    draft._modules = dict(model._modules)
+    decoder = copy.copy(model.get_decoder())
+    decoder._modules = dict(decoder._modules)
+    decoder.layers = nn.ModuleList(list(decoder.layers)[:layers])
+    draft.config = copy.copy(model.config)
+    draft.config.num_hidden_layers = layers
+    decoder.config = draft.config
+    draft._modules[model.base_model_prefix] = decoder
+    return draft
