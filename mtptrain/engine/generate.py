@@ -59,7 +59,7 @@ def generate(runner: TargetRunner, prompt: list[int], max_new_tokens: int, propo
     generator = torch.Generator().manual_seed(seed)
     stats = GenerationStats()
     runner.reset()
-    if proposer is not None:
+    if hasattr(proposer, "reset"):  # drafters with per-request state (their own caches)
         proposer.reset(prompt)
     first = _pick(runner.forward(prompt)[-1:], sampling, generator)
     out = [first]

@@ -18,9 +18,6 @@ class NgramProposer:
             raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.min_n, self.max_n = min_n, max_n
 
-    def reset(self, prompt: list[int]) -> None:
-        pass  # stateless: it reads the tokens it is given
-
     def propose(self, tokens: list[int], k: int) -> tuple[list[int], torch.Tensor | None]:
         for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
             suffix = tokens[-n:]

@@ -74,9 +74,6 @@ class SuffixIndexProposer:
         self._lock = threading.Lock()
         self._builder: threading.Thread | None = None
 
-    def reset(self, prompt: list[int]) -> None:
-        pass
-
     def finish(self, tokens: list[int]) -> None:
         """Add a finished request's tokens; rebuild the index every `rebuild_every` requests."""
         with self._lock:

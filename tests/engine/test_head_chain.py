@@ -5,7 +5,7 @@ from collections import Counter
 import pytest
 import torch
 from conftest import make_tiny_llama
-from transformers import DynamicCache
+from law import engine_two_token_law, exact_two_token_law
 
 from mtptrain.engine.generate import generate
 from mtptrain.engine.head_chain import HeadChainProposer
@@ -70,28 +70,17 @@ def test_the_head_cache_after_verification_holds_the_true_prefix(kind):
 
 def test_sampling_with_the_head_chain_stays_exact_in_law():
     """Temperature 1, 12-token vocabulary: law of the first two tokens equals the target's exact law."""
-    from mtptrain.engine.verify import distribution
-
     vocab = 12
     model = make_tiny_llama(vocab, seed=4).double()
     spec = HeadSpec("eagle", last_layer=3)
     torch.manual_seed(0)
     head = build_head(spec, FrozenTarget.of(model)).double()
-    prompt = [1, 5, 7, 2]
-    sampling = Sampling(temperature=1.0)
-    with torch.no_grad():
-        first = distribution(model(torch.tensor([prompt])).logits[0, -1], sampling)
-        second = torch.stack([distribution(model(torch.tensor([prompt + [t]])).logits[0, -1], sampling)
-                              for t in range(vocab)])
-    exact = (first[:, None] * second).flatten()
-    runner = TargetRunner(model, capture=[3])
-    counts = torch.zeros(vocab * vocab, dtype=torch.float64)
-    trials = 2500
-    for seed in range(trials):
-        proposer = HeadChainProposer(head, spec, sampling, seed=10**6 + seed)
-        tokens = generate(runner, prompt, 2, proposer, k=2, sampling=sampling, seed=seed).tokens
-        counts[tokens[0] * vocab + tokens[1]] += 1
-    assert 0.5 * (counts / trials - exact).abs().sum() < 0.15
+    prompt, sampling = [1, 5, 7, 2], Sampling(temperature=1.0)
+    exact = exact_two_token_law(model, prompt, sampling)
+    make = lambda seed: HeadChainProposer(head, spec, sampling, seed=seed)  # noqa: E731
+    empirical, drafted, _ = engine_two_token_law(model, prompt, sampling, make, 2500, capture=[3])
+    assert drafted == 2500
+    assert 0.5 * (empirical - exact).abs().sum() < 0.15
 
 
 def test_a_trained_and_exported_head_is_accepted_by_the_engine(tiny_target_dir, tmp_path):

@@ -5,12 +5,13 @@ import numpy as np
 import pytest
 import torch
 from conftest import make_tiny_llama
+from law import engine_two_token_law, exact_two_token_law
 
 from mtptrain.engine.draft_model import DraftModelProposer, truncated_target
 from mtptrain.engine.generate import generate
 from mtptrain.engine.runner import TargetRunner
 from mtptrain.engine.suffix_index import SEPARATOR, SuffixIndexProposer, build_suffix_array, match_range
-from mtptrain.engine.verify import Sampling, distribution
+from mtptrain.engine.verify import Sampling
 
 
 @pytest.fixture(scope="module")
@@ -54,21 +55,12 @@ def test_draft_model_sampling_is_exact_in_law():
     vocab = 12
     model = make_tiny_llama(vocab, seed=4).double()
     drafter = make_tiny_llama(vocab, seed=8).double()
-    prompt = [1, 5, 7, 2]
-    sampling = Sampling(temperature=1.0)
-    with torch.no_grad():
-        first = distribution(model(torch.tensor([prompt])).logits[0, -1], sampling)
-        second = torch.stack([distribution(model(torch.tensor([prompt + [t]])).logits[0, -1], sampling)
-                              for t in range(vocab)])
-    exact = (first[:, None] * second).flatten()
-    runner = TargetRunner(model)
-    counts = torch.zeros(vocab * vocab, dtype=torch.float64)
-    trials = 2500
-    for seed in range(trials):
-        proposer = DraftModelProposer(drafter, sampling, seed=10**6 + seed)
-        tokens = generate(runner, prompt, 2, proposer, k=2, sampling=sampling, seed=seed).tokens
-        counts[tokens[0] * vocab + tokens[1]] += 1
-    assert 0.5 * (counts / trials - exact).abs().sum() < 0.15
+    prompt, sampling = [1, 5, 7, 2], Sampling(temperature=1.0)
+    exact = exact_two_token_law(model, prompt, sampling)
+    make = lambda seed: DraftModelProposer(drafter, sampling, seed=seed)  # noqa: E731
+    empirical, drafted, rejected = engine_two_token_law(model, prompt, sampling, make, 2500)
+    assert drafted == 2500 and 0 < rejected < drafted
+    assert 0.5 * (empirical - exact).abs().sum() < 0.15
 
 
 @pytest.mark.parametrize("seed", range(5))
