@@ -242,6 +242,28 @@ def _load_hint(source: str, exc: Exception) -> str:
             "If the hub is unreachable, pass a local model directory or a .gguf file as target.model.")
 
 
+class LayerCapture:
+    """Forward hooks that keep the outputs of chosen decoder layers ("output of layer i", 0-based) during
+    a forward pass: precompute stores them, the engine hands them to drafters that read the target."""
+
+    def __init__(self, decoder_layers: nn.ModuleList, layers: list[int]):
+        self.outputs: dict[int, torch.Tensor] = {}
+        self._hooks = [decoder_layers[i].register_forward_hook(self._keeper(i)) for i in layers]
+
+    def _keeper(self, layer: int):
+        def keep(_module, _inputs, output):
+            self.outputs[layer] = output[0] if isinstance(output, tuple) else output
+        return keep
+
+    def take(self) -> dict[int, torch.Tensor]:
+        outputs, self.outputs = self.outputs, {}
+        return outputs
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+
+
 # --------------------------------------------------------------------------- fingerprints
 
 

@@ -11,23 +11,22 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
+from mtptrain.target import LayerCapture
+
 
 class TargetRunner:
     def __init__(self, model, capture: list[int] = ()):
         self.model = model
         self.cache = DynamicCache()
-        self.hidden: dict[int, torch.Tensor] = {}  # layer -> [n, H] for the tokens of the latest forward
-        layers = model.get_decoder().layers
-        self._hooks = [layers[i].register_forward_hook(self._keeper(i)) for i in capture]
+        self._capture = LayerCapture(model.get_decoder().layers, list(capture))
 
-    def _keeper(self, layer: int):
-        def keep(_module, _inputs, output):
-            self.hidden[layer] = (output[0] if isinstance(output, tuple) else output)[0]
-        return keep
+    @property
+    def hidden(self) -> dict[int, torch.Tensor]:
+        """layer -> [n, H]: the captured states of the tokens of the latest forward."""
+        return {layer: states[0] for layer, states in self._capture.outputs.items()}
 
     def close(self) -> None:
-        for hook in self._hooks:
-            hook.remove()
+        self._capture.close()
 
     def reset(self) -> None:
         self.cache = DynamicCache()

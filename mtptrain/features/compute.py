@@ -21,30 +21,9 @@ from data_prep.prepare import Sample
 from mtptrain.config import Recipe
 from mtptrain.features.plan import ShardPlan, make_batches
 from mtptrain.features.store import ShardRecord, read_complete_record, write_shard
-from mtptrain.target import Target
+from mtptrain.target import LayerCapture, Target
 
 log = logging.getLogger(__name__)
-
-
-class LayerCapture:
-    """Forward hooks that keep the outputs of chosen decoder layers during one forward pass."""
-
-    def __init__(self, target: Target, layers: list[int]):
-        self.outputs: dict[int, torch.Tensor] = {}
-        self._hooks = [target.decoder_layers()[i].register_forward_hook(self._keeper(i)) for i in layers]
-
-    def _keeper(self, layer: int):
-        def keep(_module, _inputs, output):
-            self.outputs[layer] = output[0] if isinstance(output, tuple) else output
-        return keep
-
-    def take(self) -> dict[int, torch.Tensor]:
-        outputs, self.outputs = self.outputs, {}
-        return outputs
-
-    def close(self) -> None:
-        for hook in self._hooks:
-            hook.remove()
 
 
 @torch.inference_mode()
@@ -156,7 +135,7 @@ def compute_shards(target: Target, shards: list[ShardPlan], layers: list[int], r
         log.info("resuming: %d of %d shards of this rank are already complete", result.shards_skipped, len(shards))
     if not todo:
         return result
-    capture = LayerCapture(target, layers)
+    capture = LayerCapture(target.decoder_layers(), layers)
     writer = ShardWriter(out_dir, plan_id, rank, cfg.write_queue)
     progress = tqdm(total=sum(s.tokens for s in todo), unit="tok", unit_scale=True, desc="precompute",
                     disable=not show_progress)

@@ -27,7 +27,6 @@ from mtptrain.heads.losses import DistillStats, distill_loss, feature_loss
 class BatchResult:
     loss: torch.Tensor
     positions: list[DistillStats] = field(default_factory=list)  # one per draft position, 1-based order
-    feature: float | None = None
 
 
 def step_weights(spec: list[float] | str, positions: int) -> list[float]:
@@ -54,7 +53,7 @@ def batch_objective(head, batch: dict, last_layer: int, feature_layers: list[int
         m = _target_mask(mask, 1, out.shape[1])
         stats = distill_loss(head.logits, head.frozen.target_logits, out, target, m, chunk)
         regression = feature_loss(out, head.features(target), m)
-        return BatchResult(weights[0] * stats.loss + feature_weight * regression, [stats], float(regression.detach()))
+        return BatchResult(weights[0] * stats.loss + feature_weight * regression, [stats])
     if head.kind == "mtp":
         outputs = head(last, ids)
         logits = [lambda x, d=depth: head.logits(x, d) for depth in range(1, len(outputs) + 1)]
