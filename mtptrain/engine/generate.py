@@ -6,7 +6,10 @@ The target's cache always holds the committed tokens except the newest one
 drafts, which verifies d_{i+1} and supplies the bonus after d_K. After n
 drafts are accepted, the cache is rolled back to the committed prefix plus
 pending plus those n, and the correction (or bonus) token becomes pending.
-With no proposer the same loop is plain autoregressive decoding.
+A drafter may also propose a tree (engine/tree.py): the target then scores
+every node in one forward under a tree mask, and the cache keeps the pending
+token plus the accepted path. With no proposer the same loop is plain
+autoregressive decoding.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mtptrain.engine.runner import TargetRunner
+from mtptrain.engine.tree import DraftTree, verify_tree_greedy, verify_tree_sampling
 from mtptrain.engine.verify import Sampling, distribution, verify_greedy, verify_sampling
 
 
@@ -26,6 +30,7 @@ class GenerationStats:
     emitted: int = 0  # tokens emitted by those steps, bonus included
     proposed: list[int] = field(default_factory=list)  # per draft position
     accepted: list[int] = field(default_factory=list)
+    verified: int = 0  # draft tokens scored by the target (a tree's nodes, a chain's length)
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
 
@@ -37,8 +42,10 @@ class GenerationStats:
     def acceptance(self) -> list[float]:
         return [a / p for a, p in zip(self.accepted, self.proposed) if p]
 
-    def record(self, drafted: int, accepted: int, emitted: int) -> None:
+    def record(self, drafted: int, accepted: int, emitted: int, verified: int | None = None) -> None:
+        """drafted: the draft's depth (a chain's length); verified: the draft tokens the target scored."""
         self.steps += 1
+        self.verified += drafted if verified is None else verified
         self.emitted += emitted
         while len(self.proposed) < drafted:
             self.proposed.append(0)
@@ -69,21 +76,35 @@ def generate(runner: TargetRunner, prompt: list[int], max_new_tokens: int, propo
     while len(out) < max_new_tokens and out[-1] not in eos:
         started = time.perf_counter()
         budget = min(k, max_new_tokens - len(out))
-        draft, draft_probs = proposer.propose(prompt + out, budget) if proposer is not None and budget else ([], None)
+        proposal = proposer.propose(prompt + out, budget) if proposer is not None and budget else ([], None)
         verifying = time.perf_counter()
-        logits = runner.forward([out[-1]] + draft)
-        if sampling.greedy:
-            verdict = verify_greedy(draft, logits)
+        committed = len(prompt) + len(out)  # the cache holds committed - 1 tokens; pending goes next
+        if isinstance(proposal, DraftTree):
+            logits = runner.forward_tree(out[-1], proposal)
+            if sampling.greedy:
+                verdict = verify_tree_greedy(proposal, logits)
+            else:
+                verdict = verify_tree_sampling(proposal, distribution(logits, sampling), generator)
+            runner.keep(committed, verdict.path)
+            rows = [0] + [1 + i for i in verdict.path]
+            drafted, size = max(proposal.depths(), default=0), len(proposal)
         else:
-            verdict = verify_sampling(draft, draft_probs, distribution(logits, sampling), generator)
-        runner.rollback(len(prompt) + len(out) + verdict.accepted)
+            draft, draft_probs = proposal
+            logits = runner.forward([out[-1]] + draft)
+            if sampling.greedy:
+                verdict = verify_greedy(draft, logits)
+            else:
+                verdict = verify_sampling(draft, draft_probs, distribution(logits, sampling), generator)
+            runner.rollback(committed + verdict.accepted)
+            rows = list(range(verdict.accepted + 1))
+            drafted = size = len(draft)
         if observes:
-            kept = {layer: states[: verdict.accepted + 1] for layer, states in runner.hidden.items()}
-            proposer.observe(len(prompt) + len(out) - 1, kept, verdict.emitted)
+            kept = {layer: states[rows] for layer, states in runner.hidden.items()}
+            proposer.observe(committed - 1, kept, verdict.emitted)
         stats.draft_seconds += verifying - started
         stats.verify_seconds += time.perf_counter() - verifying
         emitted = _until_eos(verdict.emitted, eos)
-        stats.record(len(draft), verdict.accepted, len(emitted))
+        stats.record(drafted, verdict.accepted, len(emitted), size)
         out.extend(emitted)
     tokens = _until_eos(out, eos)[:max_new_tokens]
     if hasattr(proposer, "finish"):  # drafters that learn from finished requests (the suffix index)

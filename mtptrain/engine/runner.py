@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
+from mtptrain.engine.tree import DraftTree
 from mtptrain.target import LayerCapture
 
 
@@ -36,12 +37,34 @@ class TargetRunner:
         """Tokens whose keys and values are in the cache."""
         return self.cache.get_seq_length()
 
+    @property
+    def device(self) -> torch.device:
+        return self.model.get_input_embeddings().weight.device
+
     @torch.inference_mode()
     def forward(self, ids: list[int]) -> torch.Tensor:
         """Logits [n, V] for the next token after each of `ids`, appended after the cached prefix."""
-        device = next(self.model.parameters()).device
-        out = self.model(torch.tensor([ids], device=device), past_key_values=self.cache, use_cache=True)
+        out = self.model(torch.tensor([ids], device=self.device), past_key_values=self.cache, use_cache=True)
         return out.logits[0]
+
+    @torch.inference_mode()
+    def forward_tree(self, pending: int, tree: DraftTree) -> torch.Tensor:
+        """Logits [N+1, V] for [pending, tree nodes] under the tree mask (see engine/tree.py)."""
+        dtype = self.model.get_input_embeddings().weight.dtype
+        mask, positions = tree.attention(self.length, dtype, self.device)
+        ids = torch.tensor([[pending] + tree.tokens], device=self.device)
+        out = self.model(ids, attention_mask=mask, position_ids=positions, past_key_values=self.cache, use_cache=True)
+        return out.logits[0]
+
+    def keep(self, length: int, rows: list[int]) -> None:
+        """Keep the first `length` cached tokens and, after them, the entries at length + r for r in rows
+        (the accepted path of a verified tree), in that order."""
+        if rows == list(range(len(rows))):
+            return self.rollback(length + len(rows))
+        index = torch.cat([torch.arange(length), length + torch.tensor(rows, dtype=torch.long)]).to(self.device)
+        for layer in self.cache.layers:
+            layer.keys = layer.keys.index_select(-2, index)
+            layer.values = layer.values.index_select(-2, index)
 
     def rollback(self, length: int) -> None:
         """Keep the first `length` cached tokens: the accepted prefix after a verification."""

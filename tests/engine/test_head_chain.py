@@ -19,6 +19,25 @@ SPECS = {"eagle": HeadSpec("eagle", last_layer=3),
          "eagle3": HeadSpec("eagle3", last_layer=3, feature_layers=[0, 1, 2], ttt_steps=2, draft_vocab_size=400)}
 
 
+def with_oracle(proposer, committed: list[int]):
+    """Make a drafter propose the target's own continuation (`committed`), with every fourth draft wrong:
+    long accepted runs and partial acceptances, so multi-token commits reach its caches."""
+    choose, propose, count = proposer._choose, proposer.propose, [0]
+
+    def oracle_propose(tokens, k):
+        proposer._upcoming = iter(committed[len(tokens):])
+        return propose(tokens, k)
+
+    def oracle_choose(logits):
+        choice = next(proposer._upcoming, 0)
+        count[0] += 1
+        token, q = choose(logits)
+        return (choice if count[0] % 4 else (choice + 1) % logits.shape[-1]), q
+
+    proposer.propose, proposer._choose = oracle_propose, oracle_choose
+    return proposer
+
+
 def _setup(kind):
     model = make_tiny_llama(400, seed=3).double()
     spec = SPECS[kind]
@@ -40,14 +59,21 @@ def test_head_chain_output_is_the_targets_greedy_output(kind):
 
 
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+@pytest.mark.parametrize("drafting", ["chain", "oracle-chain", "tree"])
 @torch.no_grad()
-def test_the_head_cache_after_verification_holds_the_true_prefix(kind):
+def test_the_head_cache_after_verification_holds_the_true_prefix(kind, drafting):
     """After rounds of drafting and verification, the head's cache equals one built in a single pass
     over the committed text with the target's own states."""
+    from mtptrain.engine.head_tree import HeadTreeProposer
+
     model, spec, head, runner = _setup(kind)
-    proposer = HeadChainProposer(head, spec)
+    proposer = HeadChainProposer(head, spec) if "chain" in drafting else HeadTreeProposer(head, spec, 3, 3, 8)
     prompt = torch.randint(0, 400, (9,), generator=torch.Generator().manual_seed(2)).tolist()
+    if drafting == "oracle-chain":
+        with_oracle(proposer, prompt + generate(TargetRunner(model), prompt, 20).tokens)
     result = generate(runner, prompt, 20, proposer, k=3)
+    if drafting == "oracle-chain":
+        assert result.stats.tau >= 2.5
     committed = prompt + result.tokens
     # The head has seen pairs (h_t, x_{t+1}) for t up to the position before the last pending token
     # (plus the draft entries of the round in flight, cut back at the next observe).
@@ -115,3 +141,96 @@ def test_a_trained_and_exported_head_is_accepted_by_the_engine(tiny_target_dir, 
     assert trained_run.tokens == untrained_run.tokens == plain
     assert trained_run.stats.tau > 2.0, trained_run.stats.acceptance()
     assert untrained_run.stats.tau < 1.3
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_head_tree_output_is_the_targets_greedy_output(kind):
+    from mtptrain.engine.head_tree import HeadTreeProposer
+
+    model, spec, head, runner = _setup(kind)
+    prompt = torch.randint(0, 400, (9,), generator=torch.Generator().manual_seed(1)).tolist()
+    reference = generate(TargetRunner(model), prompt, 30).tokens
+    proposer = HeadTreeProposer(head, spec, branch=3, depth=4, budget=10)
+    result = generate(runner, prompt, 30, proposer, k=4)
+    assert result.tokens == reference
+    # full trees of 10 nodes, but in the last step, with one token left to emit: its 3 depth-1 nodes
+    assert result.stats.verified == 10 * (result.stats.steps - 1) + 3
+
+
+def test_head_tree_keeps_the_best_scored_nodes_with_their_ancestors():
+    from mtptrain.engine.head_tree import HeadTreeProposer
+
+    model, spec, head, runner = _setup("eagle")
+    proposer = HeadTreeProposer(head, spec, branch=3, depth=3, budget=7)
+    prompt = torch.randint(0, 400, (9,), generator=torch.Generator().manual_seed(5)).tolist()
+    proposer.reset(prompt)
+    runner.reset()
+    runner.forward(prompt)
+    proposer.observe(0, runner.hidden, prompt[1:] + [7])
+    tree = proposer.propose(prompt + [7], 3)
+    assert len(tree) == 7
+    assert all(p < i for i, p in enumerate(tree.parents))
+    assert max(tree.depths()) <= 3
+    first = proposer.last_logits.topk(3).indices.tolist()
+    assert [t for t, p in zip(tree.tokens, tree.parents) if p < 0] == first  # best first
+    assert proposer.cache.get_seq_length() == len(prompt) + 2 * 3  # true prefix, then two expanded levels
+
+
+MTP_SPECS = [HeadSpec("mtp", last_layer=3, mtp_depths=3), HeadSpec("mtp", last_layer=3, mtp_depths=2, mtp_share=True),
+             HeadSpec("mtp", last_layer=3, mtp_depths=1)]
+
+
+@pytest.mark.parametrize("spec", MTP_SPECS, ids=["3-depths", "2-shared", "1-depth"])
+@pytest.mark.parametrize("oracle", [False, True], ids=["head", "oracle"])
+def test_mtp_chain_output_is_the_targets_greedy_output_and_its_caches_hold_the_truth(spec, oracle):
+    from mtptrain.engine.mtp_chain import MTPChainProposer
+
+    model = make_tiny_llama(400, seed=3).double()
+    torch.manual_seed(0)
+    head = build_head(spec, FrozenTarget.of(model)).double()
+    runner = TargetRunner(model, capture=[spec.last_layer])
+    prompt = torch.randint(0, 400, (9,), generator=torch.Generator().manual_seed(1)).tolist()
+    reference = generate(TargetRunner(model), prompt, 30).tokens
+    proposer = MTPChainProposer(head, spec)
+    if oracle:
+        with_oracle(proposer, prompt + reference)
+    result = generate(runner, prompt, 30, proposer, k=5)
+    assert result.tokens == reference
+    if oracle and spec.mtp_depths > 1:
+        assert result.stats.tau > 2.0
+    assert len(result.stats.proposed) == spec.mtp_depths  # k is capped at the head's depths
+    committed = prompt + result.tokens
+    with torch.no_grad():
+        caught = {}
+        hook = model.model.layers[3].register_forward_hook(lambda m, a, o: caught.__setitem__(3, o))
+        model(torch.tensor([committed[:-1]]))
+        hook.remove()
+    fresh = MTPChainProposer(head, spec)
+    fresh.reset(committed)
+    fresh.observe(0, {3: (caught[3][0] if isinstance(caught[3], tuple) else caught[3])[0]}, committed[1:])
+    # (the engine may have committed one bonus token past max_new_tokens: compare the common prefix)
+    for depth in range(spec.mtp_depths + 1):
+        n = fresh.states[depth].shape[0]
+        assert proposer.states[depth].shape[0] >= n
+        assert torch.allclose(proposer.states[depth][:n], fresh.states[depth], atol=1e-9), depth
+    for ours, theirs in zip(proposer.caches, fresh.caches):
+        for a, b in zip(ours.layers, theirs.layers):
+            n = b.keys.shape[-2]
+            assert torch.allclose(a.keys[..., :n, :], b.keys, atol=1e-9)
+            assert torch.allclose(a.values[..., :n, :], b.values, atol=1e-9)
+
+
+def test_sampling_with_the_mtp_chain_stays_exact_in_law():
+    from mtptrain.engine.mtp_chain import MTPChainProposer
+
+    vocab = 12
+    model = make_tiny_llama(vocab, seed=4).double()
+    spec = HeadSpec("mtp", last_layer=3, mtp_depths=2)
+    torch.manual_seed(0)
+    head = build_head(spec, FrozenTarget.of(model)).double()
+    prompt, sampling = [1, 5, 7, 2], Sampling(temperature=1.0)
+    exact = exact_two_token_law(model, prompt, sampling)
+    make = lambda seed: MTPChainProposer(head, spec, sampling, seed=seed)  # noqa: E731
+    empirical, drafted, rejected = engine_two_token_law(model, prompt, sampling, make, 2500, capture=[3])
+    assert drafted == 2500 and rejected > 0
+    assert 0.5 * (empirical - exact).abs().sum() < 0.15

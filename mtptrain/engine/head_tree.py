@@ -1,0 +1,97 @@
+"""EAGLE-2 dynamic draft trees from an EAGLE / EAGLE-3 head (Li et al., arXiv:2406.16858).
+
+The head expands the tree level by level. Every node is scored by its
+cumulative draft log-probability (the sum over its path), which EAGLE-2 shows
+tracks the chance that the target accepts it. At each level only the
+`branch` best-scoring nodes are expanded, in one head forward with a tree
+mask; each expanded node proposes its `branch` most likely next tokens. After
+`depth` levels, the `budget` best-scoring nodes of everything proposed become
+the tree the target verifies. A child never scores higher than its parent,
+so the kept nodes always include their ancestors.
+
+The head's cache gains the expanded nodes while drafting; the next observe
+cuts it back to the true prefix, as for chains.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mtptrain.engine.head_chain import HeadChainProposer
+from mtptrain.engine.tree import DraftTree
+from mtptrain.engine.verify import Sampling, distribution
+
+
+class HeadTreeProposer(HeadChainProposer):
+    name = "head-tree"
+
+    def __init__(self, head, spec, branch: int = 4, depth: int = 5, budget: int = 16,
+                 sampling: Sampling = Sampling(), seed: int = 0):
+        super().__init__(head, spec, sampling, seed)
+        if branch < 1 or depth < 1 or budget < 1:
+            raise ValueError(f"a draft tree needs branch, depth and budget >= 1 (got {branch}, {depth}, {budget})")
+        self.branch, self.depth, self.budget = branch, depth, budget
+
+    def _scores(self, logits: torch.Tensor) -> torch.Tensor:
+        """Log-probabilities [..., Vd] the nodes are ranked by (after the sampling transform at T > 0)."""
+        if self.sampling.greedy:
+            return torch.log_softmax(logits.double(), dim=-1)
+        return distribution(logits, self.sampling).log()
+
+    def _top(self, logits: torch.Tensor) -> tuple[list[int], list[float]]:
+        logp = self._scores(logits)
+        values, index = logp.topk(min(self.branch, logp.shape[-1]))
+        to_target = getattr(self.head, "draft_to_target", None)
+        tokens = to_target[index] if to_target is not None else index
+        return tokens.tolist(), values.tolist()
+
+    @torch.inference_mode()
+    def propose(self, tokens: list[int], k: int) -> DraftTree:
+        depth = min(self.depth, k)
+        past = self.cache.get_seq_length()  # head positions 0 .. past-1 hold true states
+        dtype, device = self.last_feature.dtype, self.last_feature.device
+        node_tokens, parents, scores, node_depth = [], [], [], []
+        inputs: dict[int, torch.Tensor] = {}  # node -> the feature it is run with (its parent's output)
+        for token, score in zip(*self._top(self.last_logits)):
+            inputs[len(node_tokens)] = self.last_feature[0, -1]
+            node_tokens.append(token), parents.append(-1), scores.append(score), node_depth.append(1)
+        frontier = list(range(len(node_tokens)))
+        slot: dict[int, int] = {}  # expanded node -> its entry in the head cache, after the true prefix
+        for level in range(1, depth):
+            ids = torch.tensor([[node_tokens[n] for n in frontier]], device=device)
+            features = torch.stack([inputs[n] for n in frontier])[None]
+            mask = self._mask(frontier, parents, slot, past, dtype, device)
+            positions = torch.full((1, len(frontier)), past - 1 + level, device=device)
+            for n in frontier:
+                slot[n] = len(slot)
+            out = self.head(features, ids, position_ids=positions, cache=self.cache, mask=mask)
+            logits = self.head.logits(out)[0]
+            children = []
+            for row, n in enumerate(frontier):
+                for token, logp in zip(*self._top(logits[row])):
+                    child = len(node_tokens)
+                    inputs[child] = out[0, row]
+                    node_tokens.append(token), parents.append(n), scores.append(scores[n] + logp)
+                    node_depth.append(level + 1)
+                    children.append(child)
+            frontier = sorted(children, key=lambda c: -scores[c])[: self.branch]
+        # the budget best nodes; ties keep creation order, so a parent (created first, never lower) leads
+        keep = sorted(range(len(node_tokens)), key=lambda n: (-scores[n], n))[: self.budget]
+        order = sorted(keep, key=lambda n: (node_depth[n], -scores[n], n))  # parents first, best child first
+        index = {n: i for i, n in enumerate(order)}
+        return DraftTree([node_tokens[n] for n in order], [index[parents[n]] if parents[n] >= 0 else -1 for n in order])
+
+    @staticmethod
+    def _mask(frontier, parents, slot, past, dtype, device) -> torch.Tensor:
+        """Additive [1, 1, F, past + len(slot) + F]: the true prefix, the node's expanded ancestors, itself."""
+        width = past + len(slot) + len(frontier)
+        allowed = torch.zeros(len(frontier), width, dtype=torch.bool)
+        allowed[:, :past] = True
+        for row, n in enumerate(frontier):
+            allowed[row, past + len(slot) + row] = True
+            ancestor = parents[n]
+            while ancestor >= 0:
+                allowed[row, past + slot[ancestor]] = True
+                ancestor = parents[ancestor]
+        mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
+        return mask.to(device)[None, None]

@@ -1,0 +1,190 @@
+"""Draft trees: one masked forward scores every node like a sequential forward over its path, tree
+verification keeps what sequential verification would, and tree drafting leaves the output exact."""
+
+import random
+
+import pytest
+import torch
+from conftest import make_tiny_llama
+from law import engine_two_token_law, exact_two_token_law
+
+from mtptrain.engine.generate import generate
+from mtptrain.engine.runner import TargetRunner
+from mtptrain.engine.tree import DraftTree, verify_tree_greedy
+from mtptrain.engine.verify import Sampling, verify_greedy
+
+VOCAB = 400
+
+
+@pytest.fixture(scope="module")
+def model64():
+    return make_tiny_llama(VOCAB, seed=3).double()
+
+
+def _random_tree(rng: random.Random, size: int, vocab: int, favoured: list[int] = ()) -> DraftTree:
+    """A random tree; with `favoured`, the chain of those tokens is hidden among the root's descendants."""
+    tokens, parents = [], []
+    parent = -1
+    for token in favoured:
+        tokens.append(token), parents.append(parent)
+        parent = len(tokens) - 1
+    while len(tokens) < size:
+        tokens.append(rng.randrange(vocab)), parents.append(rng.randrange(-1, len(tokens) - 1))
+    # shuffle the listing while keeping parents before children
+    order = sorted(range(size), key=lambda i: (_depth(parents, i), rng.random()))
+    index = {n: i for i, n in enumerate(order)}
+    return DraftTree([tokens[n] for n in order], [index[parents[n]] if parents[n] >= 0 else -1 for n in order])
+
+
+def _depth(parents, i):
+    return 1 if parents[i] < 0 else 1 + _depth(parents, parents[i])
+
+
+def _path(tree: DraftTree, node: int) -> list[int]:
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = tree.parents[node]
+    return path[::-1]
+
+
+@torch.no_grad()
+def test_the_tree_forward_scores_every_node_like_a_sequential_forward_over_its_path(model64):
+    rng = random.Random(0)
+    prefix = [rng.randrange(VOCAB) for _ in range(11)]
+    for size in (1, 5, 17):
+        tree = _random_tree(rng, size, VOCAB)
+        runner = TargetRunner(model64)
+        runner.forward(prefix[:-1])
+        logits = runner.forward_tree(prefix[-1], tree)
+        assert runner.length == len(prefix) + size
+        fresh = model64(torch.tensor([prefix])).logits[0, -1]
+        assert torch.allclose(logits[0], fresh, atol=1e-10)
+        for node in range(size):
+            ids = prefix + [tree.tokens[n] for n in _path(tree, node)]
+            assert torch.allclose(logits[node + 1], model64(torch.tensor([ids])).logits[0, -1], atol=1e-10)
+
+
+@torch.no_grad()
+def test_tree_verification_equals_sequential_verification_of_its_best_path(model64):
+    """Greedy: the tree keeps the longest root path that chain verification accepts, with the same
+    correction token; the cache then equals a fresh prefill of the committed text."""
+    rng = random.Random(1)
+    prefix = [rng.randrange(VOCAB) for _ in range(9)]
+    greedy = model64.generate(torch.tensor([prefix]), max_new_tokens=6, do_sample=False, min_new_tokens=6,
+                              pad_token_id=0)[0, len(prefix):].tolist()
+    for trial in range(12):
+        favoured = greedy[: rng.randrange(0, 6)]
+        if favoured and trial % 3 == 0:
+            favoured = favoured[:-1] + [(favoured[-1] + 1) % VOCAB]  # a near miss at the end
+        tree = _random_tree(rng, 12, VOCAB, favoured)
+        runner = TargetRunner(model64)
+        runner.forward(prefix[:-1])
+        verdict = verify_tree_greedy(tree, runner.forward_tree(prefix[-1], tree))
+        best = None
+        for leaf in range(len(tree)):
+            chain = [tree.tokens[n] for n in _path(tree, leaf)]
+            sequential = verify_greedy(chain, model64(torch.tensor([prefix + chain])).logits[0, len(prefix) - 1:])
+            if best is None or sequential.accepted > best.accepted:
+                best = sequential
+        assert verdict.emitted == best.emitted
+        assert verdict.emitted == greedy[: len(verdict.emitted)]
+        runner.keep(len(prefix), verdict.path)
+        committed = prefix + verdict.emitted[:-1]
+        reference = TargetRunner(model64)
+        reference.forward(committed)
+        for ours, theirs in zip(runner.cache.layers, reference.cache.layers):
+            assert torch.allclose(ours.keys, theirs.keys, atol=1e-10)
+            assert torch.allclose(ours.values, theirs.values, atol=1e-10)
+
+
+_TOP: dict = {}  # (model, branch, context) -> top tokens: the law tests draft from the same contexts thousands of times
+
+
+class TargetTreeDrafter:
+    """Test drafter: a tree of the target's own top-`branch` tokens (every path likely, deep acceptance),
+    or, with `noise`, random tokens mixed in."""
+
+    def __init__(self, model, branch=2, depth=3, noise=0.0, seed=0):
+        self.model, self.branch, self.depth, self.noise = model, branch, depth, noise
+        self.rng = random.Random(seed)
+
+    @torch.no_grad()
+    def _top(self, context):
+        key = (id(self.model), self.branch, tuple(context))
+        if key not in _TOP:
+            _TOP[key] = self.model(torch.tensor([context])).logits[0, -1].topk(self.branch).indices.tolist()
+        return _TOP[key]
+
+    def propose(self, tokens, k):
+        vocab = self.model.config.vocab_size
+        nodes, parents, frontier = [], [], [(-1, [])]
+        for _ in range(min(k, self.depth)):
+            grown = []
+            for parent, path in frontier:
+                for token in self._top(tokens + path):
+                    if self.rng.random() < self.noise:
+                        token = self.rng.randrange(vocab)
+                    if token in [nodes[i] for i, p in enumerate(parents) if p == parent]:
+                        continue
+                    nodes.append(token), parents.append(parent)
+                    grown.append((len(nodes) - 1, path + [token]))
+            frontier = grown[: self.branch]
+        return DraftTree(nodes, parents)
+
+
+def test_generation_with_draft_trees_is_the_targets_greedy_output(model64):
+    prompt = torch.randint(0, VOCAB, (10,), generator=torch.Generator().manual_seed(4)).tolist()
+    reference = generate(TargetRunner(model64), prompt, 40).tokens
+    deep = generate(TargetRunner(model64), prompt, 40, TargetTreeDrafter(model64), k=3)
+    noisy = generate(TargetRunner(model64), prompt, 40, TargetTreeDrafter(model64, noise=0.5, seed=1), k=3)
+    assert deep.tokens == noisy.tokens == reference
+    assert deep.stats.tau == pytest.approx(4.0, abs=0.2)  # three accepted drafts and a bonus per step
+    assert 1.0 < noisy.stats.tau < deep.stats.tau
+
+
+def test_sampling_with_draft_trees_stays_exact_in_law():
+    """Temperature 1, 12-token vocabulary: the law of (x1, x2) with tree drafts is the target's."""
+    vocab = 12
+    model = make_tiny_llama(vocab, seed=4).double()
+    prompt, sampling = [1, 5, 7, 2], Sampling(temperature=1.0)
+    exact = exact_two_token_law(model, prompt, sampling)
+    make = lambda seed: TargetTreeDrafter(model, branch=3, depth=2, noise=0.5, seed=seed)  # noqa: E731
+    empirical, drafted, rejected = engine_two_token_law(model, prompt, sampling, make, 3000)
+    assert drafted > 0 and rejected > 0
+    assert 0.5 * (empirical - exact).abs().sum() < 0.12
+
+
+def test_a_tree_sampler_that_skips_the_residual_is_caught():
+    """The bound above is tight enough to fail a sampler that, after refusing every child, samples
+    from p itself instead of the residual (it then over-weights the drafted tokens)."""
+    import mtptrain.engine.tree as tree_module
+
+    vocab = 12
+    model = make_tiny_llama(vocab, seed=4).double()
+    prompt, sampling = [1, 5, 7, 2], Sampling(temperature=1.0)
+    exact = exact_two_token_law(model, prompt, sampling)
+    original = tree_module.verify_tree_sampling
+
+    def broken(tree, probs, generator):
+        verdict = original(tree, probs, generator)
+        if verdict.accepted == 0:  # resample the correction from p, ignoring the refusals
+            token = int(torch.multinomial(probs[0], 1, generator=generator))
+            return tree_module.TreeVerdict([], [token])
+        return verdict
+
+    make = lambda seed: TargetTreeDrafter(model, branch=3, depth=2, noise=0.0, seed=seed)  # noqa: E731
+    import mtptrain.engine.generate as generate_module
+
+    generate_module.verify_tree_sampling = broken
+    try:
+        empirical, _, _ = engine_two_token_law(model, prompt, sampling, make, 3000)
+    finally:
+        generate_module.verify_tree_sampling = original
+    assert 0.5 * (empirical - exact).abs().sum() > 0.12
+
+
+def test_trees_are_refused_when_a_child_precedes_its_parent():
+    with pytest.raises(ValueError, match="listed before"):
+        DraftTree([1, 2], [1, -1])
+    assert DraftTree.chain([4, 5, 6]).depths() == [1, 2, 3]
