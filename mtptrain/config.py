@@ -157,6 +157,49 @@ class TrainConfig(_Section):
         return value
 
 
+METHODS = ("ngram", "suffix", "chain", "tree", "draft")
+
+
+class EvalConfig(_Section):
+    prompts: str = Field("mtbench", description="'mtbench' (the 80 two-turn MT-bench questions, embedded) or a JSONL "
+                         "file of {\"turns\": [...]} or {\"prompt\": ...} rows.")
+    max_prompts: int | None = Field(None, ge=1, description="Use only the first N prompts (None = all).")
+    max_turns: int | None = Field(None, ge=1, description="Turns per prompt (None = all; later turns follow the "
+                                  "model's own earlier answers).")
+    max_new_tokens: int = Field(256, ge=1, description="New tokens per turn.")
+    temperature: float = Field(0.0, ge=0, description="0 = greedy (checked for exactness against the baseline).")
+    top_k: int = Field(0, ge=0, description="Sampling top-k (0 = off).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Sampling top-p (1 = off).")
+    seed: int = Field(0, description="Seed of the sampling streams.")
+    methods: list[Literal["ngram", "suffix", "chain", "tree", "draft"]] = Field(
+        ["ngram", "suffix", "chain", "tree"],
+        description="Drafting methods, each measured against the autoregressive baseline: ngram (prompt lookup), "
+        "suffix (index over past outputs), chain (the head, drafting K tokens), tree (EAGLE-2 trees from an "
+        "eagle/eagle3 head), draft (a draft model: eval.draft_model or eval.draft_layers).")
+    k: list[int] = Field([1, 2, 3, 4, 5], description="Draft lengths K swept for chain-style methods.")
+    head: str | None = Field(None, description="Trained head directory (default: <train.output_dir>/head).")
+    tree_branch: int = Field(4, ge=1, description="tree: children per expanded node, and nodes expanded per level.")
+    tree_depth: int = Field(5, ge=1, description="tree: levels drafted.")
+    tree_budgets: list[int] = Field([8, 16, 32], description="tree: node budgets swept (tokens the target verifies).")
+    ngram_min: int = Field(1, ge=1, description="ngram: shortest suffix matched.")
+    ngram_max: int = Field(3, ge=1, description="ngram: longest suffix matched.")
+    draft_model: str | None = Field(None, description="draft: a causal LM with the target's tokenizer (hub id, dir).")
+    draft_layers: int | None = Field(None, ge=1, description="draft: use the target cut to its first N layers.")
+    near_tie: float = Field(1e-3, ge=0, description="At temperature 0 a divergence from the baseline is accepted "
+                            "only where the baseline's top-2 logit gap is below this (a float near-tie).")
+    output_dir: str = Field("runs/quickstart/eval", description="Where results.json, report.md and plots go.")
+    wandb: Literal["auto", "offline", "online", "disabled"] = Field(
+        "auto", description="auto = online when W&B credentials are configured, offline otherwise.")
+    wandb_project: str = Field("mtptrain", description="W&B project.")
+
+    @field_validator("k", "tree_budgets")
+    @classmethod
+    def _positive(cls, value: list[int]) -> list[int]:
+        if not value or any(v < 1 for v in value):
+            raise ValueError("needs at least one value, each >= 1")
+        return sorted(set(value))
+
+
 class Recipe(_Section):
     name: str = Field("run", description="Run name, used in logs and output metadata.")
     target: TargetConfig = TargetConfig()
@@ -164,6 +207,7 @@ class Recipe(_Section):
     precompute: PrecomputeConfig = PrecomputeConfig()
     head: HeadConfig = HeadConfig()
     train: TrainConfig = TrainConfig()
+    eval: EvalConfig = EvalConfig()
 
 
 # --------------------------------------------------------------------------- loading

@@ -31,7 +31,7 @@ class GenerationStats:
     proposed: list[int] = field(default_factory=list)  # per draft position
     accepted: list[int] = field(default_factory=list)
     verified: int = 0  # draft tokens scored by the target (a tree's nodes, a chain's length)
-    draft_seconds: float = 0.0
+    draft_seconds: float = 0.0  # proposing, and a drafter catching up on the target's states
     verify_seconds: float = 0.0
 
     @property
@@ -98,11 +98,12 @@ def generate(runner: TargetRunner, prompt: list[int], max_new_tokens: int, propo
             runner.rollback(committed + verdict.accepted)
             rows = list(range(verdict.accepted + 1))
             drafted = size = len(draft)
-        if observes:
+        verified = time.perf_counter()
+        if observes:  # the drafter catches up on the target's states: drafting work, timed as such
             kept = {layer: states[rows] for layer, states in runner.hidden.items()}
             proposer.observe(committed - 1, kept, verdict.emitted)
-        stats.draft_seconds += verifying - started
-        stats.verify_seconds += time.perf_counter() - verifying
+        stats.draft_seconds += (verifying - started) + (time.perf_counter() - verified)
+        stats.verify_seconds += verified - verifying
         emitted = _until_eos(verdict.emitted, eos)
         stats.record(drafted, verdict.accepted, len(emitted), size)
         out.extend(emitted)

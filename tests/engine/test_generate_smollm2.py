@@ -1,18 +1,29 @@
-"""Exactness on the real embedded target, in float32: speculative output equals plain greedy decoding,
-or differs first at a near-tie that batched verification may break the other way."""
+"""Exactness on the real embedded target, in float32, for every proposer: speculative output equals plain
+greedy decoding, or differs first at a near-tie that batched verification may break the other way."""
+
+from collections import Counter
 
 import pytest
 import torch
 
 from eval.prompts import load_prompts
 from mtptrain.config import TargetConfig
+from mtptrain.engine.draft_model import DraftModelProposer, truncated_target
 from mtptrain.engine.generate import generate
+from mtptrain.engine.head_chain import HeadChainProposer
+from mtptrain.engine.head_tree import HeadTreeProposer
+from mtptrain.engine.mtp_chain import MTPChainProposer
 from mtptrain.engine.ngram import NgramProposer
 from mtptrain.engine.runner import TargetRunner
+from mtptrain.engine.suffix_index import SuffixIndexProposer
+from mtptrain.heads import FrozenTarget
+from mtptrain.heads.checkpoint import HeadSpec, build_head
+from mtptrain.heads.eagle3 import DraftVocab
 from mtptrain.target import load_target
 
 pytestmark = pytest.mark.real_model
 NEAR_TIE = 1e-3  # top-2 logit gap of the baseline below which float32 batched verification may flip
+NEW_TOKENS = 64
 
 
 @pytest.fixture(scope="module")
@@ -20,25 +31,70 @@ def smollm2():
     return load_target(TargetConfig())
 
 
-def test_greedy_speculative_output_equals_greedy_decoding_up_to_near_ties(smollm2):
+@pytest.fixture(scope="module")
+def requests(smollm2):
+    """Three MT-bench first turns and the baseline's greedy answers (checked against transformers' generate)."""
     tok = smollm2.tokenizer
-    runner = TargetRunner(smollm2.model)
-    prompts = load_prompts("mtbench", limit=3)
     eos = {tok.convert_tokens_to_ids("<|im_end|>")}
-    drafted = 0
-    for prompt in prompts:
+    runner = TargetRunner(smollm2.model)
+    out = []
+    for prompt in load_prompts("mtbench", limit=3):
         ids = tok.apply_chat_template([{"role": "user", "content": prompt.turns[0]}], add_generation_prompt=True)
         ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-        plain = generate(runner, ids, 64, eos=eos)
-        reference = smollm2.model.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False,
-                                           eos_token_id=list(eos), pad_token_id=0)[0, len(ids):].tolist()
-        assert plain.tokens == reference  # the engine's baseline is the target's own greedy decoding
-        spec = generate(runner, ids, 64, NgramProposer(1, 3), k=4, eos=eos)
+        plain = generate(runner, ids, NEW_TOKENS, eos=eos)
+        assert plain.stats.tau == 1.0
+        out.append((prompt.id, ids, plain.tokens))
+    ids = out[0][1]
+    reference = smollm2.model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                       eos_token_id=list(eos), pad_token_id=0)[0, len(ids):].tolist()
+    assert out[0][2] == reference  # the engine's baseline is the target's own greedy decoding
+    return eos, out
+
+
+def _random_head(model, spec):
+    torch.manual_seed(0)
+    frozen = FrozenTarget.of(model)
+    vocab = DraftVocab.from_counts(Counter(range(2048)), 2048, model.config.vocab_size) if spec.kind == "eagle3" else None
+    return build_head(spec, frozen, vocab)
+
+
+def _proposers(model):
+    eagle3 = HeadSpec("eagle3", last_layer=29, feature_layers=[1, 14, 26], ttt_steps=2, draft_vocab_size=2048)
+    mtp = HeadSpec("mtp", last_layer=29, mtp_depths=2)
+    return {
+        "ngram": (lambda: NgramProposer(1, 3), 4, []),
+        "draft-model": (lambda: DraftModelProposer(truncated_target(model, 24)), 4, []),
+        "head-chain": (lambda: HeadChainProposer(_random_head(model, eagle3), eagle3), 3, [1, 14, 26, 29]),
+        "head-tree": (lambda: HeadTreeProposer(_random_head(model, eagle3), eagle3, 3, 3, 10), 3, [1, 14, 26, 29]),
+        "mtp-chain": (lambda: MTPChainProposer(_random_head(model, mtp), mtp), 2, [29]),
+    }
+
+
+@pytest.mark.parametrize("name", ["ngram", "suffix-index", "draft-model", "head-chain", "head-tree", "mtp-chain"])
+def test_every_proposer_reproduces_greedy_decoding_up_to_near_ties(smollm2, requests, name):
+    eos, cases = requests
+    if name == "suffix-index":
+        # an index over the answers themselves drafts whole runs: the deepest batched verifications
+        proposer, k, capture = SuffixIndexProposer(background=False), 6, []
+        for _, ids, tokens in cases:
+            proposer.finish(ids + tokens)
+    else:
+        make, k, capture = _proposers(smollm2.model)[name]
+        proposer = make()
+    runner = TargetRunner(smollm2.model, capture=capture)
+    drafted = accepted = 0
+    for prompt_id, ids, plain in cases:
+        spec = generate(runner, ids, NEW_TOKENS, proposer, k=k, eos=eos)
         drafted += sum(spec.stats.proposed)
-        if spec.tokens != plain.tokens:
-            first = next(i for i, (a, b) in enumerate(zip(spec.tokens, plain.tokens)) if a != b)
+        accepted += sum(spec.stats.accepted)
+        if spec.tokens != plain:
+            first = next((i for i, (a, b) in enumerate(zip(spec.tokens, plain)) if a != b), None)
+            assert first is not None, (prompt_id, "same prefix, different length")
             with torch.no_grad():
-                logits = smollm2.model(torch.tensor([ids + plain.tokens[:first]])).logits[0, -1]
+                logits = smollm2.model(torch.tensor([ids + plain[:first]])).logits[0, -1]
             top2 = logits.topk(2).values
-            assert float(top2[0] - top2[1]) < NEAR_TIE, (prompt.id, first, float(top2[0] - top2[1]))
+            assert float(top2[0] - top2[1]) < NEAR_TIE, (prompt_id, first, float(top2[0] - top2[1]))
+    runner.close()
     assert drafted > 0
+    if name in ("suffix-index", "draft-model", "ngram"):
+        assert accepted > 0  # batched verification of accepted runs was exercised

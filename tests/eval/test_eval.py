@@ -1,0 +1,166 @@
+"""`mtptrain eval` on a tiny target: every method measured against the baseline on the same prompts, exactness
+checked, results written as JSON, Markdown and PNG (and to W&B)."""
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from mtptrain.cli import app
+from mtptrain.config import TargetConfig
+from mtptrain.heads import FrozenTarget
+from mtptrain.heads.checkpoint import HeadSpec, build_head, save_head
+from mtptrain.heads.eagle3 import DraftVocab
+from mtptrain.target import load_target
+
+
+def save_random_head(target_dir: Path, out: Path, spec: HeadSpec) -> Path:
+    target = load_target(TargetConfig(model=str(target_dir)))
+    torch.manual_seed(0)
+    vocab = DraftVocab.from_counts(Counter(), spec.draft_vocab_size, target.vocab_size) if spec.kind == "eagle3" else None
+    save_head(out, build_head(spec, FrozenTarget.of(target.model), vocab), spec, target.identity())
+    return out
+
+
+def write_prompts(path: Path, n: int = 3) -> Path:
+    rows = [{"id": f"q{i}", "category": "writing" if i % 2 else "coding",
+             "turns": [f"the word is hot and you see {i}", "now say it again"]} for i in range(n)]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+def eval_args(target_dir, head, prompts, out, *overrides):
+    settings = [f"target.model={target_dir}", f"eval.head={head}", f"eval.prompts={prompts}", f"eval.output_dir={out}",
+                "eval.max_new_tokens=20", "eval.k=[1,3]", "eval.tree_budgets=[4,8]", "eval.tree_depth=3",
+                "eval.tree_branch=2", *overrides]
+    return ["eval", "--no-progress", *[a for s in settings for a in ("--set", s)]]
+
+
+@pytest.fixture(scope="module")
+def eagle3_head(tiny_target_dir, tmp_path_factory):
+    spec = HeadSpec("eagle3", last_layer=3, feature_layers=[0, 1, 2], ttt_steps=2, draft_vocab_size=64)
+    return save_random_head(tiny_target_dir, tmp_path_factory.mktemp("head") / "head", spec)
+
+
+def test_eval_measures_every_method_on_the_same_prompts_and_writes_the_report(tiny_target_dir, eagle3_head, tmp_path):
+    out = tmp_path / "eval"
+    args = eval_args(tiny_target_dir, eagle3_head, write_prompts(tmp_path / "p.jsonl"), out,
+                     "eval.methods=[ngram,suffix,chain,tree,draft]", "eval.draft_layers=2")
+    result = CliRunner().invoke(app, [*args, "--no-wandb"])
+    assert result.exit_code == 0, result.output
+    results = json.loads((out / "results.json").read_text())
+    labels = [m["label"] for m in results["methods"]]
+    assert labels == ["baseline", "ngram K=1", "ngram K=3", "suffix K=1", "suffix K=3", "chain K=1", "chain K=3",
+                      "tree N=4", "tree N=8", "draft K=1", "draft K=3"]
+    baseline = results["methods"][0]
+    assert baseline["tau"] == 1.0 and baseline["speedup"] == 1.0
+    for m in results["methods"][1:]:
+        assert m["exactness"] == {"checked": 6, "identical": 6, "near_ties": [], "failures": []}, m["label"]
+        assert m["tokens"] == baseline["tokens"]  # the same text, so the same token count
+        assert m["speedup"] == pytest.approx(m["tokens_per_second"] / baseline["tokens_per_second"], rel=1e-3)
+        assert len(m["acceptance"]) == (m["k"] if m["method"] != "tree" else len(m["acceptance"])) >= 1
+    draft3 = next(m for m in results["methods"] if m["label"] == "draft K=3")
+    assert draft3["tau"] > 1.0 and draft3["verified_tokens_per_step"] > 1.0
+    tree8 = next(m for m in results["methods"] if m["label"] == "tree N=8")
+    assert 4 < tree8["verified_tokens_per_step"] <= 8
+    assert set(results["best"]) == {"ngram", "suffix", "chain", "tree", "draft"}
+    assert set(baseline["tau_by_category"]) == {"coding", "writing"}
+    # second turns were asked after the baseline's own first answer
+    q0 = results["conversations"]["q0"]
+    assert [m["role"] for m in q0] == ["user", "assistant", "user", "assistant"]
+    assert len(q0[1]["content"]) > 0 and q0[2]["content"] == "now say it again"
+    # the report: a table row per configuration, and three real PNG figures
+    report = (out / "report.md").read_text()
+    assert all(f"| {label} |" in report for label in labels)
+    from PIL import Image
+
+    for name in ("acceptance.png", "speedup.png", "tau_vs_k.png"):
+        with Image.open(out / name) as image:
+            assert image.format == "PNG" and image.size[0] > 300
+    assert "best per method" in result.output and "tree N=" in result.output
+
+
+def test_eval_logs_the_table_and_figures_to_wandb_offline(tiny_target_dir, eagle3_head, tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc: auto means offline
+    out = tmp_path / "eval"
+    args = eval_args(tiny_target_dir, eagle3_head, write_prompts(tmp_path / "p.jsonl", 1), out,
+                     "eval.methods=[ngram,chain]", "eval.max_turns=1")
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    runs = list((out / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1
+    images = sorted(p.name.rsplit("_", 2)[0] for p in (runs[0] / "files" / "media" / "images" / "eval").glob("*.png"))
+    assert images == ["acceptance", "speedup", "tau_vs_k"]
+    tables = list((runs[0] / "files" / "media" / "table" / "eval").glob("results_*.table.json"))
+    table = json.loads(tables[0].read_text())
+    assert [row[0] for row in table["data"]] == ["baseline", "ngram K=1", "ngram K=3", "chain K=1", "chain K=3"]
+
+
+def test_a_divergence_that_is_not_a_near_tie_fails_the_command(tiny_target_dir, eagle3_head, tmp_path, monkeypatch):
+    """A verifier that accepts every draft breaks exactness: eval must say so and exit with code 3."""
+    import mtptrain.engine.generate as generate_module
+    from mtptrain.engine.verify import Verdict
+
+    def accepts_everything(draft, logits):
+        return Verdict(len(draft), draft + [int(logits[len(draft)].argmax())])
+
+    monkeypatch.setattr(generate_module, "verify_greedy", accepts_everything)
+    out = tmp_path / "eval"
+    args = eval_args(tiny_target_dir, eagle3_head, write_prompts(tmp_path / "p.jsonl", 2), out,
+                     "eval.methods=[chain]", "eval.k=[2]", "eval.max_turns=1")
+    result = CliRunner().invoke(app, [*args, "--no-wandb"])
+    assert result.exit_code == 3, result.output
+    assert "differ from the baseline beyond a near-tie" in result.output
+    chain = json.loads((out / "results.json").read_text())["methods"][1]
+    assert len(chain["exactness"]["failures"]) == 2 and chain["exactness"]["identical"] == 0
+    assert all(f["top2_gap"] >= 1e-3 for f in chain["exactness"]["failures"])
+    assert "FAILURE" in (out / "report.md").read_text()
+
+
+def test_sampled_eval_runs_every_method_and_skips_the_exactness_check(tiny_target_dir, eagle3_head, tmp_path):
+    out = tmp_path / "eval"
+    args = eval_args(tiny_target_dir, eagle3_head, write_prompts(tmp_path / "p.jsonl", 2), out,
+                     "eval.methods=[ngram,chain,tree]", "eval.temperature=1.0", "eval.top_p=0.9", "eval.max_turns=1")
+    result = CliRunner().invoke(app, [*args, "--no-wandb"])
+    assert result.exit_code == 0, result.output
+    results = json.loads((out / "results.json").read_text())
+    assert results["settings"]["temperature"] == 1.0
+    assert all(m["exactness"]["checked"] == 0 for m in results["methods"])
+    assert all(m["steps"] > 0 for m in results["methods"])
+
+
+def test_an_mtp_head_drafts_chains_up_to_its_depths_and_no_trees(tiny_target_dir, tmp_path):
+    head = save_random_head(tiny_target_dir, tmp_path / "mtp", HeadSpec("mtp", last_layer=3, mtp_depths=2))
+    out = tmp_path / "eval"
+    args = eval_args(tiny_target_dir, head, write_prompts(tmp_path / "p.jsonl", 2), out,
+                     "eval.methods=[chain,tree]", "eval.k=[1,2,3]", "eval.max_turns=1")
+    result = CliRunner().invoke(app, [*args, "--no-wandb"])
+    assert result.exit_code == 0, result.output
+    results = json.loads((out / "results.json").read_text())
+    assert [m["label"] for m in results["methods"]] == ["baseline", "chain K=1", "chain K=2"]
+    assert all(m["exactness"]["identical"] == 2 for m in results["methods"][1:])
+    assert any("at most 2 tokens" in n for n in results["notes"]) and any("chains only" in n for n in results["notes"])
+    assert "note: tree: MTP heads draft chains only" in result.output
+
+
+def test_eval_errors_name_the_missing_piece(tiny_target_dir, other_target_dir, eagle3_head, tmp_path):
+    prompts = write_prompts(tmp_path / "p.jsonl", 1)
+    missing = CliRunner().invoke(app, eval_args(tiny_target_dir, tmp_path / "nowhere", prompts, tmp_path / "e"))
+    assert missing.exit_code == 1
+    assert "no trained head at" in missing.output and "mtptrain train" in missing.output
+    other = CliRunner().invoke(app, eval_args(other_target_dir, eagle3_head, prompts, tmp_path / "e"))
+    assert other.exit_code == 1 and "trained for target" in other.output
+    draft = CliRunner().invoke(app, eval_args(tiny_target_dir, eagle3_head, prompts, tmp_path / "e",
+                                              "eval.methods=[draft]"))
+    assert draft.exit_code == 1 and "eval.draft_layers" in draft.output
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"turns": ["fine"]}\n{"turns": []}\n')
+    broken = CliRunner().invoke(app, eval_args(tiny_target_dir, eagle3_head, bad, tmp_path / "e"))
+    assert broken.exit_code == 1 and "bad.jsonl:2" in broken.output
+    unknown = CliRunner().invoke(app, eval_args(tiny_target_dir, eagle3_head, prompts, tmp_path / "e",
+                                                "eval.methods=[medusa]"))
+    assert unknown.exit_code == 2 and "eval.methods" in unknown.output
