@@ -16,6 +16,7 @@ setup: $(BIN)/mtptrain
 quickstart: setup
 	$(BIN)/mtptrain precompute --recipe recipes/quickstart.yaml $(foreach s,$(SET),--set $(s))
 	$(BIN)/mtptrain train --recipe recipes/quickstart.yaml $(foreach s,$(SET),--set $(s))
+	$(BIN)/mtptrain eval --recipe recipes/quickstart.yaml $(foreach s,$(SET),--set $(s))
 
 test: setup
 	$(BIN)/python -m pytest -q
@@ -23,6 +24,7 @@ test: setup
 bench: setup
 	$(BIN)/python benchmarks/precompute_throughput.py
 	$(BIN)/python benchmarks/train_throughput.py
+	$(BIN)/python benchmarks/engine_speed.py
 
 clean:
 	rm -rf runs .pytest_cache

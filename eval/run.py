@@ -25,6 +25,7 @@ import torch
 
 from eval.prompts import load_prompts
 from mtptrain.config import Recipe
+from mtptrain.engine.cpu_matmul import skinny_linears
 from mtptrain.engine.generate import GenerationStats, generate
 from mtptrain.engine.runner import TargetRunner
 from mtptrain.engine.verify import Sampling
@@ -114,17 +115,19 @@ def head_directory(recipe: Recipe) -> Path:
     return Path(recipe.eval.head) if recipe.eval.head else Path(recipe.train.output_dir) / "head"
 
 
-def build_configs(recipe: Recipe, target, sampling: Sampling) -> tuple[list[Config], dict | None, list[str]]:
-    """The baseline and every (method, K / budget) of the recipe; the head's description; notes on skips."""
+def build_configs(recipe: Recipe, target, sampling: Sampling) -> tuple[list[Config], dict | None, list[str], list]:
+    """The baseline and every (method, K / budget) of the recipe; the head's description; notes on skips;
+    the drafting modules (head, draft model) besides the target."""
     from mtptrain.engine.draft_model import DraftModelProposer, truncated_target
     from mtptrain.engine.ngram import NgramProposer
     from mtptrain.engine.suffix_index import SuffixIndexProposer
 
     ev = recipe.eval
-    configs, notes, head_info = [Config("baseline", "baseline")], [], None
+    configs, notes, head_info, modules = [Config("baseline", "baseline")], [], None, []
     head = spec = None
     if any(m in HEAD_METHODS for m in ev.methods):
         head, spec, head_info = _load_head(recipe, target)
+        modules.append(head)
     seed = ev.seed + 7919  # the drafters' own stream, apart from the engine's
     for method in ev.methods:
         if method == "ngram":
@@ -154,9 +157,10 @@ def build_configs(recipe: Recipe, target, sampling: Sampling) -> tuple[list[Conf
                 configs.append(Config(f"tree N={budget}", "tree", ev.tree_depth, budget, make, uses_head=True))
         elif method == "draft":
             model = _draft_model(recipe, target)
+            modules.append(model)
             for k in ev.k:
                 configs.append(Config(f"draft K={k}", "draft", k, make=lambda m=model: DraftModelProposer(m, sampling, seed)))
-    return configs, head_info, notes
+    return configs, head_info, notes, modules
 
 
 def _chain_factory(head, spec, sampling, seed):
@@ -213,8 +217,6 @@ def top2_gap(model, context: list[int]) -> float:
 
 
 def run_eval(recipe: Recipe, wandb: str | None = None, show_progress: bool = True) -> dict:
-    from tqdm import tqdm
-
     from mtptrain.target import load_target
 
     ev = recipe.eval
@@ -222,7 +224,7 @@ def run_eval(recipe: Recipe, wandb: str | None = None, show_progress: bool = Tru
     prompts = load_prompts(ev.prompts, ev.max_prompts)
     target = load_target(recipe.target)
     sampling = Sampling(ev.temperature, ev.top_k, ev.top_p)
-    configs, head_info, notes = build_configs(recipe, target, sampling)
+    configs, head_info, notes, modules = build_configs(recipe, target, sampling)
     for note in notes:
         log.warning(note)
     capture = []
@@ -233,33 +235,11 @@ def run_eval(recipe: Recipe, wandb: str | None = None, show_progress: bool = Tru
     requests = [(p, t) for p in prompts for t in range(min(len(p.turns), ev.max_turns or len(p.turns)))]
     tallies = [Tally(c) for c in configs]
 
-    _warm_up(configs, plain, reading, chat_ids(target.tokenizer, [{"role": "user", "content": "Hello!"}]), ev, sampling,
-             stops)
-    proposers = [c.make() if c.make else None for c in configs]
-    answers: dict[str, list[dict]] = {}
-    bar = tqdm(total=len(requests) * len(configs), desc="eval", unit="gen", disable=not show_progress)
-    for index, (prompt, turn) in enumerate(requests):
-        history = answers.setdefault(prompt.id, [])
-        messages = history + [{"role": "user", "content": prompt.turns[turn]}]
-        ids = chat_ids(target.tokenizer, messages)
-        reference = None
-        for tally, proposer in zip(tallies, proposers):
-            c = tally.config
-            bar.set_postfix_str(c.label)
-            runner = reading if c.uses_head else plain
-            started = time.perf_counter()
-            result = generate(runner, ids, ev.max_new_tokens, proposer, k=c.k or 1, sampling=sampling, eos=stops,
-                              seed=ev.seed + index)
-            seconds = time.perf_counter() - started
-            tally.add(len(result.tokens), seconds, result.stats, prompt.category or "all")
-            if reference is None:
-                reference = result.tokens
-            elif sampling.greedy:
-                _check_exact(tally, target.model, ids, reference, result.tokens, ev.near_tie, f"{prompt.id}/{turn + 1}")
-            bar.update()
-        answer = target.tokenizer.decode(reference, skip_special_tokens=True)
-        answers[prompt.id] = messages + [{"role": "assistant", "content": answer}]
-    bar.close()
+    skinny = ev.cpu_matmul == "skinny" and target.device.type == "cpu"
+    with skinny_linears(target.model, *modules, enabled=skinny):
+        _warm_up(configs, plain, reading, chat_ids(target.tokenizer, [{"role": "user", "content": "Hello!"}]), ev,
+                 sampling, stops)
+        answers = _measure(requests, tallies, plain, reading, target, ev, sampling, stops, show_progress)
     plain.close(), reading.close()
 
     baseline_tps = tallies[0].tokens / tallies[0].seconds if tallies[0].seconds else None
@@ -272,7 +252,8 @@ def run_eval(recipe: Recipe, wandb: str | None = None, show_progress: bool = Tru
                      "top_p": ev.top_p, "seed": ev.seed, "near_tie": ev.near_tie,
                      "tree": {"branch": ev.tree_branch, "depth": ev.tree_depth}},
         "machine": {"device": str(target.device), "dtype": str(next(target.model.parameters()).dtype),
-                    "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine()},
+                    "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
+                    "linear_layers": "W @ x.T for short inputs" if skinny else "torch stock"},
         "notes": notes,
         "methods": [t.summary(baseline_tps) for t in tallies],
         "conversations": answers,  # the baseline's answers: the context of every later turn
@@ -285,6 +266,36 @@ def run_eval(recipe: Recipe, wandb: str | None = None, show_progress: bool = Tru
     results["files"] = write_report(results, out_dir)
     _log_wandb(recipe, results, out_dir, wandb)
     return results
+
+
+def _measure(requests, tallies, plain, reading, target, ev, sampling, stops, show_progress) -> dict[str, list[dict]]:
+    """Every configuration on every request, interleaved; returns the baseline's conversations."""
+    from tqdm import tqdm
+
+    proposers = [t.config.make() if t.config.make else None for t in tallies]
+    answers: dict[str, list[dict]] = {}
+    bar = tqdm(total=len(requests) * len(tallies), desc="eval", unit="gen", disable=not show_progress)
+    for index, (prompt, turn) in enumerate(requests):
+        messages = answers.get(prompt.id, []) + [{"role": "user", "content": prompt.turns[turn]}]
+        ids = chat_ids(target.tokenizer, messages)
+        reference = None
+        for tally, proposer in zip(tallies, proposers):
+            c = tally.config
+            bar.set_postfix_str(c.label)
+            started = time.perf_counter()
+            result = generate(reading if c.uses_head else plain, ids, ev.max_new_tokens, proposer, k=c.k or 1,
+                              sampling=sampling, eos=stops, seed=ev.seed + index)
+            seconds = time.perf_counter() - started
+            tally.add(len(result.tokens), seconds, result.stats, prompt.category or "all")
+            if reference is None:
+                reference = result.tokens
+            elif sampling.greedy:
+                _check_exact(tally, target.model, ids, reference, result.tokens, ev.near_tie, f"{prompt.id}/{turn + 1}")
+            bar.update()
+        answer = target.tokenizer.decode(reference, skip_special_tokens=True)
+        answers[prompt.id] = messages + [{"role": "assistant", "content": answer}]
+    bar.close()
+    return answers
 
 
 def _warm_up(configs, plain, reading, ids, ev, sampling, stops) -> None:
