@@ -35,6 +35,7 @@ def load_prompts(source: str, limit: int | None = None) -> list[Prompt]:
     if not path.is_file():
         raise PromptSetError(f"prompt file {path} does not exist")
     prompts: list[Prompt] = []
+    seen: dict[str, int] = {}
     with open(path, encoding="utf-8") as fh:
         for lineno, line in enumerate(fh, start=1):
             if not line.strip():
@@ -48,8 +49,12 @@ def load_prompts(source: str, limit: int | None = None) -> list[Prompt]:
                 turns = [row["prompt"]]
             if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t.strip() for t in turns):
                 raise PromptSetError(f"{path}:{lineno}: expected \"turns\": [non-empty strings] or \"prompt\": str")
-            prompts.append(Prompt(str(row.get("question_id", row.get("id", lineno))),
-                                  str(row.get("category", "")), turns))
+            prompt_id = str(row.get("question_id", row.get("id", lineno)))
+            if prompt_id in seen:  # later turns are keyed by id: two prompts must not share one
+                raise PromptSetError(f"{path}:{lineno}: id {prompt_id!r} already used on line {seen[prompt_id]}; "
+                                     "give every prompt its own id")
+            seen[prompt_id] = lineno
+            prompts.append(Prompt(prompt_id, str(row.get("category", "")), turns))
             if limit is not None and len(prompts) >= limit:
                 break
     return prompts

@@ -87,7 +87,7 @@ class Tally:
         return {
             "label": c.label, "method": c.method, "k": c.k, "budget": c.budget,
             "tokens": self.tokens, "seconds": round(self.seconds, 3), "tokens_per_second": round(tps, 3),
-            "speedup": round(tps / baseline_tps, 4) if baseline_tps else None,
+            "speedup": round(tps / baseline_tps, 4) if baseline_tps else 0.0,
             "tau": round(s.tau, 4), "steps": s.steps,
             "acceptance": [round(a, 4) for a in s.acceptance()],
             "draft_ms_per_step": round(1000 * s.draft_seconds / s.steps, 3) if s.steps else 0.0,
@@ -326,10 +326,11 @@ def _check_exact(tally: Tally, model, prompt: list[int], reference: list[int], t
 
 
 def best_configs(methods: list[dict]) -> dict:
-    """Per method, the configuration with the highest measured speedup (the optimum K or budget here)."""
+    """Per method, the configuration with the highest measured speedup (the optimum K or budget here), among
+    those without exactness failures."""
     best: dict[str, dict] = {}
     for m in methods:
-        if m["method"] == "baseline":
+        if m["method"] == "baseline" or m["exactness"]["failures"]:
             continue
         if m["method"] not in best or (m["speedup"] or 0) > (best[m["method"]]["speedup"] or 0):
             best[m["method"]] = m

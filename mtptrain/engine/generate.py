@@ -73,10 +73,12 @@ def generate(runner: TargetRunner, prompt: list[int], max_new_tokens: int, propo
     observes = hasattr(proposer, "observe")
     if observes:  # drafters that read the target's states see them for every committed position
         proposer.observe(0, runner.hidden, prompt[1:] + [first])
+    sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)  # honest step timings
     while len(out) < max_new_tokens and out[-1] not in eos:
         started = time.perf_counter()
         budget = min(k, max_new_tokens - len(out))
         proposal = proposer.propose(prompt + out, budget) if proposer is not None and budget else ([], None)
+        sync()
         verifying = time.perf_counter()
         committed = len(prompt) + len(out)  # the cache holds committed - 1 tokens; pending goes next
         if isinstance(proposal, DraftTree):
@@ -98,16 +100,18 @@ def generate(runner: TargetRunner, prompt: list[int], max_new_tokens: int, propo
             runner.rollback(committed + verdict.accepted)
             rows = list(range(verdict.accepted + 1))
             drafted = size = len(draft)
+        sync()
         verified = time.perf_counter()
         if observes:  # the drafter catches up on the target's states: drafting work, timed as such
             kept = {layer: states[rows] for layer, states in runner.hidden.items()}
             proposer.observe(committed - 1, kept, verdict.emitted)
+        sync()
         stats.draft_seconds += (verifying - started) + (time.perf_counter() - verified)
         stats.verify_seconds += verified - verifying
-        emitted = _until_eos(verdict.emitted, eos)
+        emitted = _until_eos(verdict.emitted, eos)[: max_new_tokens - len(out)]  # a bonus past the end is dropped
         stats.record(drafted, verdict.accepted, len(emitted), size)
         out.extend(emitted)
-    tokens = _until_eos(out, eos)[:max_new_tokens]
+    tokens = _until_eos(out, eos)
     if hasattr(proposer, "finish"):  # drafters that learn from finished requests (the suffix index)
         proposer.finish(prompt + tokens)
     return Generation(tokens, stats)

@@ -75,7 +75,8 @@ class MTPChainProposer:
         for depth in range(1, min(k, self.depths) + 1):
             done = self._count(depth)
             if depth > 1:  # run depth over positions done .. last with drafts for the missing tokens
-                previous = torch.cat([self.states[depth - 1][done:], fresh.get(depth - 1, self.states[0][:0])])
+                stored = self.states[depth - 1] if self.states[depth - 1] is not None else self.states[0][:0]
+                previous = torch.cat([stored[done:], fresh.get(depth - 1, self.states[0][:0])])
                 known = tokens + draft
                 ids = torch.tensor([known[done + depth : last + 1 + depth]], device=device)
                 fresh[depth] = self.head.step(depth, previous[None], ids, cache=self.caches[depth - 1])[0]

@@ -50,21 +50,26 @@ class TargetRunner:
     @torch.inference_mode()
     def forward_tree(self, pending: int, tree: DraftTree) -> torch.Tensor:
         """Logits [N+1, V] for [pending, tree nodes] under the tree mask (see engine/tree.py)."""
+        attention = getattr(self.model.config, "_attn_implementation", "sdpa")
+        if attention not in ("sdpa", "eager"):
+            raise ValueError(f"tree verification needs an attention that takes an arbitrary mask (sdpa or eager), "
+                             f"and the target runs {attention}: set target.attn_implementation=sdpa")
         dtype = self.model.get_input_embeddings().weight.dtype
         mask, positions = tree.attention(self.length, dtype, self.device)
         ids = torch.tensor([[pending] + tree.tokens], device=self.device)
         out = self.model(ids, attention_mask=mask, position_ids=positions, past_key_values=self.cache, use_cache=True)
         return out.logits[0]
 
+    @torch.inference_mode()
     def keep(self, length: int, rows: list[int]) -> None:
         """Keep the first `length` cached tokens and, after them, the entries at length + r for r in rows
         (the accepted path of a verified tree), in that order."""
-        if rows == list(range(len(rows))):
-            return self.rollback(length + len(rows))
-        index = torch.cat([torch.arange(length), length + torch.tensor(rows, dtype=torch.long)]).to(self.device)
-        for layer in self.cache.layers:
-            layer.keys = layer.keys.index_select(-2, index)
-            layer.values = layer.values.index_select(-2, index)
+        if rows != list(range(len(rows))):  # move the path's entries next to the prefix (only those are copied)
+            index = (length + torch.tensor(rows, dtype=torch.long)).to(self.device)
+            for layer in self.cache.layers:
+                layer.keys[..., length : length + len(rows), :] = layer.keys.index_select(-2, index)
+                layer.values[..., length : length + len(rows), :] = layer.values.index_select(-2, index)
+        self.rollback(length + len(rows))
 
     def rollback(self, length: int) -> None:
         """Keep the first `length` cached tokens: the accepted prefix after a verification."""

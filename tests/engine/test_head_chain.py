@@ -73,7 +73,7 @@ def test_the_head_cache_after_verification_holds_the_true_prefix(kind, drafting)
         with_oracle(proposer, prompt + generate(TargetRunner(model), prompt, 20).tokens)
     result = generate(runner, prompt, 20, proposer, k=3)
     if drafting == "oracle-chain":
-        assert result.stats.tau >= 2.5
+        assert result.stats.tau > 2.0
     committed = prompt + result.tokens
     # The head has seen pairs (h_t, x_{t+1}) for t up to the position before the last pending token
     # (plus the draft entries of the round in flight, cut back at the next observe).
@@ -234,3 +234,15 @@ def test_sampling_with_the_mtp_chain_stays_exact_in_law():
     empirical, drafted, rejected = engine_two_token_law(model, prompt, sampling, make, 2500, capture=[3])
     assert drafted == 2500 and rejected > 0
     assert 0.5 * (empirical - exact).abs().sum() < 0.15
+
+
+def test_mtp_chain_drafts_from_a_one_token_prompt():
+    from mtptrain.engine.mtp_chain import MTPChainProposer
+
+    model = make_tiny_llama(400, seed=3).double()
+    spec = HeadSpec("mtp", last_layer=3, mtp_depths=3)
+    torch.manual_seed(0)
+    head = build_head(spec, FrozenTarget.of(model)).double()
+    reference = generate(TargetRunner(model), [7], 12).tokens
+    result = generate(TargetRunner(model, capture=[3]), [7], 12, MTPChainProposer(head, spec), k=3)
+    assert result.tokens == reference and result.stats.proposed[0] > 0

@@ -188,3 +188,14 @@ def test_trees_are_refused_when_a_child_precedes_its_parent():
     with pytest.raises(ValueError, match="listed before"):
         DraftTree([1, 2], [1, -1])
     assert DraftTree.chain([4, 5, 6]).depths() == [1, 2, 3]
+
+
+def test_tree_verification_refuses_an_attention_that_ignores_the_tree_mask(model64):
+    runner = TargetRunner(model64)
+    runner.forward([1, 2, 3])
+    model64.config._attn_implementation = "flash_attention_2"
+    try:
+        with pytest.raises(ValueError, match="target.attn_implementation=sdpa"):
+            runner.forward_tree(4, DraftTree.chain([5, 6]))
+    finally:
+        model64.config._attn_implementation = "sdpa"

@@ -22,3 +22,10 @@ def test_jsonl_prompt_files(tmp_path):
         load_prompts(str(path))
     with pytest.raises(PromptSetError, match="does not exist"):
         load_prompts(str(tmp_path / "none.jsonl"))
+
+
+def test_two_prompts_with_one_id_are_refused(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"id": "a", "prompt": "x"}\n{"id": "b", "prompt": "y"}\n{"id": "a", "prompt": "z"}\n')
+    with pytest.raises(PromptSetError, match=r"p.jsonl:3: id 'a' already used on line 1"):
+        load_prompts(str(path))
