@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from mtptrain.engine.runner import TargetRunner
-from mtptrain.engine.verify import Sampling, distribution
+from mtptrain.engine.verify import Sampling, choose
 
 
 class DraftModelProposer:
@@ -48,10 +48,7 @@ class DraftModelProposer:
         return draft, None if self.sampling.greedy else torch.stack(probs)
 
     def _choose(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
-        if self.sampling.greedy:
-            return int(logits.argmax()), None
-        q = distribution(logits, self.sampling)
-        return int(torch.multinomial(q, 1, generator=self.generator)), q
+        return choose(logits, self.sampling, self.generator)
 
 
 def truncated_target(model: nn.Module, layers: int) -> nn.Module:

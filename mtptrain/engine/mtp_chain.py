@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from mtptrain.engine.verify import Sampling, distribution
+from mtptrain.engine.verify import Sampling, choose
 
 
 class MTPChainProposer:
@@ -87,7 +87,4 @@ class MTPChainProposer:
         return draft, None if self.sampling.greedy else torch.stack(probs)
 
     def _choose(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
-        if self.sampling.greedy:
-            return int(logits.argmax()), None
-        q = distribution(logits, self.sampling)
-        return int(torch.multinomial(q, 1, generator=self.generator)), q
+        return choose(logits, self.sampling, self.generator)

@@ -54,6 +54,14 @@ def distribution(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     return probs
 
 
+def choose(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> tuple[int, torch.Tensor | None]:
+    """A drafter's token and its distribution q: the argmax and None when greedy, else a sample of q."""
+    if sampling.greedy:
+        return int(logits.argmax()), None
+    q = distribution(logits, sampling)
+    return int(torch.multinomial(q, 1, generator=generator)), q
+
+
 @dataclass
 class Verdict:
     accepted: int  # leading draft tokens accepted

@@ -94,18 +94,22 @@ def test_the_head_cache_after_verification_holds_the_true_prefix(kind, drafting)
         assert torch.allclose(ours.values, theirs.values, atol=1e-9)
 
 
-def test_sampling_with_the_head_chain_stays_exact_in_law():
+@pytest.mark.parametrize("kind", ["eagle", "mtp"])
+def test_sampling_with_head_drafts_stays_exact_in_law(kind):
     """Temperature 1, 12-token vocabulary: law of the first two tokens equals the target's exact law."""
+    from mtptrain.engine.mtp_chain import MTPChainProposer
+
     vocab = 12
     model = make_tiny_llama(vocab, seed=4).double()
-    spec = HeadSpec("eagle", last_layer=3)
+    spec = HeadSpec(kind, last_layer=3, mtp_depths=2)
+    drafter = HeadChainProposer if kind == "eagle" else MTPChainProposer
     torch.manual_seed(0)
     head = build_head(spec, FrozenTarget.of(model)).double()
     prompt, sampling = [1, 5, 7, 2], Sampling(temperature=1.0)
     exact = exact_two_token_law(model, prompt, sampling)
-    make = lambda seed: HeadChainProposer(head, spec, sampling, seed=seed)  # noqa: E731
-    empirical, drafted, _ = engine_two_token_law(model, prompt, sampling, make, 2500, capture=[3])
-    assert drafted == 2500
+    make = lambda seed: drafter(head, spec, sampling, seed=seed)  # noqa: E731
+    empirical, drafted, rejected = engine_two_token_law(model, prompt, sampling, make, 2500, capture=[3])
+    assert drafted == 2500 and rejected > 0
     assert 0.5 * (empirical - exact).abs().sum() < 0.15
 
 
@@ -218,22 +222,6 @@ def test_mtp_chain_output_is_the_targets_greedy_output_and_its_caches_hold_the_t
             n = b.keys.shape[-2]
             assert torch.allclose(a.keys[..., :n, :], b.keys, atol=1e-9)
             assert torch.allclose(a.values[..., :n, :], b.values, atol=1e-9)
-
-
-def test_sampling_with_the_mtp_chain_stays_exact_in_law():
-    from mtptrain.engine.mtp_chain import MTPChainProposer
-
-    vocab = 12
-    model = make_tiny_llama(vocab, seed=4).double()
-    spec = HeadSpec("mtp", last_layer=3, mtp_depths=2)
-    torch.manual_seed(0)
-    head = build_head(spec, FrozenTarget.of(model)).double()
-    prompt, sampling = [1, 5, 7, 2], Sampling(temperature=1.0)
-    exact = exact_two_token_law(model, prompt, sampling)
-    make = lambda seed: MTPChainProposer(head, spec, sampling, seed=seed)  # noqa: E731
-    empirical, drafted, rejected = engine_two_token_law(model, prompt, sampling, make, 2500, capture=[3])
-    assert drafted == 2500 and rejected > 0
-    assert 0.5 * (empirical - exact).abs().sum() < 0.15
 
 
 def test_mtp_chain_drafts_from_a_one_token_prompt():
