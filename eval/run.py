@@ -118,7 +118,7 @@ def head_directory(recipe: Recipe) -> Path:
 def build_configs(recipe: Recipe, target, sampling: Sampling) -> tuple[list[Config], dict | None, list[str], list]:
     """The baseline and every (method, K / budget) of the recipe; the head's description; notes on skips;
     the drafting modules (head, draft model) besides the target."""
-    from mtptrain.engine.draft_model import DraftModelProposer, truncated_target
+    from mtptrain.engine.draft_model import DraftModelProposer
     from mtptrain.engine.ngram import NgramProposer
     from mtptrain.engine.suffix_index import SuffixIndexProposer
 
