@@ -30,8 +30,8 @@ from pathlib import Path
 
 import torch
 
+from data_prep.chat import prompt_ids, stop_tokens
 from eval.prompts import load_prompts
-from eval.run import chat_ids, stop_tokens
 from mtptrain.config import TargetConfig
 from mtptrain.engine.cpu_matmul import skinny_linears
 from mtptrain.engine.generate import generate
@@ -126,8 +126,8 @@ def main() -> None:
     else:
         print(f"(no head at {head_dir}: chain and tree are not measured; run `make quickstart` first)")
 
-    prompts = [chat_ids(tok, [{"role": "user", "content": p.turns[0]}]) for p in load_prompts("mtbench", args.prompts)]
-    warm = chat_ids(tok, [{"role": "user", "content": "Hello!"}])
+    prompts = [prompt_ids(tok, [{"role": "user", "content": p.turns[0]}]) for p in load_prompts("mtbench", args.prompts)]
+    warm = prompt_ids(tok, [{"role": "user", "content": "Hello!"}])
     def timed(m, ids, n):
         with skinny_linears(model, *extra, enabled=m.skinny):
             start = time.perf_counter()

@@ -33,6 +33,20 @@ def render(tokenizer, messages: list[dict], add_generation_prompt: bool = False)
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
+def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of `messages` rendered with the generation prompt: what the target answers."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def stop_tokens(tokenizer, model) -> set[int]:
+    """Token ids that end an answer: the tokenizer's EOS and the model's generation-config EOS ids."""
+    stops = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    stops.update(configured if isinstance(configured, list) else [configured] if configured is not None else [])
+    return stops
+
+
 def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation and the [start, end) character span of every assistant answer."""
     try:

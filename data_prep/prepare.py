@@ -6,6 +6,7 @@ import hashlib
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
@@ -70,14 +71,20 @@ def prepare_samples(cfg: DataConfig, tokenizer, show_progress: bool = True) -> t
     stats = RowStats()
     samples: list[Sample] = []
     seen: Counter = Counter()  # keys in use -> repeats of that id so far
-    rows = read_rows(cfg.source, split=cfg.dataset_split, config=cfg.dataset_config, limit=cfg.max_conversations)
+    source, fmt, column = cfg.source, cfg.format, cfg.messages_column
+    if cfg.regenerated:  # the same conversations with the target's own answers (`mtptrain regenerate`)
+        from data_prep.regenerate import check_complete
+
+        check_complete(Path(cfg.regenerated))
+        source, fmt, column = cfg.regenerated, "messages", None
+    rows = read_rows(source, split=cfg.dataset_split, config=cfg.dataset_config, limit=cfg.max_conversations)
     for row in tqdm(rows, desc="tokenizing", unit=" rows", disable=not show_progress, total=cfg.max_conversations):
         stats.rows += 1
         if row.problem is not None:
             stats.skip(row.ref, *row.problem)
             continue
         try:
-            conversation = normalise(row.value, row.ref, cfg.format, cfg.messages_column)
+            conversation = normalise(row.value, row.ref, fmt, column)
             tokenized = tokenize_conversation(tokenizer, conversation.messages, cfg.max_length, cfg.overlong)
         except BadRow as bad:
             stats.skip(row.ref, bad.reason, bad.detail)
@@ -93,6 +100,6 @@ def prepare_samples(cfg: DataConfig, tokenizer, show_progress: bool = True) -> t
                               tokenized.input_ids, tokenized.loss_mask))
     log.info("data: %s", stats.report())
     if not samples:
-        raise NoUsableData(f"no usable conversation in {cfg.source}:\n{stats.report()}\n"
+        raise NoUsableData(f"no usable conversation in {source}:\n{stats.report()}\n"
                            "Check data.source and data.format (and data.max_length if rows are over-long).")
     return samples, stats

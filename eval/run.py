@@ -23,6 +23,7 @@ from typing import Callable
 
 import torch
 
+from data_prep.chat import prompt_ids, stop_tokens
 from eval.prompts import load_prompts
 from mtptrain.config import Recipe
 from mtptrain.engine.cpu_matmul import skinny_linears
@@ -97,18 +98,6 @@ class Tally:
             "exactness": {"checked": self.checked, "identical": self.identical,
                           "near_ties": self.near_ties, "failures": self.failures},
         }
-
-
-def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-
-
-def stop_tokens(tokenizer, model) -> set[int]:
-    stops = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    stops.update(configured if isinstance(configured, list) else [configured] if configured is not None else [])
-    return stops
 
 
 def head_directory(recipe: Recipe) -> Path:
@@ -237,7 +226,7 @@ def run_eval(recipe: Recipe, wandb: str | None = None, show_progress: bool = Tru
 
     skinny = ev.cpu_matmul == "skinny" and target.device.type == "cpu"
     with skinny_linears(target.model, *modules, enabled=skinny):
-        _warm_up(configs, plain, reading, chat_ids(target.tokenizer, [{"role": "user", "content": "Hello!"}]), ev,
+        _warm_up(configs, plain, reading, prompt_ids(target.tokenizer, [{"role": "user", "content": "Hello!"}]), ev,
                  sampling, stops)
         answers = _measure(requests, tallies, plain, reading, target, ev, sampling, stops, show_progress)
     plain.close(), reading.close()
@@ -277,7 +266,7 @@ def _measure(requests, tallies, plain, reading, target, ev, sampling, stops, sho
     bar = tqdm(total=len(requests) * len(tallies), desc="eval", unit="gen", disable=not show_progress)
     for index, (prompt, turn) in enumerate(requests):
         messages = answers.get(prompt.id, []) + [{"role": "user", "content": prompt.turns[turn]}]
-        ids = chat_ids(target.tokenizer, messages)
+        ids = prompt_ids(target.tokenizer, messages)
         reference = None
         for tally, proposer in zip(tallies, proposers):
             c = tally.config

@@ -30,6 +30,23 @@ def _recipe(recipe: Optional[Path], overrides: Optional[list[str]]):
 
 
 @app.command()
+def regenerate(recipe: RecipeOpt = None, overrides: SetOpt = None,
+               progress: Annotated[bool, typer.Option(help="Show the progress bar.")] = True) -> None:
+    """Rewrite the assistant turns of the recipe's conversations with the target itself (self-distillation).
+
+    Reads data.source (at most data.max_conversations rows), keeps the user turns and asks the target for every
+    answer in order, batched (regenerate.batch_size), greedy or sampled (regenerate.temperature), each answer at
+    most regenerate.max_new_tokens and the whole conversation within data.max_length. Writes data.regenerated
+    (JSONL, same ids as the source); precompute then reads it in place of the original answers. Rerunning the
+    same command resumes after the last finished batch.
+    """
+    from data_prep.regenerate import format_summary, run_regenerate
+
+    cfg = _recipe(recipe, overrides)
+    typer.echo(format_summary(_guarded(lambda: run_regenerate(cfg, show_progress=progress))))
+
+
+@app.command()
 def precompute(recipe: RecipeOpt = None, overrides: SetOpt = None,
                progress: Annotated[bool, typer.Option(help="Show progress bars.")] = True) -> None:
     """Run the target over the recipe's conversations and store its hidden states.
@@ -99,6 +116,27 @@ def evaluate(recipe: RecipeOpt = None, overrides: SetOpt = None,
         typer.echo(f"error: {len(failures)} outputs differ from the baseline beyond a near-tie: "
                    + "; ".join(failures[:5]), err=True)
         raise typer.Exit(3)
+
+
+@app.command()
+def pipeline(recipe: RecipeOpt = None, overrides: SetOpt = None,
+             no_wandb: Annotated[bool, typer.Option("--no-wandb", help="Do not log to W&B.")] = False,
+             progress: Annotated[bool, typer.Option(help="Show progress bars.")] = True) -> None:
+    """Run the recipe end to end: regenerate (when data.regenerated is set), precompute, train, eval.
+
+    Each stage is the command of the same name with the same recipe and overrides, so a rerun after an
+    interruption resumes every stage where it stopped (finished stages are kept and not redone).
+    """
+    cfg = _recipe(recipe, overrides)
+    if cfg.data.regenerated:
+        typer.echo("== regenerate")
+        regenerate(recipe, overrides, progress)
+    typer.echo("== precompute")
+    precompute(recipe, overrides, progress)
+    typer.echo("== train")
+    train(recipe, overrides, no_wandb, progress)
+    typer.echo("== eval")
+    evaluate(recipe, overrides, no_wandb, progress)
 
 
 @app.command("recipe")

@@ -71,6 +71,28 @@ class DataConfig(_Section):
         0.02, ge=0.0, lt=1.0, description="Share of conversations held out for validation."
     )
     seed: int = Field(0, description="Seed of the deterministic train/validation split.")
+    regenerated: str | None = Field(
+        None, description="A .jsonl written by `mtptrain regenerate`: the same conversations with every assistant "
+        "turn rewritten by the target. When set, precompute reads it in place of `source` (same ids, so the same "
+        "train/validation split); unset it to train on the original answers.")
+
+
+class RegenerateConfig(_Section):
+    max_new_tokens: int = Field(512, ge=1, description="Longest regenerated answer, in tokens.")
+    max_turns: int | None = Field(
+        None, ge=1, description="Assistant turns regenerated per conversation (None = every turn that fits in "
+        "data.max_length). Later user turns are asked after the target's own earlier answers.")
+    min_answer_tokens: int = Field(
+        16, ge=1, description="A turn is generated only if at least this many tokens of data.max_length are left "
+        "after its prompt; a conversation whose first prompt leaves fewer is skipped.")
+    batch_size: int = Field(32, ge=1, description="Conversations generated together (finished rows leave the batch).")
+    temperature: float = Field(0.0, ge=0, description="0 = greedy; above 0, sampled with per-conversation seeds.")
+    top_k: int = Field(0, ge=0, description="Sampling top-k (0 = off).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Sampling top-p (1 = off).")
+    seed: int = Field(0, description="Seed of the sampling streams (one per conversation and turn).")
+    cpu_matmul: Literal["skinny", "stock"] = Field(
+        "skinny", description="On CPU, compute linear layers of decoding steps of <= 8 rows as W @ x.T "
+        "(see mtptrain/engine/cpu_matmul.py); stock = torch's path.")
 
 
 class PrecomputeConfig(_Section):
@@ -142,6 +164,12 @@ class TrainConfig(_Section):
     log_every: int = Field(10, ge=1, description="Steps between logged metrics.")
     eval_every: int = Field(100, ge=1, description="Steps between validation passes.")
     checkpoint_every: int = Field(200, ge=1, description="Steps between checkpoints (and one at the end).")
+    head_dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="dtype of the floating-point weights written to output_dir/head (bfloat16 halves "
+        "the file; eval computes in the target's dtype either way).")
+    head_snapshots: bool = Field(
+        False, description="Also write the head alone at every checkpoint, to output_dir/snapshots/step-N, each "
+        "loadable by eval (for learning curves: tau against training tokens).")
     wandb: Literal["auto", "offline", "online", "disabled"] = Field(
         "auto", description="auto = online when W&B credentials are configured, offline otherwise.")
     wandb_project: str = Field("mtptrain", description="W&B project.")

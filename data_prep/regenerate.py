@@ -1,0 +1,363 @@
+"""Self-distillation data: the training conversations with every answer rewritten by the target.
+
+A draft head is scored by how often its guesses match what the target itself
+would write, so it learns best from the target's own outputs rather than from
+the answers of whatever model wrote the dataset (EAGLE, Medusa and HASS all
+report gains from regenerated data). `mtptrain regenerate` keeps the user
+turns (and any system prompt) of each conversation of `data.source` and asks
+the target for every assistant turn in order, so later questions follow the
+target's own earlier answers, as they will when it is served.
+
+Output: `data.regenerated`, a JSONL file of `{"id", "messages", "meta"}`
+rows, with the source's ids (so the train/validation split is the same as
+for the original answers), and a state file next to it (`<output>.state.json`)
+with the settings, the target's identity and how far the job got.
+
+Resuming. Conversations are cut into batches in a fixed order (source order,
+sorted by prompt length inside windows of 8 batches to keep padding low).
+After each batch the rows are appended and fsynced, then the state records
+the batch count and the file's byte length. A rerun cuts the file back to
+that length and goes on with the next batch; sampling draws from one seeded
+generator per conversation and turn. A killed job therefore finishes with
+the same file as an uninterrupted one. Output written with other settings or
+by another target is refused, never mixed.
+
+Decoding is batched: finished rows leave the batch (their cache rows are
+dropped), so a long answer does not keep short ones computing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from data_prep.chat import prompt_ids, stop_tokens
+from data_prep.conversations import BadRow, normalise
+from data_prep.prepare import NoUsableData, RowStats
+from data_prep.readers import read_rows
+from mtptrain.config import Recipe
+from mtptrain.engine.cpu_matmul import skinny_linears
+from mtptrain.engine.verify import Sampling, distribution
+from mtptrain.io import atomic_write_json, fsync_dir
+
+log = logging.getLogger(__name__)
+WINDOW_BATCHES = 8
+STATE_VERSION = 1
+
+
+class RegenerateError(RuntimeError):
+    """The output cannot be written or resumed; the message says why and what to do."""
+
+
+def state_path(output: Path) -> Path:
+    return output.with_name(output.name + ".state.json")
+
+
+@dataclass
+class Job:
+    """One conversation being regenerated."""
+    id: str
+    ref: str
+    system: list[dict]  # a leading system message, if any
+    questions: list[str]  # the user turns, in order
+    messages: list[dict] = field(default_factory=list)  # regenerated so far
+    stopped: str | None = None  # why no further turn is asked
+    new_tokens: list[int] = field(default_factory=list)  # per answer
+    finished: list[bool] = field(default_factory=list)  # per answer: ended with a stop token
+
+
+def settings_of(recipe: Recipe) -> dict:
+    d, r = recipe.data, recipe.regenerate
+    return {"version": STATE_VERSION,
+            "source": d.source, "format": d.format, "dataset_split": d.dataset_split,
+            "dataset_config": d.dataset_config, "messages_column": d.messages_column,
+            "max_conversations": d.max_conversations, "max_length": d.max_length,
+            **{k: v for k, v in r.model_dump(mode="json").items() if k != "cpu_matmul"}}
+
+
+def read_jobs(recipe: Recipe, tokenizer, stats: RowStats) -> list[tuple[Job, int]]:
+    """Usable conversations of the source with the length of their first prompt, in source order."""
+    d = recipe.data
+    jobs = []
+    seen: Counter = Counter()  # ids in use -> repeats so far (renamed id#1, id#2 as precompute does)
+    for row in read_rows(d.source, split=d.dataset_split, config=d.dataset_config, limit=d.max_conversations):
+        stats.rows += 1
+        if row.problem is not None:
+            stats.skip(row.ref, *row.problem)
+            continue
+        try:
+            conversation = normalise(row.value, row.ref, d.format, d.messages_column)
+        except BadRow as bad:
+            stats.skip(row.ref, bad.reason, bad.detail)
+            continue
+        key = conversation.id
+        while key in seen:
+            seen[conversation.id] += 1
+            key = f"{conversation.id}#{seen[conversation.id]}"
+        seen[key] += 0
+        messages = conversation.messages
+        system = [messages[0]] if messages[0]["role"] == "system" else []
+        questions = [m["content"] for m in messages if m["role"] == "user"]
+        if not questions:
+            stats.skip(row.ref, "no user turn", "nothing to answer")
+            continue
+        job = Job(key, row.ref, system, questions)
+        jobs.append((job, len(prompt_ids(tokenizer, system + [{"role": "user", "content": questions[0]}]))))
+    return jobs
+
+
+def make_batches(jobs: list[tuple[Job, int]], batch_size: int) -> list[list[Job]]:
+    """Fixed batches: windows of WINDOW_BATCHES batches in source order, sorted by prompt length inside."""
+    batches = []
+    window = batch_size * WINDOW_BATCHES
+    for start in range(0, len(jobs), window):
+        chunk = sorted(jobs[start:start + window], key=lambda pair: pair[1])  # stable: ties keep source order
+        for b in range(0, len(chunk), batch_size):
+            batches.append([job for job, _ in chunk[b:b + batch_size]])
+    return batches
+
+
+def turn_seed(seed: int, conversation_id: str, turn: int) -> int:
+    digest = hashlib.sha256(f"{seed}:{conversation_id}:{turn}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1
+
+
+@torch.inference_mode()
+def generate_batch(model, prompts: list[list[int]], budgets: list[int], stops: set[int], sampling: Sampling,
+                   generators: list[torch.Generator | None], pad_id: int) -> list[tuple[list[int], bool]]:
+    """Decode each prompt for at most its budget of tokens. Returns (new ids without the stop token, stopped)."""
+    device = next(model.parameters()).device
+    n = len(prompts)
+    width = max(len(p) for p in prompts)
+    ids = torch.full((n, width), pad_id, dtype=torch.long)
+    mask = torch.zeros((n, width), dtype=torch.long)
+    for i, p in enumerate(prompts):  # left padding: every row's next token lands in the same column
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True,
+                logits_to_keep=1)
+    logits = out.logits[:, -1].float()
+    rows = list(range(n))  # rows[j] = original index of live row j
+    results: list[tuple[list[int], bool]] = [([], False) for _ in range(n)]
+    next_pos = positions[:, -1] + 1
+    while rows:
+        chosen = []
+        for j, i in enumerate(rows):
+            if sampling.greedy:
+                chosen.append(int(logits[j].argmax()))
+            else:
+                q = distribution(logits[j], sampling)
+                chosen.append(int(torch.multinomial(q, 1, generator=generators[i])))
+        keep = []
+        for j, (i, token) in enumerate(zip(rows, chosen)):
+            tokens, _ = results[i]
+            if token in stops:
+                results[i] = (tokens, True)
+                continue
+            tokens.append(token)
+            if len(tokens) < budgets[i]:
+                keep.append(j)
+        if not keep:
+            break
+        if len(keep) < len(rows):
+            index = torch.tensor(keep, device=device)
+            cache.batch_select_indices(index)
+            mask, next_pos = mask[index], next_pos[index]
+            chosen = [chosen[j] for j in keep]
+            rows = [rows[j] for j in keep]
+        step = torch.tensor(chosen, device=device).unsqueeze(1)
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        out = model(input_ids=step, attention_mask=mask, position_ids=next_pos.unsqueeze(1), past_key_values=cache,
+                    use_cache=True)
+        logits = out.logits[:, -1].float()
+        next_pos = next_pos + 1
+    return results
+
+
+def regenerate_jobs(model, tokenizer, batch: list[Job], recipe: Recipe, stops: set[int]) -> int:
+    """Answer every turn of a batch of conversations, turn by turn. Returns the number of new tokens."""
+    r, max_length = recipe.regenerate, recipe.data.max_length
+    sampling = Sampling(r.temperature, r.top_k, r.top_p)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stops, default=0)
+    total = 0
+    for turn in range(r.max_turns or max(len(job.questions) for job in batch)):
+        live, prompts, budgets, generators = [], [], [], []
+        for job in batch:
+            if job.stopped or turn >= len(job.questions):
+                continue
+            asked = job.system + job.messages + [{"role": "user", "content": job.questions[turn]}]
+            prompt = prompt_ids(tokenizer, asked)
+            room = max_length - len(prompt) - 1  # the end-of-turn token after the answer
+            if room < r.min_answer_tokens:
+                job.stopped = "context full"
+                continue
+            live.append(job)
+            prompts.append(prompt)
+            budgets.append(min(r.max_new_tokens, room))
+            generators.append(None if sampling.greedy else
+                              torch.Generator().manual_seed(turn_seed(r.seed, job.id, turn)))
+        if not live:
+            break
+        for job, (tokens, stopped), budget in zip(live, generate_batch(model, prompts, budgets, stops, sampling,
+                                                                       generators, pad_id), budgets):
+            text = tokenizer.decode(tokens, skip_special_tokens=True).strip()
+            total += len(tokens)
+            if not text:  # an empty answer cannot be a training turn; the conversation ends before it
+                job.stopped = "empty answer"
+                continue
+            job.messages += [{"role": "user", "content": job.questions[turn]}, {"role": "assistant", "content": text}]
+            job.new_tokens.append(len(tokens))
+            job.finished.append(stopped)
+            if not stopped:
+                job.stopped = "answer cut at max_new_tokens" if budget == r.max_new_tokens else "context full"
+    return total
+
+
+def run_regenerate(recipe: Recipe, show_progress: bool = True) -> dict:
+    from mtptrain.target import load_target
+
+    if not recipe.data.regenerated:
+        raise RegenerateError("data.regenerated is not set: give the output file, e.g. "
+                              "--set data.regenerated=runs/NAME/regenerated.jsonl")
+    output = Path(recipe.data.regenerated)
+    target = load_target(recipe.target)
+    tokenizer, model = target.tokenizer, target.model
+    settings = settings_of(recipe)
+    state = _resume_state(output, settings, target.identity())
+
+    stats = RowStats()
+    jobs = read_jobs(recipe, tokenizer, stats)
+    if not jobs:
+        raise NoUsableData(f"no usable conversation in {recipe.data.source}:\n{stats.report()}")
+    batches = make_batches(jobs, recipe.regenerate.batch_size)
+    done = state["batches_done"]
+    if done > len(batches):
+        raise RegenerateError(f"{state_path(output)} records {done} batches but the source now yields "
+                              f"{len(batches)}: the source changed; write to a new data.regenerated path")
+    _truncate(output, state["bytes"])
+    stops = stop_tokens(tokenizer, model)
+    counts = state["counts"]
+    conversations_done = sum(len(b) for b in batches[:done])
+    progress = tqdm(total=len(jobs), initial=conversations_done, desc="regenerating", unit=" conv",
+                    disable=not show_progress)
+    started, tokens_now = time.perf_counter(), 0
+    # Up to 8 rows the W @ x.T swap is faster on CPU; wider decoding batches are compute-bound and keep torch's GEMM.
+    with skinny_linears(model, max_rows=8, enabled=recipe.regenerate.cpu_matmul == "skinny"):
+        for b in range(done, len(batches)):
+            batch = batches[b]
+            tokens_now += regenerate_jobs(model, tokenizer, batch, recipe, stops)
+            lines = []
+            for job in batch:
+                if not job.messages:
+                    counts["skipped"][_reason(job)] = counts["skipped"].get(_reason(job), 0) + 1
+                    continue
+                counts["conversations"] += 1
+                counts["answers"] += len(job.new_tokens)
+                counts["answer_tokens"] += sum(job.new_tokens)
+                counts["unfinished_answers"] += job.finished.count(False)
+                lines.append(json.dumps({"id": job.id, "messages": job.system + job.messages,
+                                         "meta": {"source": job.ref, "new_tokens": job.new_tokens,
+                                                  "finished": job.finished}}, ensure_ascii=False) + "\n")
+            state["bytes"] = _append(output, lines)
+            state["batches_done"] = b + 1
+            atomic_write_json(state_path(output), state)
+            progress.update(len(batch))
+            progress.set_postfix_str(f"{tokens_now / (time.perf_counter() - started):.0f} tok/s")
+    progress.close()
+    state["complete"] = True
+    state["read"] = stats.to_dict()
+    atomic_write_json(state_path(output), state)
+    summary = {"output": str(output), "batches": len(batches), **counts, "read": stats.to_dict(),
+               "tokens_this_run": tokens_now, "seconds_this_run": time.perf_counter() - started}
+    log.info("regenerate: %s", summary)
+    return summary
+
+
+def _reason(job: Job) -> str:
+    return "prompt over-long" if job.stopped == "context full" else (job.stopped or "no answer")
+
+
+def _resume_state(output: Path, settings: dict, identity: dict) -> dict:
+    path = state_path(output)
+    fresh = {"settings": settings, "target": identity, "batches_done": 0, "bytes": 0, "complete": False,
+             "counts": {"conversations": 0, "answers": 0, "answer_tokens": 0, "unfinished_answers": 0,
+                        "skipped": {}}}
+    if not path.is_file():
+        if output.exists() and output.stat().st_size:
+            raise RegenerateError(f"{output} exists but has no {path.name}: it was not written by `mtptrain "
+                                  "regenerate`; move it away or choose another data.regenerated path")
+        return fresh
+    try:
+        state = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise RegenerateError(f"{path} is not valid JSON ({exc}); delete it and {output} to start over") from None
+    changed = [k for k in sorted(set(settings) | set(state.get("settings", {})))
+               if settings.get(k) != state.get("settings", {}).get(k)]
+    if changed:
+        detail = ", ".join(f"{k}: {state['settings'].get(k)!r} -> {settings.get(k)!r}" for k in changed)
+        raise RegenerateError(f"{output} was written with other settings ({detail}); keep the old settings to "
+                              "resume, or set data.regenerated to a new path")
+    if state.get("target", {}).get("fingerprint") != identity["fingerprint"]:
+        raise RegenerateError(f"{output} was written by another target ({state.get('target', {}).get('name')}); "
+                              "set data.regenerated to a new path")
+    if not output.is_file() or output.stat().st_size < state["bytes"]:
+        raise RegenerateError(f"{output} is shorter than {path.name} records ({state['bytes']} bytes): the file was "
+                              f"changed outside mtptrain; delete both to start over")
+    return state
+
+
+def _truncate(output: Path, size: int) -> None:
+    """Drop whatever a killed run appended after the last recorded batch."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with open(output, "ab") as fh:
+        if fh.tell() != size:
+            log.info("regenerate: cutting %s back to %d bytes (a batch left unfinished)", output, size)
+            fh.truncate(size)
+
+
+def _append(output: Path, lines: list[str]) -> int:
+    with open(output, "ab") as fh:
+        fh.write("".join(lines).encode("utf-8"))
+        fh.flush()
+        os.fsync(fh.fileno())
+        size = fh.tell()
+    fsync_dir(output.parent)
+    return size
+
+
+def check_complete(path: Path) -> None:
+    """Refuse to train on a regeneration that has not finished."""
+    state_file = state_path(path)
+    if not path.is_file():
+        raise RegenerateError(f"data.regenerated {path} does not exist: run `mtptrain regenerate` with the same "
+                              "recipe first, or unset data.regenerated to use the original answers")
+    if state_file.is_file():
+        state = json.loads(state_file.read_text())
+        if not state.get("complete"):
+            raise RegenerateError(f"{path} is unfinished ({state.get('batches_done', 0)} batches so far): rerun "
+                                  "`mtptrain regenerate` with the same recipe to finish it")
+
+
+def format_summary(summary: dict) -> str:
+    skipped = ", ".join(f"{n} x {why}" for why, n in summary["skipped"].items()) or "none"
+    rate = summary["tokens_this_run"] / max(summary["seconds_this_run"], 1e-9)
+    return (f"regenerated {summary['conversations']} conversations, {summary['answers']} answers, "
+            f"{summary['answer_tokens']:,} answer tokens ({summary['unfinished_answers']} cut by a length limit)\n"
+            f"skipped: {skipped}; source: {summary['read']['rows']} rows read, "
+            f"{sum(summary['read']['skipped'].values())} unusable\n"
+            f"this run: {summary['tokens_this_run']:,} tokens at {rate:.0f} tok/s\n"
+            f"output: {summary['output']}")

@@ -1,0 +1,214 @@
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from conftest import write_sharegpt
+from transformers import AutoModelForCausalLM
+
+from data_prep.chat import prompt_ids
+from data_prep.prepare import prepare_samples, split_of
+from data_prep.regenerate import (RegenerateError, generate_batch, run_regenerate, state_path, turn_seed)
+from mtptrain.config import load_recipe
+from mtptrain.engine.verify import Sampling
+from mtptrain.target import load_tokenizer
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def regen_overrides(target_dir: Path, source: Path, out: Path, *extra: str) -> list[str]:
+    return [f"target.model={target_dir}", f"data.source={source}", "data.max_length=96",
+            "data.validation_fraction=0.2", f"data.regenerated={out}", "regenerate.max_new_tokens=24",
+            "regenerate.batch_size=3", *extra]
+
+
+def greedy_alone(model, prompt: list[int], budget: int, stops: set[int]) -> tuple[list[int], bool]:
+    """Plain decoding without cache or padding: the reference for the batched loop."""
+    ids = list(prompt)
+    new: list[int] = []
+    while len(new) < budget:
+        token = int(model(torch.tensor([ids])).logits[0, -1].argmax())
+        if token in stops:
+            return new, True
+        new.append(token)
+        ids.append(token)
+    return new, False
+
+
+@pytest.fixture(scope="module")
+def model64(varied_target_dir):
+    return AutoModelForCausalLM.from_pretrained(varied_target_dir, dtype=torch.float64).eval()
+
+
+def test_batched_decoding_equals_decoding_each_prompt_alone(model64, varied_target_dir):
+    tok = load_tokenizer(load_recipe(None, [f"target.model={varied_target_dir}"]).target)
+    texts = ["the a of", "water than call first who may down side been now find", "hot", "one have this from or"]
+    prompts = [prompt_ids(tok, [{"role": "user", "content": t}]) for t in texts]
+    budgets = [9, 4, 12, 1]
+    # stop on a token the first row emits mid-way, so rows end by stop token and by budget at different steps
+    first_alone = greedy_alone(model64, prompts[0], 12, set())[0]
+    stops = {first_alone[5]}
+    with torch.inference_mode():
+        batched = generate_batch(model64, prompts, budgets, stops, Sampling(), [None] * 4, tok.pad_token_id)
+        alone = [greedy_alone(model64, p, b, stops) for p, b in zip(prompts, budgets)]
+    assert batched == alone
+    assert batched[0] == (first_alone[:5], True)
+    assert [len(t) for t, _ in batched[1:]] == [4, 12, 1]
+
+
+def test_sampled_rows_do_not_depend_on_their_batch(model64, varied_target_dir):
+    tok = load_tokenizer(load_recipe(None, [f"target.model={varied_target_dir}"]).target)
+    prompts = [prompt_ids(tok, [{"role": "user", "content": t}]) for t in ["the a", "of to and in is it you"]]
+    sampling = Sampling(temperature=1.0, top_p=0.9)
+
+    def gens(*seeds):
+        return [torch.Generator().manual_seed(s) for s in seeds]
+
+    with torch.inference_mode():
+        together = generate_batch(model64, prompts, [15, 15], set(), sampling, gens(7, 8), tok.pad_token_id)
+        second = generate_batch(model64, prompts[1:], [15], set(), sampling, gens(8), tok.pad_token_id)
+        reseeded = generate_batch(model64, prompts[1:], [15], set(), sampling, gens(9), tok.pad_token_id)
+    assert together[1] == second[0]
+    assert reseeded[0] != second[0]
+    assert turn_seed(0, "a", 1) == turn_seed(0, "a", 1) != turn_seed(0, "a", 2)
+
+
+def test_regenerated_conversations_keep_questions_ids_and_split(varied_target_dir, tmp_path):
+    source = write_sharegpt(tmp_path / "chats.json", 14, extra_rows=[
+        {"id": "long", "conversations": [{"from": "human", "value": "word " * 200}, {"from": "gpt", "value": "a"}]},
+        {"id": "conv3", "conversations": [{"from": "human", "value": "same id again"}, {"from": "gpt", "value": "b"}]},
+        "not a conversation"])
+    out = tmp_path / "regen" / "r.jsonl"
+    recipe = load_recipe(None, regen_overrides(varied_target_dir, source, out, "data.max_length=160"))
+    summary = run_regenerate(recipe, show_progress=False)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    originals: dict[str, list] = {}
+    for r in json.loads(source.read_text()):
+        if isinstance(r, dict):
+            originals[r["id"] + "#1" if r["id"] in originals else r["id"]] = r["conversations"]
+    ids = [r["id"] for r in rows]
+    assert summary["conversations"] == len(rows) >= 10 and len(set(ids)) == len(ids)
+    assert "long" not in ids and "conv3#1" in ids  # a repeated id is renamed as precompute renames it
+    assert summary["skipped"]["prompt over-long"] >= 1
+    assert summary["read"]["skipped"] == {"wrong type": 1}
+    tok = load_tokenizer(recipe.target)
+    model = AutoModelForCausalLM.from_pretrained(varied_target_dir).eval()
+    for row in rows:
+        questions = [t["value"] for t in originals[row["id"]] if t["from"] == "human"]
+        users = [m["content"] for m in row["messages"] if m["role"] == "user"]
+        assert users == questions[:len(users)] and users
+        assert [m["role"] for m in row["messages"]] == ["user", "assistant"] * len(users)
+        assert len(row["meta"]["new_tokens"]) == len(users)
+        for turn, new in enumerate(row["meta"]["new_tokens"]):  # every answer fits in max_length
+            assert len(prompt_ids(tok, row["messages"][:2 * turn + 1])) + new + 1 <= 160
+        assert all(n <= 24 for n in row["meta"]["new_tokens"])
+    # the first answer is the target's own greedy answer
+    first = rows[0]
+    prompt = prompt_ids(tok, first["messages"][:1])
+    with torch.inference_mode():
+        tokens, _ = greedy_alone(model, prompt, first["meta"]["new_tokens"][0], {tok.eos_token_id})
+    assert first["messages"][1]["content"] == tok.decode(tokens, skip_special_tokens=True).strip()
+    # precompute's data reader takes the regenerated file in place of the source, with the same split
+    samples, stats = prepare_samples(recipe.data, tok, show_progress=False)
+    assert len(samples) == len(rows)
+    assert all(s.split == split_of(s.key, 0, 0.2) for s in samples)
+    original, _ = prepare_samples(recipe.data.model_copy(update={"regenerated": None}), tok, show_progress=False)
+    assert {s.key for s in samples} <= {s.key for s in original} | {"conv3#1"}
+
+
+def test_settings_target_and_foreign_files_are_refused(varied_target_dir, tiny_target_dir, tmp_path):
+    source = write_sharegpt(tmp_path / "chats.json", 4)
+    out = tmp_path / "r.jsonl"
+    run_regenerate(load_recipe(None, regen_overrides(varied_target_dir, source, out)), show_progress=False)
+    before = out.read_bytes()
+    with pytest.raises(RegenerateError, match=r"other settings \(temperature: 0.0 -> 0.7\).*new path"):
+        run_regenerate(load_recipe(None, regen_overrides(varied_target_dir, source, out, "regenerate.temperature=0.7")),
+                       show_progress=False)
+    with pytest.raises(RegenerateError, match="another target"):
+        run_regenerate(load_recipe(None, regen_overrides(tiny_target_dir, source, out)), show_progress=False)
+    assert out.read_bytes() == before  # nothing written is lost
+    foreign = tmp_path / "mine.jsonl"
+    foreign.write_text('{"id": "x"}\n')
+    with pytest.raises(RegenerateError, match="not written by `mtptrain regenerate`"):
+        run_regenerate(load_recipe(None, regen_overrides(varied_target_dir, source, foreign)), show_progress=False)
+    with pytest.raises(RegenerateError, match="data.regenerated is not set"):
+        run_regenerate(load_recipe(None, [f"target.model={varied_target_dir}"]), show_progress=False)
+
+
+def test_precompute_refuses_a_missing_or_unfinished_regeneration(varied_target_dir, tmp_path):
+    source = write_sharegpt(tmp_path / "chats.json", 4)
+    out = tmp_path / "r.jsonl"
+    recipe = load_recipe(None, regen_overrides(varied_target_dir, source, out))
+    tok = load_tokenizer(recipe.target)
+    with pytest.raises(RegenerateError, match="does not exist: run `mtptrain regenerate`"):
+        prepare_samples(recipe.data, tok, show_progress=False)
+    run_regenerate(recipe, show_progress=False)
+    state = json.loads(state_path(out).read_text())
+    state_path(out).write_text(json.dumps({**state, "complete": False}))
+    with pytest.raises(RegenerateError, match="unfinished"):
+        prepare_samples(recipe.data, tok, show_progress=False)
+
+
+def _cli(recipe_path: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "mtptrain.cli", "regenerate", "--recipe", str(recipe_path), "--no-progress",
+            *[a for item in extra for a in ("--set", item)]]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_killed_regeneration_resumes_to_the_same_file(varied_target_dir, tmp_path, temperature):
+    source = write_sharegpt(tmp_path / "chats.json", 24)
+    raw: dict = {}
+    for item in regen_overrides(varied_target_dir, source, tmp_path / "clean.jsonl", "regenerate.batch_size=2",
+                                "regenerate.max_new_tokens=40", "data.max_length=200",
+                                f"regenerate.temperature={temperature}"):
+        section_key, value = item.split("=", 1)
+        section, key = section_key.split(".")
+        raw.setdefault(section, {})[key] = yaml.safe_load(value)
+    recipe_path = tmp_path / "recipe.yaml"
+    recipe_path.write_text(yaml.safe_dump(raw))
+    subprocess.run(_cli(recipe_path), cwd=REPO, check=True, capture_output=True)
+    clean = (tmp_path / "clean.jsonl").read_bytes()
+
+    killed = tmp_path / "killed.jsonl"
+    proc = subprocess.Popen(_cli(recipe_path, f"data.regenerated={killed}"), cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if state_path(killed).is_file() and json.loads(state_path(killed).read_text() or "{}").get("batches_done", 0) >= 2:
+            break
+        time.sleep(0.01)
+    os.kill(proc.pid, signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL
+    state = json.loads(state_path(killed).read_text())
+    assert not state["complete"] and 2 <= state["batches_done"] < 12
+    # A kill can land mid-append: simulate the worst case, a torn last line after the recorded bytes.
+    with open(killed, "ab") as fh:
+        fh.write(b'{"id": "torn", "mess')
+    result = subprocess.run(_cli(recipe_path, f"data.regenerated={killed}"), cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert "regenerated" in result.stdout
+    assert killed.read_bytes() == clean
+    assert json.loads(state_path(killed).read_text())["complete"]
+
+
+def test_cli_names_the_fix_for_bad_settings(varied_target_dir, tmp_path):
+    source = write_sharegpt(tmp_path / "chats.json", 3)
+    out = tmp_path / "r.jsonl"
+    base = regen_overrides(varied_target_dir, source, out)
+    ok = subprocess.run([sys.executable, "-m", "mtptrain.cli", "regenerate", "--no-progress",
+                         *[a for item in base for a in ("--set", item)]], cwd=REPO, capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    shutil.copy(out, tmp_path / "kept.jsonl")
+    bad = subprocess.run([sys.executable, "-m", "mtptrain.cli", "regenerate", "--no-progress",
+                          *[a for item in base + ["regenerate.max_new_tokens=8"] for a in ("--set", item)]],
+                         cwd=REPO, capture_output=True, text=True)
+    assert bad.returncode == 1
+    assert "max_new_tokens: 24 -> 8" in bad.stderr and "Traceback" not in bad.stderr
+    assert out.read_bytes() == (tmp_path / "kept.jsonl").read_bytes()

@@ -1,0 +1,47 @@
+"""`mtptrain pipeline` runs regenerate, precompute, train and eval in order, and a rerun redoes nothing."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import write_sharegpt
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_pipeline_runs_every_stage_and_resumes_without_redoing_them(varied_target_dir, tmp_path):
+    source = write_sharegpt(tmp_path / "chats.json", 24)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"q{i}", "turns": [f"the word is {w}"]}) + "\n"
+                               for i, w in enumerate(["hot", "water", "time"])))
+    run = tmp_path / "run"
+    sets = [f"target.model={varied_target_dir}", f"data.source={source}", "data.max_length=128",
+            "data.validation_fraction=0.2", f"data.regenerated={run / 'regenerated.jsonl'}",
+            "regenerate.max_new_tokens=32", "regenerate.batch_size=8",
+            f"precompute.output_dir={run / 'features'}", "precompute.layers=[0]", "precompute.dtype=float32",
+            f"train.features={run / 'features'}", f"train.output_dir={run / 'train'}", "train.epochs=2",
+            "train.micro_batch_size=4", "train.num_workers=0", "head.kind=eagle3", "head.ttt_steps=2",
+            "head.draft_vocab_size=64", f"eval.prompts={prompts}", "eval.methods=[chain]", "eval.k=[2]",
+            "eval.max_new_tokens=12", f"eval.output_dir={run / 'eval'}"]
+    cmd = [sys.executable, "-m", "mtptrain.cli", "pipeline", "--no-progress", "--no-wandb",
+           *[a for s in sets for a in ("--set", s)]]
+    first = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    assert first.returncode == 0, first.stderr[-3000:]
+    stages = [line for line in first.stdout.splitlines() if line.startswith("== ")]
+    assert stages == ["== regenerate", "== precompute", "== train", "== eval"]
+    rows = [json.loads(line) for line in (run / "regenerated.jsonl").read_text().splitlines()]
+    manifest = json.loads((run / "features" / "manifest.json").read_text())
+    assert manifest["data"]["regenerated"] == str(run / "regenerated.jsonl")
+    assert manifest["totals"]["train"]["samples"] + manifest["totals"]["validation"]["samples"] == len(rows)
+    results = json.loads((run / "eval" / "results.json").read_text())
+    assert [m["label"] for m in results["methods"]] == ["baseline", "chain K=2"]
+    assert results["methods"][1]["exactness"]["identical"] == 3
+    steps = json.loads((run / "train" / "summary.json").read_text())["steps"]
+    head = (run / "train" / "head" / "model.safetensors").read_bytes()
+
+    again = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "this run: 0 tokens" in again.stdout  # every batch was already regenerated
+    assert json.loads((run / "train" / "summary.json").read_text())["steps"] == steps
+    assert (run / "train" / "head" / "model.safetensors").read_bytes() == head
