@@ -232,6 +232,7 @@ class Recipe(_Section):
     name: str = Field("run", description="Run name, used in logs and output metadata.")
     target: TargetConfig = TargetConfig()
     data: DataConfig = DataConfig()
+    regenerate: RegenerateConfig = RegenerateConfig()
     precompute: PrecomputeConfig = PrecomputeConfig()
     head: HeadConfig = HeadConfig()
     train: TrainConfig = TrainConfig()

@@ -13,6 +13,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -58,9 +59,12 @@ def build_head(spec: HeadSpec, frozen: FrozenTarget, vocab: DraftVocab | None = 
     raise ValueError(f"unknown head kind {spec.kind!r}")
 
 
-def save_head(directory: Path, head: nn.Module, spec: HeadSpec, target_identity: dict, extra: dict | None = None) -> None:
+def save_head(directory: Path, head: nn.Module, spec: HeadSpec, target_identity: dict, extra: dict | None = None,
+              dtype: torch.dtype | None = None) -> None:
+    """Weights (floating-point ones cast to `dtype` when given; index buffers stay integers) and config."""
     directory = Path(directory)
-    state = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
+    state = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().contiguous().cpu()
+             for k, v in head.state_dict().items()}
     atomic_write(directory / "model.safetensors", lambda tmp: save_file(state, str(tmp), metadata={"format": "pt"}))
     atomic_write_json(directory / "config.json", {"format": HEAD_FORMAT, "head": asdict(spec),
                                                   "target": target_identity, **(extra or {})})

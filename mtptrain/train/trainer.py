@@ -255,6 +255,8 @@ class Trainer:
                     metrics.log(step, self.last_validation)
                 if step % self.cfg.checkpoint_every == 0 or step == self.steps:
                     last_checkpoint = self._checkpoint(engine, step, metrics.run_id)
+                    if self.cfg.head_snapshots and self.dist.is_main:
+                        self._snapshot(head, step)
                 clock = time.perf_counter()  # logging, validation and checkpoints are not waiting for data
         finally:
             progress.close()
@@ -305,6 +307,15 @@ class Trainer:
         engine.save_checkpoint(str(self.ckpt_dir), tag=tag, client_state=client)
         return str(self.ckpt_dir / tag)
 
+    def _snapshot(self, head, step: int) -> None:
+        """The head as it is at `step`, with the training tokens seen so far (exact, from the batch plan)."""
+        lengths = self.plan.lengths
+        seen = self.plan.global_sequence()[: step * self.plan.micro_batches_per_step]
+        tokens = sum(lengths[i] for batch in seen for i in batch)
+        save_head(self.run_dir / "snapshots" / f"step-{step:07d}", head, self.spec, self.target.identity(),
+                  {"features": {"store": str(self.cfg.features), "layers": self.train_store.layers},
+                   "train": {"steps": step, "tokens": tokens, "recipe": self.recipe.model_dump(mode="json")}})
+
     def _finish(self, head, step: int, totals: dict, last_checkpoint: str | None) -> dict:
         summary = {"steps": step, "rank": self.dist.rank, "world_size": self.dist.world_size,
                    "tokens_per_second": totals["tokens"] / max(totals["compute"], 1e-9),
@@ -314,7 +325,8 @@ class Trainer:
             summary.update(getattr(self, "last_validation", {}))
             save_head(self.run_dir / "head", head, self.spec, self.target.identity(),
                       {"features": {"store": str(self.cfg.features), "layers": self.train_store.layers},
-                       "train": {"steps": step, "recipe": self.recipe.model_dump(mode="json")}})
+                       "train": {"steps": step, "recipe": self.recipe.model_dump(mode="json")}},
+                      dtype=getattr(torch, self.cfg.head_dtype))
             atomic_write_json(self.run_dir / "summary.json", summary)
         if torch_dist.is_initialized():
             torch_dist.barrier()

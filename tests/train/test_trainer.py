@@ -212,3 +212,30 @@ def test_a_bf16_target_trains_an_fp32_head(tiny_target_dir, tiny_store, tmp_path
     assert summary["steps"] == 3
     exported = load_file(tmp_path / "run" / "head" / "model.safetensors")
     assert {t.dtype for t in exported.values() if t.is_floating_point()} == {torch.float32}
+
+
+def test_head_snapshots_record_their_tokens_and_load_like_the_final_head(tiny_target_dir, tiny_store, tmp_path):
+    from mtptrain.features.store import FeatureStore
+    from mtptrain.heads.checkpoint import load_head
+    from mtptrain.heads.common import FrozenTarget
+    from mtptrain.target import load_target
+    from mtptrain.train.data import BatchPlan
+
+    recipe = train_recipe(tiny_target_dir, tiny_store, tmp_path / "run", "head.kind=eagle3", "train.max_steps=6",
+                          "train.checkpoint_every=3", "train.head_snapshots=true", "train.head_dtype=bfloat16")
+    run_train(recipe, show_progress=False)
+    snapshots = sorted((tmp_path / "run" / "snapshots").glob("step-*"))
+    assert [s.name for s in snapshots] == ["step-0000003", "step-0000006"]
+    lengths = FeatureStore(tiny_store).lengths()
+    plan = BatchPlan(lengths, 4, 0, world_size=1, rank=0, steps=6, grad_accum=1).global_sequence()
+    expected = [sum(lengths[i] for batch in plan[:n] for i in batch) for n in (3, 6)]
+    assert [json.loads((s / "config.json").read_text())["train"]["tokens"] for s in snapshots] == expected
+    final = load_file(tmp_path / "run" / "head" / "model.safetensors")
+    assert {t.dtype for t in final.values() if t.is_floating_point()} == {torch.bfloat16}
+    assert final["draft_to_target"].dtype == torch.long
+    last = load_file(snapshots[-1] / "model.safetensors")  # snapshots keep the training dtype
+    assert all(torch.equal(last[k].to(torch.bfloat16), v) if v.is_floating_point() else torch.equal(last[k], v)
+               for k, v in final.items())
+    target = load_target(recipe.target)
+    head, spec = load_head(tmp_path / "run" / "head", FrozenTarget.of(target.model), target.identity())
+    assert spec.kind == "eagle3" and next(head.parameters()).dtype == torch.float32
