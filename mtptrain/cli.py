@@ -151,6 +151,7 @@ def _guarded(run, *extra: type[Exception]):
     """Known failures end with their message and exit code 1, not a traceback."""
     from data_prep.prepare import NoUsableData
     from data_prep.readers import DataSourceError
+    from data_prep.regenerate import RegenerateError
     from eval.prompts import PromptSetError
     from mtptrain.embedded import EmbeddedAssetError
     from mtptrain.heads.checkpoint import HeadCheckpointError
@@ -160,8 +161,8 @@ def _guarded(run, *extra: type[Exception]):
 
     try:
         return run()
-    except (NoUsableData, DataSourceError, EmbeddedAssetError, FeatureStoreError, TargetError, RunMismatch,
-            TrainingDiverged, PromptSetError, HeadCheckpointError, ValueError, *extra) as exc:
+    except (NoUsableData, DataSourceError, RegenerateError, EmbeddedAssetError, FeatureStoreError, TargetError,
+            RunMismatch, TrainingDiverged, PromptSetError, HeadCheckpointError, ValueError, *extra) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None
 
