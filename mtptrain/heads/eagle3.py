@@ -131,10 +131,9 @@ class Eagle3Head(nn.Module):
         """Logits over the draft vocabulary."""
         return self.lm_head(self.norm(predicted))
 
-    def agreement(self, draft_top: torch.Tensor, target_hidden: torch.Tensor) -> torch.Tensor:
-        """How many draft top-1 tokens equal the target's top-1 over its full vocabulary (a token outside
-        the draft vocabulary can never be matched: that is what acceptance will see)."""
-        return (self.draft_to_target[draft_top] == self.frozen.target_logits(target_hidden).argmax(-1)).sum()
+    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary ids as target ids."""
+        return self.draft_to_target[draft_ids]
 
     def target_logits(self, target_hidden: torch.Tensor) -> torch.Tensor:
         """The target's logits restricted to the draft vocabulary (only those rows of its LM head)."""

@@ -37,8 +37,7 @@ def _upcast(logits: torch.Tensor) -> torch.Tensor:
     return logits.float() if logits.dtype in (torch.bfloat16, torch.float16) else logits
 
 
-def _chunk_terms(head_logits: Callable, target_logits: Callable, agreement: Callable | None, predicted: torch.Tensor,
-                 target_hidden: torch.Tensor):
+def _chunk_terms(head_logits: Callable, target_logits: Callable, predicted: torch.Tensor, target_hidden: torch.Tensor):
     with torch.no_grad():
         target_logp = F.log_softmax(_upcast(target_logits(target_hidden)), dim=-1)
         target_p = target_logp.exp()
@@ -46,23 +45,26 @@ def _chunk_terms(head_logits: Callable, target_logits: Callable, agreement: Call
     head_logp = F.log_softmax(_upcast(head_logits(predicted)), dim=-1)
     cross_entropy = -(target_p * head_logp).sum(-1)
     with torch.no_grad():
-        head_top = head_logp.argmax(-1)
-        correct = (head_top == target_logp.argmax(-1)).sum() if agreement is None else agreement(head_top, target_hidden)
-    return cross_entropy.sum(), (cross_entropy.detach() - entropy).sum(), correct
+        tops = torch.stack([head_logp.argmax(-1), target_logp.argmax(-1)])
+    return cross_entropy.sum(), (cross_entropy.detach() - entropy).sum(), tops
 
 
 def distill_loss(head_logits: Callable[[torch.Tensor], torch.Tensor],
                  target_logits: Callable[[torch.Tensor], torch.Tensor],
                  predicted: torch.Tensor, target_hidden: torch.Tensor, mask: torch.Tensor,
-                 chunk: int = 1024, agreement: Callable | None = None) -> DistillStats:
+                 chunk: int = 1024, to_target: Callable | None = None,
+                 target_top: torch.Tensor | None = None) -> DistillStats:
     """predicted [..., H] (head states), target_hidden [..., H] (the target's states that produced the
     distributions to match, already index-shifted), mask [...] (1 = counts).
 
-    `agreement(head_top, target_hidden) -> count` replaces the default top-1 comparison of the two
-    logit sets, e.g. to compare a reduced-vocabulary head with the target's full-vocabulary choice."""
+    Top-1 agreement compares the argmax of the two logit sets. A head over a reduced vocabulary passes
+    `to_target` (its ids -> target ids) and `target_top` [...] (the target's top-1 over its full vocabulary,
+    computed once per batch), so that a target choice outside the draft vocabulary counts as a miss."""
     keep = mask.reshape(-1).bool()
     predicted = predicted.reshape(-1, predicted.shape[-1])[keep]
     target_hidden = target_hidden.reshape(-1, target_hidden.shape[-1])[keep]
+    if target_top is not None:
+        target_top = target_top.reshape(-1)[keep]
     count = int(keep.sum())
     if count == 0:
         zero = predicted.sum() * 0.0
@@ -72,13 +74,16 @@ def distill_loss(head_logits: Callable[[torch.Tensor], torch.Tensor],
     for start in range(0, count, chunk):
         piece = slice(start, start + chunk)
         if torch.is_grad_enabled() and predicted.requires_grad:
-            ce, kl, hits = checkpoint(_chunk_terms, head_logits, target_logits, agreement, predicted[piece],
-                                      target_hidden[piece], use_reentrant=False)
+            ce, kl, tops = checkpoint(_chunk_terms, head_logits, target_logits, predicted[piece], target_hidden[piece],
+                                      use_reentrant=False)
         else:
-            ce, kl, hits = _chunk_terms(head_logits, target_logits, agreement, predicted[piece], target_hidden[piece])
+            ce, kl, tops = _chunk_terms(head_logits, target_logits, predicted[piece], target_hidden[piece])
         ce_total = ce_total + ce
         kl_total += float(kl)
-        correct += int(hits)
+        if to_target is None:
+            correct += int((tops[0] == tops[1]).sum())
+        else:
+            correct += int((to_target(tops[0]) == target_top[piece]).sum())
     return DistillStats(ce_total / count, kl_total / count, correct, count)
 
 

@@ -63,11 +63,16 @@ def batch_objective(head, batch: dict, last_layer: int, feature_layers: list[int
         logits = [head.logits] * len(outputs)
     eagle3 = head.kind == "eagle3"
     target_logits = head.target_logits if eagle3 else head.frozen.target_logits
+    # eagle3 distils over its draft vocabulary but is scored against the target's full-vocabulary choice:
+    # that choice is computed once for the batch, not once per TTT step.
+    top = head.frozen.top1(last, chunk) if eagle3 else None
     result = BatchResult(last.new_zeros((), dtype=torch.float32))
     for position, (out, to_logits) in enumerate(zip(outputs, logits), start=1):
         m = _target_mask(mask, position, out.shape[1])
-        stats = distill_loss(to_logits, target_logits, out, last[:, position : position + out.shape[1]], m, chunk,
-                             agreement=head.agreement if eagle3 else None)
+        width = slice(position, position + out.shape[1])
+        stats = distill_loss(to_logits, target_logits, out, last[:, width], m, chunk,
+                             to_target=head.to_target if eagle3 else None,
+                             target_top=top[:, width] if eagle3 else None)
         result.loss = result.loss + weights[position - 1] * stats.loss
         result.positions.append(stats)
     return result

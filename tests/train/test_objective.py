@@ -32,7 +32,7 @@ def _batch():
 def test_position_p_at_t_is_matched_to_state_t_plus_p_and_mask_of_token_t_plus_1_plus_p(spec, monkeypatch):
     calls = []
 
-    def record(head_logits, target_logits, predicted, target_hidden, mask, chunk, agreement=None):
+    def record(head_logits, target_logits, predicted, target_hidden, mask, chunk, to_target=None, target_top=None):
         calls.append((target_hidden[..., 0].clone(), mask.clone(), predicted.shape[1]))
         return DistillStats(predicted.sum() * 0.0, 0.0, 0, 0)
 
@@ -51,3 +51,35 @@ def test_position_p_at_t_is_matched_to_state_t_plus_p_and_mask_of_token_t_plus_1
                 assert mask[b, t] == expected, (p, b, t)
                 if t + 1 + p >= n:
                     assert mask[b, t] == 0  # nothing past the sample's end (or in its padding) counts
+
+
+def test_eagle3_agreement_is_the_targets_full_vocabulary_choice_at_each_position():
+    torch.manual_seed(0)
+    target = make_tiny_llama(400)
+    spec = HeadSpec("eagle3", last_layer=3, feature_layers=[0, 1, 2], ttt_steps=3, draft_vocab_size=50)
+    head = build_head(spec, FrozenTarget.of(target))
+    batch = _batch()
+    batch["hidden"] = {k: torch.randn_like(v) for k, v in batch["hidden"].items()}
+    batch["loss_mask"] = (torch.arange(7)[None] < torch.tensor(LENGTHS)[:, None]).long()
+    with torch.no_grad():
+        # The head always drafts draft id 0 (its final norm is zero, so all its logits tie); the target's
+        # choice cycles through that token (a hit), another draft-vocabulary token and one outside it.
+        head.norm.weight.zero_()
+        tokens = [int(head.draft_to_target[0]), int(head.draft_to_target[5]), 300]
+        assert 300 not in head.draft_to_target.tolist()
+        for t in range(7):
+            batch["hidden"][3][:, t] = 10 * target.model.embed_tokens.weight[tokens[t % 3]]
+        result = objective.batch_objective(head, batch, 3, [0, 1, 2], [1.0] * 3, 0.1, 3, chunk=3)
+        fused = head.fuse([batch["hidden"][layer] for layer in (0, 1, 2)])
+        outputs = head.unroll(fused, batch["input_ids"], 3)
+        last = batch["hidden"][3]
+        for p, (out, stats) in enumerate(zip(outputs, result.positions), start=1):
+            correct = count = 0
+            for b, n in enumerate(LENGTHS):
+                for t in range(out.shape[1]):
+                    if t + 1 + p < n:
+                        draft = int(head.draft_to_target[head.logits(out[b, t]).argmax()])
+                        correct += draft == int(target.lm_head(target.model.norm(last[b, t + p])).argmax())
+                        count += 1
+            assert (stats.correct, stats.count) == (correct, count)
+    assert 0 < sum(s.correct for s in result.positions) < sum(s.count for s in result.positions)
