@@ -10,6 +10,7 @@ Supported layouts (detected per row when the format is "auto"):
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +57,19 @@ def normalise(row: Any, ref: str, fmt: str = "auto", messages_column: str | None
         raise BadRow("no assistant turn")
     conv_id = row.get("id") or row.get("prompt_id") or ref
     return Conversation(str(conv_id), [{"role": r, "content": c} for r, c in turns])
+
+
+def unique_key(conversation_id: str, seen: Counter) -> str:
+    """A key no earlier row took: repeated ids become id#1, id#2, ... (skipping any already in use).
+
+    Called for every row that normalises, before any later check can skip it, so the original and the
+    regenerated conversations (`mtptrain regenerate`) get the same keys, hence the same split."""
+    key = conversation_id
+    while key in seen:
+        seen[conversation_id] += 1
+        key = f"{conversation_id}#{seen[conversation_id]}"
+    seen[key] += 0
+    return key
 
 
 def _detect(row: dict, messages_column: str | None) -> str:

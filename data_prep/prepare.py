@@ -12,7 +12,7 @@ import numpy as np
 from tqdm import tqdm
 
 from data_prep.chat import tokenize_conversation
-from data_prep.conversations import BadRow, normalise
+from data_prep.conversations import BadRow, normalise, unique_key
 from data_prep.readers import read_rows
 from mtptrain.config import DataConfig
 
@@ -75,7 +75,7 @@ def prepare_samples(cfg: DataConfig, tokenizer, show_progress: bool = True) -> t
     if cfg.regenerated:  # the same conversations with the target's own answers (`mtptrain regenerate`)
         from data_prep.regenerate import check_complete
 
-        check_complete(Path(cfg.regenerated))
+        check_complete(Path(cfg.regenerated), cfg, tokenizer)
         source, fmt, column = cfg.regenerated, "messages", None
     rows = read_rows(source, split=cfg.dataset_split, config=cfg.dataset_config, limit=cfg.max_conversations)
     for row in tqdm(rows, desc="tokenizing", unit=" rows", disable=not show_progress, total=cfg.max_conversations):
@@ -85,15 +85,11 @@ def prepare_samples(cfg: DataConfig, tokenizer, show_progress: bool = True) -> t
             continue
         try:
             conversation = normalise(row.value, row.ref, fmt, column)
+            key = unique_key(conversation.id, seen)
             tokenized = tokenize_conversation(tokenizer, conversation.messages, cfg.max_length, cfg.overlong)
         except BadRow as bad:
             stats.skip(row.ref, bad.reason, bad.detail)
             continue
-        key = conversation.id
-        while key in seen:  # repeated ids get #1, #2, ... (skipping any already taken)
-            seen[conversation.id] += 1
-            key = f"{conversation.id}#{seen[conversation.id]}"
-        seen[key] += 0
         stats.kept += 1
         stats.truncated += tokenized.truncated
         samples.append(Sample(key, split_of(key, cfg.seed, cfg.validation_fraction),

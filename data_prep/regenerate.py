@@ -41,13 +41,14 @@ import torch
 from tqdm import tqdm
 
 from data_prep.chat import prompt_ids, stop_tokens
-from data_prep.conversations import BadRow, normalise
+from data_prep.conversations import BadRow, normalise, unique_key
 from data_prep.prepare import NoUsableData, RowStats
 from data_prep.readers import read_rows
 from mtptrain.config import Recipe
 from mtptrain.engine.cpu_matmul import skinny_linears
 from mtptrain.engine.verify import Sampling, distribution
 from mtptrain.io import atomic_write_json, fsync_dir
+from mtptrain.target import identity_mismatch
 
 log = logging.getLogger(__name__)
 WINDOW_BATCHES = 8
@@ -75,13 +76,14 @@ class Job:
     finished: list[bool] = field(default_factory=list)  # per answer: ended with a stop token
 
 
+DATA_KEYS = ("source", "format", "dataset_split", "dataset_config", "messages_column", "max_conversations",
+             "max_length")
+
+
 def settings_of(recipe: Recipe) -> dict:
-    d, r = recipe.data, recipe.regenerate
-    return {"version": STATE_VERSION,
-            "source": d.source, "format": d.format, "dataset_split": d.dataset_split,
-            "dataset_config": d.dataset_config, "messages_column": d.messages_column,
-            "max_conversations": d.max_conversations, "max_length": d.max_length,
-            **{k: v for k, v in r.model_dump(mode="json").items() if k != "cpu_matmul"}}
+    """What the output depends on. cpu_matmul is left out: it changes float rounding, not the method."""
+    return {"version": STATE_VERSION, **{k: getattr(recipe.data, k) for k in DATA_KEYS},
+            **{k: v for k, v in recipe.regenerate.model_dump(mode="json").items() if k != "cpu_matmul"}}
 
 
 def read_jobs(recipe: Recipe, tokenizer, stats: RowStats) -> list[tuple[Job, int]]:
@@ -99,11 +101,7 @@ def read_jobs(recipe: Recipe, tokenizer, stats: RowStats) -> list[tuple[Job, int
         except BadRow as bad:
             stats.skip(row.ref, bad.reason, bad.detail)
             continue
-        key = conversation.id
-        while key in seen:
-            seen[conversation.id] += 1
-            key = f"{conversation.id}#{seen[conversation.id]}"
-        seen[key] += 0
+        key = unique_key(conversation.id, seen)
         messages = conversation.messages
         system = [messages[0]] if messages[0]["role"] == "system" else []
         questions = [m["content"] for m in messages if m["role"] == "user"]
@@ -124,6 +122,12 @@ def make_batches(jobs: list[tuple[Job, int]], batch_size: int) -> list[list[Job]
         for b in range(0, len(chunk), batch_size):
             batches.append([job for job, _ in chunk[b:b + batch_size]])
     return batches
+
+
+def plan_digest(batches: list[list[Job]]) -> list[str]:
+    """One digest per batch of its conversations (ids and questions, in order): what a resume must find again."""
+    return [hashlib.sha256(json.dumps([[j.id, j.system, j.questions] for j in batch]).encode()).hexdigest()[:16]
+            for batch in batches]
 
 
 def turn_seed(seed: int, conversation_id: str, turn: int) -> int:
@@ -160,7 +164,7 @@ def generate_batch(model, prompts: list[list[int]], budgets: list[int], stops: s
             if sampling.greedy:
                 chosen.append(int(logits[j].argmax()))
             else:
-                q = distribution(logits[j], sampling)
+                q = distribution(logits[j], sampling).cpu()  # CPU generators: the same stream on any device
                 chosen.append(int(torch.multinomial(q, 1, generator=generators[i])))
         keep = []
         for j, (i, token) in enumerate(zip(rows, chosen)):
@@ -228,11 +232,15 @@ def regenerate_jobs(model, tokenizer, batch: list[Job], recipe: Recipe, stops: s
 
 
 def run_regenerate(recipe: Recipe, show_progress: bool = True) -> dict:
+    from mtptrain.dist import DistInfo
     from mtptrain.target import load_target
 
     if not recipe.data.regenerated:
         raise RegenerateError("data.regenerated is not set: give the output file, e.g. "
                               "--set data.regenerated=runs/NAME/regenerated.jsonl")
+    if DistInfo.from_env().world_size > 1:
+        raise RegenerateError("regenerate runs as one process (all ranks would append to the same file): start "
+                              "it without torchrun / srun -n N")
     output = Path(recipe.data.regenerated)
     target = load_target(recipe.target)
     tokenizer, model = target.tokenizer, target.model
@@ -244,11 +252,14 @@ def run_regenerate(recipe: Recipe, show_progress: bool = True) -> dict:
     if not jobs:
         raise NoUsableData(f"no usable conversation in {recipe.data.source}:\n{stats.report()}")
     batches = make_batches(jobs, recipe.regenerate.batch_size)
+    digests = plan_digest(batches)
     done = state["batches_done"]
-    if done > len(batches):
-        raise RegenerateError(f"{state_path(output)} records {done} batches but the source now yields "
-                              f"{len(batches)}: the source changed; write to a new data.regenerated path")
+    if state.get("plan", [])[:done] != digests[:done]:
+        raise RegenerateError(f"{output}: the source no longer yields the conversations of the {done} batches "
+                              "already written (the file, dataset or chat template changed); write to a new "
+                              "data.regenerated path")
     _truncate(output, state["bytes"])
+    state["plan"], state["complete"] = digests, done == len(batches)
     stops = stop_tokens(tokenizer, model)
     counts = state["counts"]
     conversations_done = sum(len(b) for b in batches[:done])
@@ -305,15 +316,15 @@ def _resume_state(output: Path, settings: dict, identity: dict) -> dict:
         state = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise RegenerateError(f"{path} is not valid JSON ({exc}); delete it and {output} to start over") from None
-    changed = [k for k in sorted(set(settings) | set(state.get("settings", {})))
-               if settings.get(k) != state.get("settings", {}).get(k)]
+    before = state.get("settings", {})
+    changed = [k for k in sorted(set(settings) | set(before)) if settings.get(k) != before.get(k)]
     if changed:
-        detail = ", ".join(f"{k}: {state['settings'].get(k)!r} -> {settings.get(k)!r}" for k in changed)
+        detail = ", ".join(f"{k}: {before.get(k)!r} -> {settings.get(k)!r}" for k in changed)
         raise RegenerateError(f"{output} was written with other settings ({detail}); keep the old settings to "
                               "resume, or set data.regenerated to a new path")
-    if state.get("target", {}).get("fingerprint") != identity["fingerprint"]:
-        raise RegenerateError(f"{output} was written by another target ({state.get('target', {}).get('name')}); "
-                              "set data.regenerated to a new path")
+    if identity_mismatch(state.get("target", {}), identity) is not None:
+        raise RegenerateError(f"{output} was written by another target or tokenizer "
+                              f"({state.get('target', {}).get('name')}); set data.regenerated to a new path")
     if not output.is_file() or output.stat().st_size < state["bytes"]:
         raise RegenerateError(f"{output} is shorter than {path.name} records ({state['bytes']} bytes): the file was "
                               f"changed outside mtptrain; delete both to start over")
@@ -339,17 +350,30 @@ def _append(output: Path, lines: list[str]) -> int:
     return size
 
 
-def check_complete(path: Path) -> None:
-    """Refuse to train on a regeneration that has not finished."""
+def check_complete(path: Path, data, tokenizer) -> None:
+    """Refuse to train on a regeneration that has not finished, or that was made from other data or by
+    another tokenizer than the recipe's. A file with no state (made elsewhere) is taken as it is."""
+    from mtptrain.target import tokenizer_fingerprint
+
     state_file = state_path(path)
     if not path.is_file():
         raise RegenerateError(f"data.regenerated {path} does not exist: run `mtptrain regenerate` with the same "
                               "recipe first, or unset data.regenerated to use the original answers")
-    if state_file.is_file():
-        state = json.loads(state_file.read_text())
-        if not state.get("complete"):
-            raise RegenerateError(f"{path} is unfinished ({state.get('batches_done', 0)} batches so far): rerun "
-                                  "`mtptrain regenerate` with the same recipe to finish it")
+    if not state_file.is_file():
+        return
+    state = json.loads(state_file.read_text())
+    if not state.get("complete"):
+        raise RegenerateError(f"{path} is unfinished ({state.get('batches_done', 0)} batches so far): rerun "
+                              "`mtptrain regenerate` with the same recipe to finish it")
+    made = state.get("settings", {})
+    changed = [k for k in DATA_KEYS if made.get(k) != getattr(data, k)]
+    if changed:
+        detail = ", ".join(f"data.{k}: {made.get(k)!r} there, {getattr(data, k)!r} here" for k in changed)
+        raise RegenerateError(f"{path} was regenerated from other data ({detail}): rerun `mtptrain regenerate` "
+                              "to a new data.regenerated path, or restore those settings")
+    if state.get("target", {}).get("tokenizer_fingerprint") != tokenizer_fingerprint(tokenizer):
+        raise RegenerateError(f"{path} was regenerated by another target ({state.get('target', {}).get('name')}) "
+                              "with another tokenizer: regenerate with this recipe's target")
 
 
 def format_summary(summary: dict) -> str:

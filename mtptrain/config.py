@@ -76,6 +76,13 @@ class DataConfig(_Section):
         "turn rewritten by the target. When set, precompute reads it in place of `source` (same ids, so the same "
         "train/validation split); unset it to train on the original answers.")
 
+    @field_validator("regenerated")
+    @classmethod
+    def _jsonl(cls, value: str | None) -> str | None:
+        if value is not None and not value.endswith(".jsonl"):
+            raise ValueError("the regenerated conversations are written as JSON lines: give a path ending in .jsonl")
+        return value
+
 
 class RegenerateConfig(_Section):
     max_new_tokens: int = Field(512, ge=1, description="Longest regenerated answer, in tokens.")

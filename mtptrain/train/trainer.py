@@ -98,7 +98,8 @@ def deepspeed_config(cfg: TrainConfig, steps: int, world_size: int, precision: s
 def run_fingerprint(recipe: Recipe, manifest: dict, world_size: int) -> str:
     """What a checkpoint must share with the run resuming it (not logging or checkpoint cadence)."""
     train = recipe.train.model_dump(exclude={"output_dir", "log_every", "eval_every", "checkpoint_every",
-                                              "wandb", "wandb_project", "num_workers"})
+                                              "wandb", "wandb_project", "num_workers", "head_dtype",
+                                              "head_snapshots"})
     blob = json.dumps({"head": recipe.head.model_dump(mode="json"), "train": train, "store": manifest["plan_id"],
                        "world_size": world_size}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
@@ -206,6 +207,10 @@ class Trainer:
     def run(self) -> dict:
         engine, scheduler = self._engine()
         state = self._resume(engine)
+        finished = self.run_dir / "summary.json"
+        if state["step"] >= self.steps and finished.is_file() and (self.run_dir / "head" / "config.json").is_file():
+            log.info("%s already finished its %d steps; nothing to do", self.run_dir, self.steps)
+            return {**json.loads(finished.read_text()), "rank": self.dist.rank}
         metrics = MetricsLog(self.run_dir, self.dist.is_main, self.wandb_mode, self.cfg.wandb_project,
                              name=f"{self.recipe.name}-train", group=self.recipe.name,
                              config=self.recipe.model_dump(mode="json"), resume_id=state.get("wandb_id"))
@@ -254,9 +259,9 @@ class Trainer:
                     self.last_validation = self.validate(head, dtype)
                     metrics.log(step, self.last_validation)
                 if step % self.cfg.checkpoint_every == 0 or step == self.steps:
-                    last_checkpoint = self._checkpoint(engine, step, metrics.run_id)
-                    if self.cfg.head_snapshots and self.dist.is_main:
+                    if self.cfg.head_snapshots and self.dist.is_main:  # first: a resume starts after the checkpoint
                         self._snapshot(head, step)
+                    last_checkpoint = self._checkpoint(engine, step, metrics.run_id)
                 clock = time.perf_counter()  # logging, validation and checkpoints are not waiting for data
         finally:
             progress.close()

@@ -120,7 +120,24 @@ def test_regenerated_conversations_keep_questions_ids_and_split(varied_target_di
     assert len(samples) == len(rows)
     assert all(s.split == split_of(s.key, 0, 0.2) for s in samples)
     original, _ = prepare_samples(recipe.data.model_copy(update={"regenerated": None}), tok, show_progress=False)
-    assert {s.key for s in samples} <= {s.key for s in original} | {"conv3#1"}
+    assert {s.key for s in samples} <= {s.key for s in original}
+
+
+def test_repeated_ids_get_the_same_keys_in_the_original_and_regenerated_sets(varied_target_dir, tmp_path):
+    """A repeated id whose first row is unusable still takes its key, in both paths."""
+    long_first = {"id": "dup", "conversations": [{"from": "human", "value": "word " * 200},
+                                                 {"from": "gpt", "value": "a"}]}
+    usable = {"id": "dup", "conversations": [{"from": "human", "value": "the a of"}, {"from": "gpt", "value": "b"}]}
+    short = [{"id": f"s{i}", "conversations": [{"from": "human", "value": w}, {"from": "gpt", "value": "c"}]}
+             for i, w in enumerate(["hot", "water", "time"])]
+    source = write_sharegpt(tmp_path / "chats.json", 0, extra_rows=short + [long_first, usable])
+    recipe = load_recipe(None, regen_overrides(varied_target_dir, source, tmp_path / "r.jsonl"))
+    run_regenerate(recipe, show_progress=False)
+    tok = load_tokenizer(recipe.target)
+    regenerated, _ = prepare_samples(recipe.data, tok, show_progress=False)
+    original, _ = prepare_samples(recipe.data.model_copy(update={"regenerated": None}), tok, show_progress=False)
+    assert sorted(s.key for s in regenerated) == sorted(s.key for s in original) == ["dup#1", "s0", "s1", "s2"]
+    assert {s.key: s.split for s in regenerated} == {s.key: s.split for s in original}
 
 
 def test_settings_target_and_foreign_files_are_refused(varied_target_dir, tiny_target_dir, tmp_path):
@@ -140,12 +157,28 @@ def test_settings_target_and_foreign_files_are_refused(varied_target_dir, tiny_t
         run_regenerate(load_recipe(None, regen_overrides(varied_target_dir, source, foreign)), show_progress=False)
     with pytest.raises(RegenerateError, match="data.regenerated is not set"):
         run_regenerate(load_recipe(None, [f"target.model={varied_target_dir}"]), show_progress=False)
+    # The source changed under a finished file: the batches already written are no longer what it yields.
+    rows = json.loads(source.read_text())
+    rows[0]["conversations"][0]["value"] = "an edited question"
+    source.write_text(json.dumps(rows))
+    with pytest.raises(RegenerateError, match="no longer yields the conversations"):
+        run_regenerate(load_recipe(None, regen_overrides(varied_target_dir, source, out)), show_progress=False)
+    assert out.read_bytes() == before
 
 
-def test_precompute_refuses_a_missing_or_unfinished_regeneration(varied_target_dir, tmp_path):
+def test_one_process_only(varied_target_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    recipe = load_recipe(None, regen_overrides(varied_target_dir, write_sharegpt(tmp_path / "c.json", 2),
+                                               tmp_path / "r.jsonl"))
+    with pytest.raises(RegenerateError, match="one process"):
+        run_regenerate(recipe, show_progress=False)
+
+
+def test_precompute_refuses_a_missing_unfinished_or_stale_regeneration(varied_target_dir, tiny_target_dir, tmp_path):
     source = write_sharegpt(tmp_path / "chats.json", 4)
     out = tmp_path / "r.jsonl"
-    recipe = load_recipe(None, regen_overrides(varied_target_dir, source, out))
+    recipe = load_recipe(None, regen_overrides(varied_target_dir, source, out, "data.max_length=200"))
     tok = load_tokenizer(recipe.target)
     with pytest.raises(RegenerateError, match="does not exist: run `mtptrain regenerate`"):
         prepare_samples(recipe.data, tok, show_progress=False)
@@ -154,6 +187,14 @@ def test_precompute_refuses_a_missing_or_unfinished_regeneration(varied_target_d
     state_path(out).write_text(json.dumps({**state, "complete": False}))
     with pytest.raises(RegenerateError, match="unfinished"):
         prepare_samples(recipe.data, tok, show_progress=False)
+    state_path(out).write_text(json.dumps(state))
+    prepare_samples(recipe.data, tok, show_progress=False)
+    with pytest.raises(RegenerateError, match=r"other data \(data.max_length: 200 there, 120 here\)"):
+        prepare_samples(recipe.data.model_copy(update={"max_length": 120}), tok, show_progress=False)
+    other = load_tokenizer(load_recipe(None, ["target.model=" + str(tiny_target_dir)]).target)
+    other.add_tokens(["<extra>"])  # the same words, another tokenizer
+    with pytest.raises(RegenerateError, match="another tokenizer"):
+        prepare_samples(recipe.data, other, show_progress=False)
 
 
 def _cli(recipe_path: Path, *extra: str) -> list[str]:

@@ -239,3 +239,15 @@ def test_head_snapshots_record_their_tokens_and_load_like_the_final_head(tiny_ta
     target = load_target(recipe.target)
     head, spec = load_head(tmp_path / "run" / "head", FrozenTarget.of(target.model), target.identity())
     assert spec.kind == "eagle3" and next(head.parameters()).dtype == torch.float32
+
+
+def test_rerunning_a_finished_run_keeps_its_summary_and_export_settings_do_not_split_runs(tiny_target_dir, tiny_store,
+                                                                                           tmp_path):
+    args = (tiny_target_dir, tiny_store, tmp_path / "run", "head.kind=eagle", "train.max_steps=4")
+    first = run_train(train_recipe(*args), show_progress=False)
+    head = (tmp_path / "run" / "head" / "model.safetensors").read_bytes()
+    again = run_train(train_recipe(*args, "train.head_snapshots=true", "train.head_dtype=bfloat16"),
+                      show_progress=False)  # same run: export settings are not part of its identity
+    assert again == first and "val/acc_1" in again
+    assert (tmp_path / "run" / "head" / "model.safetensors").read_bytes() == head
+    assert json.loads((tmp_path / "run" / "summary.json").read_text()) == first
