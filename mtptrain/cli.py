@@ -125,7 +125,8 @@ def pipeline(recipe: RecipeOpt = None, overrides: SetOpt = None,
     """Run the recipe end to end: regenerate (when data.regenerated is set), precompute, train, eval.
 
     Each stage is the command of the same name with the same recipe and overrides, so a rerun after an
-    interruption resumes every stage where it stopped (finished stages are kept and not redone).
+    interruption resumes where it stopped: finished regeneration batches, feature shards and training steps
+    are kept, and eval (which measures, so has nothing to resume) runs again.
     """
     cfg = _recipe(recipe, overrides)
     if cfg.data.regenerated:

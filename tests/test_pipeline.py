@@ -1,4 +1,5 @@
-"""`mtptrain pipeline` runs regenerate, precompute, train and eval in order, and a rerun redoes nothing."""
+"""`mtptrain pipeline` runs regenerate, precompute, train and eval in order; a rerun keeps the finished data,
+features and head."""
 
 import json
 import subprocess
