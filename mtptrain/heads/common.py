@@ -38,13 +38,6 @@ class FrozenTarget:
         """The target's own logits from its pre-norm last-layer state: final norm, then LM head."""
         return self.lm_head(self.final_norm(hidden.to(self.lm_head.weight.dtype)))
 
-    @torch.no_grad()
-    def top1(self, hidden: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
-        """The target's greedy choice [...] over its full vocabulary, `chunk` positions of logits at a time."""
-        flat = hidden.reshape(-1, hidden.shape[-1])
-        tops = [self.target_logits(flat[i:i + chunk]).argmax(-1) for i in range(0, flat.shape[0], chunk)]
-        return torch.cat(tops).reshape(hidden.shape[:-1])
-
     def embed_as(self, ids: torch.Tensor, like: nn.Module) -> torch.Tensor:
         """Token embeddings in the dtype of a head's own weights (a bf16 head over an fp32 target, say)."""
         return self.embed(ids).to(next(like.parameters()).dtype)

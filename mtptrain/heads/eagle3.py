@@ -135,6 +135,20 @@ class Eagle3Head(nn.Module):
         """Draft-vocabulary ids as target ids."""
         return self.draft_to_target[draft_ids]
 
+    @torch.no_grad()
+    def target_tables(self, target_hidden: torch.Tensor, chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+        """From one pass of the target's full LM head, `chunk` positions at a time: its greedy choice over the
+        full vocabulary [...] (what acceptance will be scored against) and its logits over the draft
+        vocabulary [..., N] (what the head is distilled towards). Every TTT step reads slices of these."""
+        flat = target_hidden.reshape(-1, target_hidden.shape[-1])
+        tops, logits = [], []
+        for start in range(0, flat.shape[0], chunk):
+            full = self.frozen.target_logits(flat[start:start + chunk])
+            tops.append(full.argmax(-1))
+            logits.append(full[:, self.draft_to_target])
+        shape = target_hidden.shape[:-1]
+        return torch.cat(tops).reshape(shape), torch.cat(logits).reshape(*shape, len(self.draft_to_target))
+
     def target_logits(self, target_hidden: torch.Tensor) -> torch.Tensor:
         """The target's logits restricted to the draft vocabulary (only those rows of its LM head)."""
         weight = self.frozen.lm_head.weight[self.draft_to_target]

@@ -54,8 +54,9 @@ def distill_loss(head_logits: Callable[[torch.Tensor], torch.Tensor],
                  predicted: torch.Tensor, target_hidden: torch.Tensor, mask: torch.Tensor,
                  chunk: int = 1024, to_target: Callable | None = None,
                  target_top: torch.Tensor | None = None) -> DistillStats:
-    """predicted [..., H] (head states), target_hidden [..., H] (the target's states that produced the
-    distributions to match, already index-shifted), mask [...] (1 = counts).
+    """predicted [..., H] (head states), target_hidden [..., D] (what `target_logits` turns into the target's
+    logits: its states, already index-shifted, or logits computed ahead with `target_logits` the identity),
+    mask [...] (1 = counts).
 
     Top-1 agreement compares the argmax of the two logit sets. A head over a reduced vocabulary passes
     `to_target` (its ids -> target ids) and `target_top` [...] (the target's top-1 over its full vocabulary,

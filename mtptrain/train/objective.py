@@ -43,6 +43,11 @@ def _target_mask(loss_mask: torch.Tensor, position: int, length: int) -> torch.T
     return torch.nn.functional.pad(shifted, (0, length - shifted.shape[1]))[:, :length]
 
 
+def _given(logits: torch.Tensor) -> torch.Tensor:
+    """The target's logits when they were computed ahead (distill_loss takes a function of its input)."""
+    return logits
+
+
 def batch_objective(head, batch: dict, last_layer: int, feature_layers: list[int], weights: list[float],
                     feature_weight: float, ttt_steps: int, chunk: int) -> BatchResult:
     ids, mask = batch["input_ids"], batch["loss_mask"]
@@ -62,15 +67,18 @@ def batch_objective(head, batch: dict, last_layer: int, feature_layers: list[int
         outputs = head.unroll(fused, ids, ttt_steps)
         logits = [head.logits] * len(outputs)
     eagle3 = head.kind == "eagle3"
-    target_logits = head.target_logits if eagle3 else head.frozen.target_logits
-    # eagle3 distils over its draft vocabulary but is scored against the target's full-vocabulary choice:
-    # that choice is computed once for the batch, not once per TTT step.
-    top = head.frozen.top1(last, chunk) if eagle3 else None
+    if eagle3:
+        # Distilled over the draft vocabulary, scored against the target's full-vocabulary choice. Both come
+        # from one pass of the target's LM head over the batch; each TTT step reads a shifted slice.
+        top, table = head.target_tables(last, chunk)
+        target_logits = _given
+    else:
+        top, table, target_logits = None, last, head.frozen.target_logits
     result = BatchResult(last.new_zeros((), dtype=torch.float32))
     for position, (out, to_logits) in enumerate(zip(outputs, logits), start=1):
         m = _target_mask(mask, position, out.shape[1])
         width = slice(position, position + out.shape[1])
-        stats = distill_loss(to_logits, target_logits, out, last[:, width], m, chunk,
+        stats = distill_loss(to_logits, target_logits, out, table[:, width], m, chunk,
                              to_target=head.to_target if eagle3 else None,
                              target_top=top[:, width] if eagle3 else None)
         result.loss = result.loss + weights[position - 1] * stats.loss

@@ -8,7 +8,7 @@ from conftest import make_tiny_llama
 import mtptrain.train.objective as objective
 from mtptrain.heads import FrozenTarget
 from mtptrain.heads.checkpoint import HeadSpec, build_head
-from mtptrain.heads.losses import DistillStats
+from mtptrain.heads.losses import DistillStats, distill_loss
 
 LENGTHS = [7, 4]  # the second sample is right-padded to 7
 
@@ -38,6 +38,8 @@ def test_position_p_at_t_is_matched_to_state_t_plus_p_and_mask_of_token_t_plus_1
 
     monkeypatch.setattr(objective, "distill_loss", record)
     head = build_head(spec, FrozenTarget.of(make_tiny_llama(400)))
+    if spec.kind == "eagle3":  # its target logits are tabled once per batch: let the table carry the coordinates
+        head.target_tables = lambda hidden, chunk: (hidden[..., 0].long(), hidden)
     batch = _batch()
     objective.batch_objective(head, batch, 3, spec.feature_layers, [1.0] * spec.draft_positions, 0.1,
                               spec.ttt_steps, 64)
@@ -82,4 +84,8 @@ def test_eagle3_agreement_is_the_targets_full_vocabulary_choice_at_each_position
                         correct += draft == int(target.lm_head(target.model.norm(last[b, t + p])).argmax())
                         count += 1
             assert (stats.correct, stats.count) == (correct, count)
+            # the loss from the batch's one LM-head pass equals the loss from the head's own draft-vocab rows
+            m = objective._target_mask(batch["loss_mask"], p, out.shape[1])
+            direct = distill_loss(head.logits, head.target_logits, out, last[:, p:p + out.shape[1]], m, 3)
+            assert torch.allclose(stats.loss, direct.loss, atol=1e-5) and abs(stats.kl - direct.kl) < 1e-5
     assert 0 < sum(s.correct for s in result.positions) < sum(s.count for s in result.positions)
