@@ -2,6 +2,7 @@
 features and head."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -9,6 +10,8 @@ from pathlib import Path
 from conftest import write_sharegpt
 
 REPO = Path(__file__).resolve().parents[1]
+# In-process training tests leave a loopback rendezvous in this process's environment: not for the child.
+RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 
 
 def test_pipeline_runs_every_stage_and_resumes_without_redoing_them(varied_target_dir, tmp_path):
@@ -27,7 +30,8 @@ def test_pipeline_runs_every_stage_and_resumes_without_redoing_them(varied_targe
             "eval.max_new_tokens=12", f"eval.output_dir={run / 'eval'}"]
     cmd = [sys.executable, "-m", "mtptrain.cli", "pipeline", "--no-progress", "--no-wandb",
            *[a for s in sets for a in ("--set", s)]]
-    first = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    env = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS and not k.startswith("SLURM_")}
+    first = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env)
     assert first.returncode == 0, first.stderr[-3000:]
     stages = [line for line in first.stdout.splitlines() if line.startswith("== ")]
     assert stages == ["== regenerate", "== precompute", "== train", "== eval"]
@@ -41,7 +45,7 @@ def test_pipeline_runs_every_stage_and_resumes_without_redoing_them(varied_targe
     steps = json.loads((run / "train" / "summary.json").read_text())["steps"]
     head = (run / "train" / "head" / "model.safetensors").read_bytes()
 
-    again = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    again = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "this run: 0 tokens" in again.stdout  # every batch was already regenerated
     assert json.loads((run / "train" / "summary.json").read_text())["steps"] == steps

@@ -1,0 +1,152 @@
+"""Ablations of the reference run, each arm trained on the same data with the same budget, then evaluated.
+
+Arms (every one trains `--epochs` passes over the same conversations, same seed, same batch plan):
+  eagle3            the reference head (EAGLE-3, regenerated answers)
+  eagle3-original   the same head on the original ShareGPT answers instead of the target's own
+  eagle-restored    EAGLE-1/2 head with RMSNorm restoration (head.norms: restored)
+  eagle-stripped    EAGLE-1/2 head with the original norm-free placement (head.norms: stripped)
+  mtp               DeepSeek-style MTP, `--mtp-depths` chained depths
+and a learning curve: tau of the reference run's head snapshots (train.head_snapshots) against the
+training tokens each had seen.
+
+Every arm is evaluated by `mtptrain eval` on the same MT-bench prompts with chain drafting (K from `--k`,
+MTP capped at its depths) against the autoregressive baseline of its own run; tau, acceptance per
+position and teacher-forced validation agreement are compared. Each stage is a real CLI run, so
+finished arms are reused when the script is run again (train and eval resume or skip).
+
+    python benchmarks/ablations.py --recipe recipes/reference.yaml --out runs/ablations
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from mtptrain.config import load_recipe  # noqa: E402
+
+ARMS = {
+    "eagle3": [],
+    "eagle3-original": ["data.regenerated=null"],
+    "eagle-restored": ["head.kind=eagle", "head.norms=restored"],
+    "eagle-stripped": ["head.kind=eagle", "head.norms=stripped"],
+    "mtp": ["head.kind=mtp"],
+}
+
+
+def cli(*args: str, sets: list[str]) -> None:
+    cmd = [sys.executable, "-m", "mtptrain.cli", *args, *[a for s in sets for a in ("--set", s)]]
+    print("$", " ".join(cmd[2:]), flush=True)
+    subprocess.run(cmd, cwd=REPO, check=True)
+
+
+def eval_sets(args, head: Path, out: Path) -> list[str]:
+    return [f"eval.head={head}", "eval.methods=[chain]", f"eval.k={args.k}", f"eval.max_prompts={args.prompts}",
+            f"eval.max_turns={args.turns}", f"eval.max_new_tokens={args.tokens}", f"eval.output_dir={out}"]
+
+
+def chain_rows(results: dict) -> list[dict]:
+    return [m for m in results["methods"] if m["method"] == "chain"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--recipe", default="recipes/reference.yaml")
+    parser.add_argument("--out", default="runs/ablations")
+    parser.add_argument("--epochs", type=float, default=1.5, help="training passes per arm")
+    parser.add_argument("--mtp-depths", type=int, default=3)
+    parser.add_argument("--k", default="[3,5]", help="chain draft lengths evaluated")
+    parser.add_argument("--prompts", type=int, default=20, help="MT-bench questions")
+    parser.add_argument("--turns", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=64, help="new tokens per turn")
+    parser.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of " + ", ".join(ARMS))
+    parser.add_argument("--curve", action=argparse.BooleanOptionalAction, default=True,
+                        help="evaluate the reference run's head snapshots (learning curve)")
+    parser.add_argument("--set", action="append", default=[], dest="sets", help="extra recipe override")
+    args = parser.parse_args()
+    out = Path(args.out)
+    recipe_sets = ["--recipe", args.recipe]
+    base = load_recipe(args.recipe, args.sets)
+    started = time.perf_counter()
+
+    arms = [a for a in args.arms.split(",") if a]
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown:
+        parser.error(f"unknown arm(s) {', '.join(unknown)}; choose from {', '.join(ARMS)}")
+    # Data: the regenerated answers (reference) and the original ones, one feature store each.
+    stores = {"regenerated": base.precompute.output_dir, "original": str(out / "features-original")}
+    if arms and base.data.regenerated:
+        cli("regenerate", *recipe_sets, "--no-progress", sets=args.sets)
+    if any("data.regenerated=null" not in ARMS[a] for a in arms):
+        cli("precompute", *recipe_sets, "--no-progress", sets=args.sets)
+    if any("data.regenerated=null" in ARMS[a] for a in arms):
+        cli("precompute", *recipe_sets, "--no-progress",
+            sets=args.sets + ["data.regenerated=null", f"precompute.output_dir={stores['original']}"])
+
+    rows = []
+    for arm in arms:
+        overrides = ARMS[arm]
+        store = stores["original"] if "data.regenerated=null" in overrides else stores["regenerated"]
+        run_dir = out / arm
+        sets = args.sets + overrides + [f"train.features={store}", f"train.output_dir={run_dir / 'train'}",
+                                        f"train.epochs={args.epochs}", "train.head_snapshots=false",
+                                        f"head.mtp_depths={args.mtp_depths}"]
+        cli("train", *recipe_sets, "--no-wandb", "--no-progress", sets=sets)
+        cli("eval", *recipe_sets, "--no-wandb", "--no-progress",
+            sets=sets + eval_sets(args, run_dir / "train" / "head", run_dir / "eval"))
+        summary = json.loads((run_dir / "train" / "summary.json").read_text())
+        results = json.loads((run_dir / "eval" / "results.json").read_text())
+        rows.append({"arm": arm, "steps": summary["steps"],
+                     "val_acc": [v for k, v in sorted(summary.items()) if k.startswith("val/acc_")],
+                     "chains": chain_rows(results)})
+
+    curve = []
+    snapshots = sorted((Path(base.train.output_dir) / "snapshots").glob("step-*")) if args.curve else []
+    for snap in snapshots:
+        info = json.loads((snap / "config.json").read_text())
+        cli("eval", *recipe_sets, "--no-wandb", "--no-progress",
+            sets=args.sets + eval_sets(args, snap, out / "curve" / snap.name))
+        results = json.loads((out / "curve" / snap.name / "results.json").read_text())
+        curve.append({"step": info["train"]["steps"], "tokens": info["train"]["tokens"],
+                      "chains": chain_rows(results)})
+
+    report = format_report(rows, curve, args, time.perf_counter() - started)
+    (out / "ablations.md").write_text(report)
+    (out / "ablations.json").write_text(json.dumps({"arms": rows, "curve": curve, "args": vars(args)}, indent=2))
+    print(report)
+
+
+def format_report(rows: list[dict], curve: list[dict], args, seconds: float) -> str:
+    lines = [f"Chain drafting on {args.prompts} MT-bench questions x {args.turns} turn(s) x {args.tokens} tokens, "
+             f"greedy ({seconds / 60:.0f} min in all)", ""]
+    if rows:
+        lines += [f"Arms: {args.epochs} epochs each, same data order and seed.", ""]
+        ref = next((r for r in rows if r["arm"] == "eagle3"), rows[0])
+        lines += ["| arm | steps | val top-1 agreement per position | chain | tau | vs " + ref["arm"] +
+                  " | acceptance per position | speedup |", "|---|---|---|---|---|---|---|---|"]
+        ref_tau = {c["k"]: c["tau"] for c in ref["chains"]}
+        for r in rows:
+            for c in r["chains"]:
+                ratio = c["tau"] / ref_tau[c["k"]] if c["k"] in ref_tau else float("nan")
+                lines.append(f"| {r['arm']} | {r['steps']} | {' / '.join(f'{a:.3f}' for a in r['val_acc'])} | "
+                             f"{c['label']} | {c['tau']:.2f} | {ratio:.2f}x | "
+                             f"{' / '.join(f'{a:.2f}' for a in c['acceptance'])} | {c['speedup']:.2f}x |")
+        lines.append("")
+    if curve:
+        lines += ["Learning curve (reference run's head snapshots):", "",
+                  "| step | training tokens | chain | tau | acceptance per position |", "|---|---|---|---|---|"]
+        for point in curve:
+            for c in point["chains"]:
+                lines.append(f"| {point['step']} | {point['tokens']:,} | {c['label']} | {c['tau']:.2f} | "
+                             f"{' / '.join(f'{a:.2f}' for a in c['acceptance'])} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
