@@ -47,8 +47,12 @@ def stop_tokens(tokenizer, model) -> set[int]:
     return stops
 
 
-def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
-    """The rendered conversation and the [start, end) character span of every assistant answer."""
+def assistant_spans(tokenizer, messages: list[dict],
+                    unfinished: frozenset[int] = frozenset()) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation and the [start, end) character span of every assistant answer.
+
+    A span ends after the end-of-turn marker, except for the answers numbered in `unfinished` (0-based,
+    counting assistant turns): answers cut by a length limit, whose marker the model never wrote."""
     try:
         full = render(tokenizer, messages)
     except Exception as exc:  # jinja raises TemplateError, or a template's own raise_exception
@@ -56,9 +60,11 @@ def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[in
     end_markers = _special_strings(tokenizer)
     spans: list[tuple[int, int]] = []
     cursor = 0
+    answer = -1
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
+        answer += 1
         before = render(tokenizer, messages[:i], add_generation_prompt=True) if i else ""
         start = len(before) if full.startswith(before) and len(before) >= cursor else cursor
         text = message["content"].strip()  # templates may trim the answer
@@ -68,7 +74,7 @@ def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[in
                          "rendered conversation, so its tokens cannot be found")
         end = found + len(text)
         marker = next((m for m in end_markers if full.startswith(m, end)), "")
-        spans.append((start if start == len(before) else found, end + len(marker)))
+        spans.append((start if start == len(before) else found, end + (0 if answer in unfinished else len(marker))))
         cursor = end + len(marker)
     return full, spans
 
@@ -80,11 +86,11 @@ def _special_strings(tokenizer) -> list[str]:
     return sorted((s for s in specials if s), key=len, reverse=True)
 
 
-def tokenize_conversation(tokenizer, messages: list[dict], max_length: int,
-                          overlong: str = "truncate") -> TokenizedConversation:
+def tokenize_conversation(tokenizer, messages: list[dict], max_length: int, overlong: str = "truncate",
+                          unfinished: frozenset[int] = frozenset()) -> TokenizedConversation:
     if not getattr(tokenizer, "is_fast", False):
         raise TypeError("loss masks need a fast (Rust) tokenizer with offset mapping")
-    text, spans = assistant_spans(tokenizer, messages)
+    text, spans = assistant_spans(tokenizer, messages, unfinished)
     # The template already wrote any BOS it wants; adding special tokens again would double it.
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = np.asarray(encoded["input_ids"], dtype=np.int32)

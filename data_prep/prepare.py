@@ -61,6 +61,13 @@ class RowStats:
                 "skipped": dict(self.skipped.most_common()), "skipped_examples": self.examples}
 
 
+def unfinished_answers(row) -> frozenset[int]:
+    """Answers `mtptrain regenerate` stopped at a length limit (meta.finished false): the target never ended
+    them, so their end-of-turn marker is not a training target."""
+    finished = (row.get("meta") or {}).get("finished") if isinstance(row, dict) else None
+    return frozenset(i for i, done in enumerate(finished) if done is False) if isinstance(finished, list) else frozenset()
+
+
 def split_of(key: str, seed: int, validation_fraction: float) -> str:
     """Deterministic split from a hash of the id: stable under reordering and subsetting."""
     bucket = int.from_bytes(hashlib.sha256(f"{seed}:{key}".encode()).digest()[:8], "big") / 2**64
@@ -86,7 +93,8 @@ def prepare_samples(cfg: DataConfig, tokenizer, show_progress: bool = True) -> t
         try:
             conversation = normalise(row.value, row.ref, fmt, column)
             key = unique_key(conversation.id, seen)
-            tokenized = tokenize_conversation(tokenizer, conversation.messages, cfg.max_length, cfg.overlong)
+            tokenized = tokenize_conversation(tokenizer, conversation.messages, cfg.max_length, cfg.overlong,
+                                              unfinished_answers(row.value) if cfg.regenerated else frozenset())
         except BadRow as bad:
             stats.skip(row.ref, bad.reason, bad.detail)
             continue

@@ -42,6 +42,16 @@ def test_mask_is_exactly_each_answer_and_its_end_of_turn(template, end_of_turn):
     assert not out.truncated
 
 
+@pytest.mark.parametrize("template, end_of_turn", [(CHATML, "<|im_end|>"), (LLAMA3, "<|eot_id|>")],
+                         ids=["chatml", "llama3"])
+def test_an_unfinished_answer_leaves_its_end_of_turn_out_of_the_mask(template, end_of_turn):
+    tok = make_tokenizer(template)
+    answers = [m["content"] for m in CONVERSATION if m["role"] == "assistant"]
+    out = tokenize_conversation(tok, CONVERSATION, max_length=1000, unfinished=frozenset({0}))
+    assert masked_runs(tok, out.input_ids, out.loss_mask) == [answers[0]] + [a + end_of_turn for a in answers[1:]]
+    assert tok.decode(out.input_ids) == tok.apply_chat_template(CONVERSATION, tokenize=False)  # same tokens
+
+
 def test_llama3_template_bos_is_not_doubled():
     tok = make_tokenizer(LLAMA3)
     out = tokenize_conversation(tok, CONVERSATION, max_length=1000)

@@ -118,6 +118,14 @@ def test_regenerated_conversations_keep_questions_ids_and_split(varied_target_di
     # precompute's data reader takes the regenerated file in place of the source, with the same split
     samples, stats = prepare_samples(recipe.data, tok, show_progress=False)
     assert len(samples) == len(rows)
+    # an answer cut by a length limit is trained on without an end-of-turn target after it
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    by_key = {s.key: s for s in samples}
+    for row in rows:
+        sample = by_key[row["id"]]
+        ends_masked = int(((sample.input_ids == end) & (sample.loss_mask == 1)).sum())
+        assert ends_masked == sum(row["meta"]["finished"]), row["id"]
+    assert not all(f for row in rows for f in row["meta"]["finished"])
     assert all(s.split == split_of(s.key, 0, 0.2) for s in samples)
     original, _ = prepare_samples(recipe.data.model_copy(update={"regenerated": None}), tok, show_progress=False)
     assert {s.key for s in samples} <= {s.key for s in original}
