@@ -84,7 +84,13 @@ class DataConfig(_Section):
         return value
 
 
-class RegenerateConfig(_Section):
+class _Truncation(_Section):
+    """Sampling truncation shared by every stage that decodes (applied only at temperature > 0)."""
+    top_k: int = Field(0, ge=0, description="Sampling top-k (0 = off).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Sampling top-p (1 = off).")
+
+
+class RegenerateConfig(_Truncation):
     max_new_tokens: int = Field(512, ge=1, description="Longest regenerated answer, in tokens.")
     max_turns: int | None = Field(
         None, ge=1, description="Assistant turns regenerated per conversation (None = every turn that fits in "
@@ -94,8 +100,6 @@ class RegenerateConfig(_Section):
         "after its prompt; a conversation whose first prompt leaves fewer is skipped.")
     batch_size: int = Field(32, ge=1, description="Conversations generated together (finished rows leave the batch).")
     temperature: float = Field(0.0, ge=0, description="0 = greedy; above 0, sampled with per-conversation seeds.")
-    top_k: int = Field(0, ge=0, description="Sampling top-k (0 = off).")
-    top_p: float = Field(1.0, gt=0, le=1, description="Sampling top-p (1 = off).")
     seed: int = Field(0, description="Seed of the sampling streams (one per conversation and turn).")
     cpu_matmul: Literal["skinny", "stock"] = Field(
         "skinny", description="On CPU, compute linear layers of decoding steps of <= 8 rows as W @ x.T "
@@ -192,7 +196,7 @@ class TrainConfig(_Section):
         return value
 
 
-class EvalConfig(_Section):
+class EvalConfig(_Truncation):
     prompts: str = Field("mtbench", description="'mtbench' (the 80 two-turn MT-bench questions, embedded) or a JSONL "
                          "file of {\"turns\": [...]} or {\"prompt\": ...} rows.")
     max_prompts: int | None = Field(None, ge=1, description="Use only the first N prompts (None = all).")
@@ -200,8 +204,6 @@ class EvalConfig(_Section):
                                   "model's own earlier answers).")
     max_new_tokens: int = Field(256, ge=1, description="New tokens per turn.")
     temperature: float = Field(0.0, ge=0, description="0 = greedy (checked for exactness against the baseline).")
-    top_k: int = Field(0, ge=0, description="Sampling top-k (0 = off).")
-    top_p: float = Field(1.0, gt=0, le=1, description="Sampling top-p (1 = off).")
     seed: int = Field(0, description="Seed of the sampling streams.")
     methods: list[Literal["ngram", "suffix", "chain", "tree", "draft"]] = Field(
         ["ngram", "suffix", "chain", "tree"],
