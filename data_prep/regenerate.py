@@ -39,6 +39,7 @@ from pathlib import Path
 
 import torch
 from tqdm import tqdm
+from transformers import DynamicCache
 
 from data_prep.chat import prompt_ids, stop_tokens
 from data_prep.conversations import BadRow, normalise, unique_key
@@ -149,8 +150,6 @@ def generate_batch(model, prompts: list[list[int]], budgets: list[int], stops: s
         mask[i, width - len(p):] = 1
     ids, mask = ids.to(device), mask.to(device)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    from transformers import DynamicCache
-
     cache = DynamicCache()
     out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True,
                 logits_to_keep=1)
@@ -274,7 +273,8 @@ def run_regenerate(recipe: Recipe, show_progress: bool = True) -> dict:
             lines = []
             for job in batch:
                 if not job.messages:
-                    counts["skipped"][_reason(job)] = counts["skipped"].get(_reason(job), 0) + 1
+                    reason = _reason(job)
+                    counts["skipped"][reason] = counts["skipped"].get(reason, 0) + 1
                     continue
                 counts["conversations"] += 1
                 counts["answers"] += len(job.new_tokens)
