@@ -25,7 +25,7 @@ import torch
 
 from data_prep.chat import prompt_ids, stop_tokens
 from eval.prompts import load_prompts
-from mtptrain.config import Recipe
+from mtptrain.config import EMBEDDED_TARGET, Recipe
 from mtptrain.engine.cpu_matmul import skinny_linears
 from mtptrain.engine.generate import GenerationStats, generate
 from mtptrain.engine.runner import TargetRunner
@@ -35,6 +35,10 @@ from mtptrain.io import atomic_write_json
 log = logging.getLogger(__name__)
 
 HEAD_METHODS = ("chain", "tree")
+
+# The head trained by recipes/reference.yaml on the embedded default, kept in the repository so that
+# `mtptrain eval` shows a real head before anything has been trained (see pretrained/README.md).
+PRETRAINED_HEAD = Path(__file__).resolve().parents[1] / "pretrained" / "smollm2-135m-instruct-eagle3"
 
 
 class EvalError(ValueError):
@@ -101,7 +105,18 @@ class Tally:
 
 
 def head_directory(recipe: Recipe) -> Path:
-    return Path(recipe.eval.head) if recipe.eval.head else Path(recipe.train.output_dir) / "head"
+    """eval.head if set; else the recipe's trained head; else, on the embedded default with nothing trained
+    yet, the head shipped in pretrained/."""
+    if recipe.eval.head:
+        return Path(recipe.eval.head)
+    trained = Path(recipe.train.output_dir) / "head"
+    if (trained / "config.json").is_file() or recipe.target.model != EMBEDDED_TARGET:
+        return trained
+    if (PRETRAINED_HEAD / "config.json").is_file():
+        log.info("no trained head at %s: using the shipped head %s (recipes/reference.yaml); train one or set "
+                 "eval.head to measure another", trained, PRETRAINED_HEAD)
+        return PRETRAINED_HEAD
+    return trained
 
 
 def build_configs(recipe: Recipe, target, sampling: Sampling) -> tuple[list[Config], dict | None, list[str], list]:

@@ -100,9 +100,10 @@ def evaluate(recipe: RecipeOpt = None, overrides: SetOpt = None,
     Every method of eval.methods (ngram, suffix, chain, tree, draft) is run with each draft length K of eval.k
     (trees: each node budget of eval.tree_budgets) on the same prompts as the autoregressive baseline, in one
     run: by default the 80 MT-bench questions, second turns asked after the model's own first answers.
-    chain and tree draft with the head at <train.output_dir>/head (or eval.head). At temperature 0 every output
-    is checked against the baseline token for token; a divergence that is not a float near-tie fails the
-    command (exit code 3). Writes results.json, report.md and PNG plots to eval.output_dir.
+    chain and tree draft with the head at <train.output_dir>/head, or eval.head; on the embedded default with no
+    head trained yet, with the head shipped in pretrained/ (trained by recipes/reference.yaml). At temperature 0
+    every output is checked against the baseline token for token; a divergence that is not a float near-tie
+    fails the command (exit code 3). Writes results.json, report.md and PNG plots to eval.output_dir.
     """
     from eval.run import EvalError, exactness_failures, format_results, run_eval
 

@@ -211,7 +211,8 @@ class EvalConfig(_Truncation):
         "suffix (index over past outputs), chain (the head, drafting K tokens), tree (EAGLE-2 trees from an "
         "eagle/eagle3 head), draft (a draft model: eval.draft_model or eval.draft_layers).")
     k: list[int] = Field([1, 2, 3, 4, 5], description="Draft lengths K swept for chain-style methods.")
-    head: str | None = Field(None, description="Trained head directory (default: <train.output_dir>/head).")
+    head: str | None = Field(None, description="Trained head directory (default: <train.output_dir>/head; on the "
+                             "embedded default, the head shipped in pretrained/ until one is trained).")
     tree_branch: int = Field(4, ge=1, description="tree: children per expanded node, and nodes expanded per level.")
     tree_depth: int = Field(5, ge=1, description="tree: levels drafted.")
     tree_budgets: list[int] = Field([8, 16, 32], description="tree: node budgets swept (tokens the target verifies).")

@@ -1,0 +1,106 @@
+"""Teacher-forced agreement of a trained head with the target on another text distribution.
+
+    python benchmarks/head_agreement.py --head runs/reference/train/head --eval runs/reference/eval
+
+Training reports top-1 agreement per draft position on its held-out split (ShareGPT). Eval measures
+acceptance while the head drafts for real (MT-bench). This script separates the two gaps between those numbers:
+it takes the baseline's own answers from an eval run (results.json: the target's greedy MT-bench answers, the
+very tokens the head had to predict), precomputes their hidden states, and scores the head teacher-forced on
+them, exactly as training validates. Then
+  * held-out ShareGPT agreement vs MT-bench teacher-forced agreement = the shift between the two distributions;
+  * MT-bench teacher-forced agreement vs eval acceptance = what drafting on its own outputs costs the head.
+The training run's own validation split is scored again in the same run for reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from mtptrain.config import load_recipe  # noqa: E402
+from mtptrain.features.precompute import run_precompute  # noqa: E402
+from mtptrain.features.store import FeatureStore  # noqa: E402
+from mtptrain.heads import FrozenTarget  # noqa: E402
+from mtptrain.heads.checkpoint import load_head  # noqa: E402
+from mtptrain.target import load_target  # noqa: E402
+from mtptrain.train.data import loader  # noqa: E402
+from mtptrain.train.objective import batch_objective, step_weights  # noqa: E402
+from mtptrain.train.trainer import _to_device, _Window  # noqa: E402
+
+
+def eval_conversations(results: Path, out: Path) -> None:
+    """The baseline's conversations of an eval run as a JSONL data source."""
+    conversations = json.loads(results.read_text())["conversations"]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w") as f:
+        for cid, messages in conversations.items():
+            f.write(json.dumps({"id": cid, "messages": messages}) + "\n")
+
+
+@torch.inference_mode()
+def agreement(head, spec, store: FeatureStore, recipe, batch_size: int) -> list[float]:
+    window = _Window(spec.draft_positions)
+    weights = step_weights(recipe.head.step_weights, spec.draft_positions)
+    batches = [list(range(i, min(i + batch_size, len(store)))) for i in range(0, len(store), batch_size)]
+    for batch in loader(store, batches, 0):
+        window.add(batch_objective(head, _to_device(batch, torch.device("cpu"), torch.float32), spec.last_layer,
+                                   spec.feature_layers, weights, recipe.head.feature_weight, spec.ttt_steps,
+                                   recipe.train.loss_chunk))
+    sums = window.reduce(None)
+    return [sums[f"train/acc_{p + 1}"] for p in range(spec.draft_positions)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--recipe", default="recipes/reference.yaml")
+    parser.add_argument("--head", default="runs/reference/train/head")
+    parser.add_argument("--eval", default="runs/reference/eval", help="an eval run directory (results.json)")
+    parser.add_argument("--out", default="runs/analysis/eval-answers", help="where the answers' features go")
+    parser.add_argument("--batch-size", type=int, default=8)
+    args = parser.parse_args()
+    recipe = load_recipe(args.recipe)
+    out = Path(args.out)
+    eval_conversations(Path(args.eval) / "results.json", out / "answers.jsonl")
+    # Every answer is scored (no validation split); no length cut beyond the recipe's own.
+    answers = load_recipe(args.recipe, [f"data.source={out / 'answers.jsonl'}", "data.regenerated=null",
+                                        "data.validation_fraction=0", "data.max_conversations=null",
+                                        f"precompute.output_dir={out / 'features'}", "precompute.dtype=float32"])
+    run_precompute(answers, show_progress=False)
+
+    target = load_target(recipe.target)
+    head, spec = load_head(Path(args.head), FrozenTarget.of(target.model), target.identity())
+    head.float().eval()
+    layers = sorted({spec.last_layer, *spec.feature_layers})
+    stores = {"held-out ShareGPT (training's validation split)":
+              FeatureStore(recipe.train.features, "validation", target=target, layers=layers, verify="size"),
+              "MT-bench: the eval's baseline answers":
+              FeatureStore(out / "features", "train", target=target, layers=layers, verify="size")}
+    lines = [f"Teacher-forced top-1 agreement of {args.head} with the target, per draft position", "",
+             "| data | conversations | agreement per position |", "|---|---|---|"]
+    report = {}
+    for name, store in stores.items():
+        acc = agreement(head, spec, store, recipe, args.batch_size)
+        report[name] = acc
+        lines.append(f"| {name} | {len(store)} | {' / '.join(f'{a:.3f}' for a in acc)} |")
+    eval_results = json.loads((Path(args.eval) / "results.json").read_text())
+    lines += ["", "Acceptance while drafting in that eval run (conditional on the previous position accepted):", ""]
+    for m in eval_results["methods"]:
+        if m["method"] == "chain":
+            a = m["acceptance"]
+            conditional = [a[0]] + [a[i] / a[i - 1] if a[i - 1] else 0.0 for i in range(1, len(a))]
+            lines.append(f"- {m['label']}: {' / '.join(f'{x:.3f}' for x in conditional)}")
+    text = "\n".join(lines) + "\n"
+    (out / "agreement.md").write_text(text)
+    (out / "agreement.json").write_text(json.dumps(report, indent=2))
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""Copy the head of a finished reference run into pretrained/, with its eval results and a README.
+
+    make reference                      # runs/reference: regenerate, precompute, train, eval (T=0 and T=1)
+    python scripts/ship_reference_head.py
+
+The README states what the head is, how it was made, and what `mtptrain eval` measured with it; the results
+files are the eval's own, without the generated conversations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from eval.run import PRETRAINED_HEAD  # noqa: E402
+
+EVALS = {"eval": "temperature 0", "eval-t1": "temperature 1"}
+
+
+def methods_table(results: dict) -> list[str]:
+    rows = ["| method | tau | tokens/s | speedup | acceptance per position | exact |", "|---|---|---|---|---|---|"]
+    for m in results["methods"]:
+        exact = m["exactness"]
+        checked = f"{exact['identical']}/{exact['checked']}" if exact["checked"] else "-"
+        acceptance = " / ".join(f"{a:.2f}" for a in m["acceptance"])
+        rows.append(f"| {m['label']} | {m['tau']:.2f} | {m['tokens_per_second']:.1f} | {m['speedup']:.2f}x | "
+                    f"{acceptance} | {checked} |")
+    return rows
+
+
+def readme(config: dict, summary: dict, tokens: int | None, evals: dict[str, dict], size: int) -> str:
+    head, target, train = config["head"], config["target"], config["train"]
+    val = [summary.get(f"val/acc_{i}") for i in range(1, head["ttt_steps"] + 1)]
+    lines = [
+        f"# {target['name']} EAGLE-3 head (reference run)",
+        "",
+        f"An `{head['kind']}` head for `{target['name']}` (fingerprint `{target['fingerprint']}`): one decoder "
+        f"layer over the target's layers {head['feature_layers']} and its last layer {head['last_layer']}, "
+        f"norms {head['norms']}, {head['ttt_steps']} training-time-test steps, a draft vocabulary of "
+        f"{head['draft_vocab_size']} tokens. Weights in bfloat16, {size / 2**20:.1f} MiB.",
+        "",
+        "Reproduce it with `make reference` (recipes/reference.yaml: self-distilled ShareGPT answers, precompute, "
+        "train, eval), then `python scripts/ship_reference_head.py`. `mtptrain eval` on the embedded default "
+        "uses this head whenever the recipe's own head has not been trained yet.",
+        "",
+        f"Training: {train['steps']} steps" + (f", {tokens:,} tokens seen" if tokens else "") + "; validation top-1 "
+        "agreement with the target per position: " + " / ".join(f"{v:.3f}" for v in val if v is not None) + ".",
+        "",
+        "What this CPU-scale training buys and what limits it: docs/reference-run.md in the repository.",
+    ]
+    for name, results in evals.items():
+        s = results["settings"]
+        lines += ["", f"## MT-bench, {EVALS[name]}", "",
+                  f"{s['prompt_count']} questions, {s['requests']} requests, up to {s['max_new_tokens']} new tokens "
+                  f"each, batch size 1, on {results['machine']['cpu']} ({results['machine']['threads']} threads, "
+                  f"{results['machine']['dtype']}). tau is tokens per target forward, bonus included; speedup is "
+                  "against the baseline of the same run.", ""]
+        lines += methods_table(results)
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--run", default="runs/reference", help="the reference run directory")
+    parser.add_argument("--out", default=str(PRETRAINED_HEAD))
+    args = parser.parse_args()
+    run, out = Path(args.run), Path(args.out)
+    head = run / "train" / "head"
+    missing = [p for p in (head / "config.json", head / "model.safetensors", run / "train" / "summary.json",
+                           *(run / n / "results.json" for n in EVALS)) if not p.is_file()]
+    if missing:
+        raise SystemExit(f"error: {', '.join(map(str, missing))} missing: run `make reference` first")
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "model.safetensors"):
+        shutil.copyfile(head / name, out / name)
+    evals = {}
+    for name in EVALS:
+        results = json.loads((run / name / "results.json").read_text())
+        results.pop("conversations", None)
+        results.pop("files", None)
+        (out / f"{name}.json").write_text(json.dumps(results, indent=2) + "\n")
+        evals[name] = results
+    config = json.loads((head / "config.json").read_text())
+    summary = json.loads((run / "train" / "summary.json").read_text())
+    # The snapshot of the last step (train.head_snapshots) records the exact tokens seen.
+    snapshot = run / "train" / "snapshots" / f"step-{config['train']['steps']:07d}" / "config.json"
+    tokens = json.loads(snapshot.read_text())["train"]["tokens"] if snapshot.is_file() else None
+    size = (head / "model.safetensors").stat().st_size
+    (out / "README.md").write_text(readme(config, summary, tokens, evals, size))
+    print(f"shipped {head} -> {out}")
+
+
+if __name__ == "__main__":
+    main()
