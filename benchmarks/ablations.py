@@ -11,8 +11,11 @@ training tokens each had seen.
 
 Every arm is evaluated by `mtptrain eval` on the same MT-bench prompts with chain drafting (K from `--k`,
 MTP capped at its depths) against the autoregressive baseline of its own run; tau, acceptance per
-position and teacher-forced validation agreement are compared. Each stage is a real CLI run, so
-finished arms are reused when the script is run again (train and eval resume or skip).
+position and teacher-forced agreement are compared. Each arm's own validation split holds other text when
+its data differ, so every head is also scored teacher-forced on the same two texts: the reference store's
+held-out answers and the baseline answers of a reference eval run (benchmarks/head_agreement.py). Each
+stage is a real CLI run, so finished arms are reused when the script is run again (train resumes or
+skips, an eval with the same head and settings is kept).
 
     python benchmarks/ablations.py --recipe recipes/reference.yaml --out runs/ablations
 """
@@ -30,6 +33,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from mtptrain.config import load_recipe  # noqa: E402
+from mtptrain.features.store import FeatureStore  # noqa: E402
+from mtptrain.train.data import BatchPlan  # noqa: E402
 
 ARMS = {
     "eagle3": [],
@@ -51,6 +56,27 @@ def eval_sets(args, head: Path, out: Path) -> list[str]:
             f"eval.max_turns={args.turns}", f"eval.max_new_tokens={args.tokens}", f"eval.output_dir={out}"]
 
 
+def evaluated(out: Path, head: Path, args) -> bool:
+    """An eval of this head with these settings already finished (a rerun reuses it)."""
+    path = out / "results.json"
+    if not path.is_file():
+        return False
+    r = json.loads(path.read_text())
+    s = r["settings"]
+    return (r["head"] or {}).get("path") == str(head) and s["prompt_count"] == args.prompts and \
+        s["max_new_tokens"] == args.tokens and s["requests"] == args.prompts * args.turns and \
+        sorted(c["k"] for c in chain_rows(r)) == sorted(json.loads(args.k))
+
+
+def tokens_seen(run: Path, steps: int) -> int:
+    """Training tokens of a finished single-process run, from its batch plan (as the trainer draws it)."""
+    recipe = load_recipe(run / "recipe.yaml")
+    cfg = recipe.train
+    lengths = FeatureStore(cfg.features, "train", verify="size").lengths()
+    plan = BatchPlan(lengths, cfg.micro_batch_size, cfg.seed, 1, 0, steps, cfg.grad_accum)
+    return plan.tokens_through(steps)
+
+
 def chain_rows(results: dict) -> list[dict]:
     return [m for m in results["methods"] if m["method"] == "chain"]
 
@@ -68,6 +94,9 @@ def main() -> None:
     parser.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of " + ", ".join(ARMS))
     parser.add_argument("--curve", action=argparse.BooleanOptionalAction, default=True,
                         help="evaluate the reference run's head snapshots (learning curve)")
+    parser.add_argument("--agreement-eval", default="runs/reference/eval",
+                        help="an eval run whose baseline answers every arm is scored on, teacher-forced "
+                        "(benchmarks/head_agreement.py); empty to skip")
     parser.add_argument("--set", action="append", default=[], dest="sets", help="extra recipe override")
     args = parser.parse_args()
     out = Path(args.out)
@@ -98,20 +127,30 @@ def main() -> None:
                                         f"train.epochs={args.epochs}", "train.head_snapshots=false",
                                         f"head.mtp_depths={args.mtp_depths}"]
         cli("train", *recipe_sets, "--no-wandb", "--no-progress", sets=sets)
-        cli("eval", *recipe_sets, "--no-wandb", "--no-progress",
-            sets=sets + eval_sets(args, run_dir / "train" / "head", run_dir / "eval"))
+        head = run_dir / "train" / "head"
+        if not evaluated(run_dir / "eval", head, args):
+            cli("eval", *recipe_sets, "--no-wandb", "--no-progress", sets=sets + eval_sets(args, head, run_dir / "eval"))
+        # One yardstick for every arm: the reference store's held-out answers and the reference eval's MT-bench
+        # answers (each arm's own validation split holds other text when its data differ).
+        agreement = run_dir / "agreement.json"
+        if args.agreement_eval and not agreement.is_file():
+            subprocess.run([sys.executable, "benchmarks/head_agreement.py", "--recipe", args.recipe, "--head", str(head),
+                            "--eval", args.agreement_eval, "--out", str(out / "eval-answers"), "--report",
+                            str(agreement)], cwd=REPO, check=True)
         summary = json.loads((run_dir / "train" / "summary.json").read_text())
         results = json.loads((run_dir / "eval" / "results.json").read_text())
-        rows.append({"arm": arm, "steps": summary["steps"],
+        rows.append({"arm": arm, "steps": summary["steps"], "tokens": tokens_seen(run_dir / "train", summary["steps"]),
                      "val_acc": [v for k, v in sorted(summary.items()) if k.startswith("val/acc_")],
+                     "agreement": json.loads(agreement.read_text()) if agreement.is_file() else None,
                      "chains": chain_rows(results)})
 
     curve = []
     snapshots = sorted((Path(base.train.output_dir) / "snapshots").glob("step-*")) if args.curve else []
     for snap in snapshots:
         info = json.loads((snap / "config.json").read_text())
-        cli("eval", *recipe_sets, "--no-wandb", "--no-progress",
-            sets=args.sets + eval_sets(args, snap, out / "curve" / snap.name))
+        if not evaluated(out / "curve" / snap.name, snap, args):
+            cli("eval", *recipe_sets, "--no-wandb", "--no-progress",
+                sets=args.sets + eval_sets(args, snap, out / "curve" / snap.name))
         results = json.loads((out / "curve" / snap.name / "results.json").read_text())
         curve.append({"step": info["train"]["steps"], "tokens": info["train"]["tokens"],
                       "chains": chain_rows(results)})
@@ -126,15 +165,21 @@ def format_report(rows: list[dict], curve: list[dict], args, seconds: float) -> 
     lines = [f"Chain drafting on {args.prompts} MT-bench questions x {args.turns} turn(s) x {args.tokens} tokens, "
              f"greedy ({seconds / 60:.0f} min in all)", ""]
     if rows:
-        lines += [f"Arms: {args.epochs} epochs each, same data order and seed.", ""]
+        lines += [f"Arms: {args.epochs} epochs each, same seed and data order; validation agreement is each arm's own "
+                  "held-out split; the agreement columns score every arm on the same text, teacher-forced "
+                  f"(benchmarks/head_agreement.py, answers of {args.agreement_eval}).", ""]
         ref = next((r for r in rows if r["arm"] == "eagle3"), rows[0])
-        lines += ["| arm | steps | val top-1 agreement per position | chain | tau | vs " + ref["arm"] +
-                  " | acceptance per position | speedup |", "|---|---|---|---|---|---|---|---|"]
+        lines += ["| arm | steps | tokens | own validation agreement | agreement, held-out regenerated | "
+                  "agreement, MT-bench answers | chain | tau | vs " + ref["arm"] + " | acceptance per position | "
+                  "speedup |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         ref_tau = {c["k"]: c["tau"] for c in ref["chains"]}
         for r in rows:
+            common = list((r["agreement"] or {}).values())
+            shared = [" / ".join(f"{a:.3f}" for a in acc) for acc in common] if common else ["-", "-"]
             for c in r["chains"]:
                 ratio = c["tau"] / ref_tau[c["k"]] if c["k"] in ref_tau else float("nan")
-                lines.append(f"| {r['arm']} | {r['steps']} | {' / '.join(f'{a:.3f}' for a in r['val_acc'])} | "
+                lines.append(f"| {r['arm']} | {r['steps']} | {r['tokens']:,} | "
+                             f"{' / '.join(f'{a:.3f}' for a in r['val_acc'])} | {shared[0]} | {shared[1]} | "
                              f"{c['label']} | {c['tau']:.2f} | {ratio:.2f}x | "
                              f"{' / '.join(f'{a:.2f}' for a in c['acceptance'])} | {c['speedup']:.2f}x |")
         lines.append("")

@@ -64,6 +64,7 @@ def main() -> None:
     parser.add_argument("--eval", default="runs/reference/eval", help="an eval run directory (results.json)")
     parser.add_argument("--out", default="runs/analysis/eval-answers", help="where the answers' features go")
     parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--report", help="where the JSON result goes (default: <out>/agreement.json)")
     args = parser.parse_args()
     recipe = load_recipe(args.recipe)
     out = Path(args.out)
@@ -98,7 +99,7 @@ def main() -> None:
             lines.append(f"- {m['label']}: {' / '.join(f'{x:.3f}' for x in conditional)}")
     text = "\n".join(lines) + "\n"
     (out / "agreement.md").write_text(text)
-    (out / "agreement.json").write_text(json.dumps(report, indent=2))
+    (Path(args.report) if args.report else out / "agreement.json").write_text(json.dumps(report, indent=2))
     print(text)
 
 

@@ -57,6 +57,11 @@ class BatchPlan:
             epoch += 1
         return sequence[:needed]
 
+    def tokens_through(self, step: int) -> int:
+        """Tokens in the micro-batches of steps 1..step, over all ranks."""
+        seen = self.global_sequence()[: step * self.micro_batches_per_step]
+        return sum(self.lengths[i] for batch in seen for i in batch)
+
     def for_rank(self, start: int = 0) -> list[list[int]]:
         """This rank's micro-batches from global micro-batch `start` (a multiple of micro_batches_per_step)."""
         return self.global_sequence()[start + self.rank :: self.world_size]

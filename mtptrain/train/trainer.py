@@ -314,9 +314,7 @@ class Trainer:
 
     def _snapshot(self, head, step: int) -> None:
         """The head as it is at `step`, with the training tokens seen so far (exact, from the batch plan)."""
-        lengths = self.plan.lengths
-        seen = self.plan.global_sequence()[: step * self.plan.micro_batches_per_step]
-        tokens = sum(lengths[i] for batch in seen for i in batch)
+        tokens = self.plan.tokens_through(step)
         save_head(self.run_dir / "snapshots" / f"step-{step:07d}", head, self.spec, self.target.identity(),
                   {"features": {"store": str(self.cfg.features), "layers": self.train_store.layers},
                    "train": {"steps": step, "tokens": tokens, "recipe": self.recipe.model_dump(mode="json")}})
