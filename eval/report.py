@@ -84,23 +84,20 @@ def _save(fig, out_dir: Path, name: str) -> str:
     return name
 
 
-def markdown(results: dict) -> str:
-    s, machine, head = results["settings"], results["machine"], results["head"]
+def run_line(results: dict) -> str:
+    """One sentence: target, machine, prompts and sampling of an eval run."""
+    s, machine = results["settings"], results["machine"]
     sampling = "greedy" if s["temperature"] == 0 else f"temperature {s['temperature']}, top-k {s['top_k']}, top-p {s['top_p']}"
-    lines = [
-        f"# Eval report: {results['name']}",
-        "",
-        f"Target `{results['target']}` on {machine['device']} ({machine['dtype']}, {machine['threads']} threads). "
-        f"Prompts: `{s['prompts']}`, {s['prompt_count']} prompts, {s['requests']} requests, up to "
-        f"{s['max_new_tokens']} new tokens each, {sampling}, batch size 1.",
-    ]
-    if head:
-        lines.append(f"Head: `{head['path']}` ({head['kind']}, norms {head['norms']}, {head['parameters']:,} parameters).")
-    lines += ["", "tau counts tokens per target forward, bonus included; speedup is tokens/s against the baseline "
-              "measured in the same run on the same prompts.", "",
-              "| method | tau | tokens/s | speedup | draft ms/step | verify ms/step | verified tokens/step | exact | "
-              "acceptance per position |",
-              "|---|---|---|---|---|---|---|---|---|"]
+    return (f"Target `{results['target']}` on {machine['device']} ({machine['dtype']}, {machine['threads']} threads). "
+            f"Prompts: `{s['prompts']}`, {s['prompt_count']} prompts, {s['requests']} requests, up to "
+            f"{s['max_new_tokens']} new tokens each, {sampling}, batch size 1.")
+
+
+def methods_table(results: dict) -> list[str]:
+    """The per-configuration table of an eval run, as markdown lines."""
+    lines = ["| method | tau | tokens/s | speedup | draft ms/step | verify ms/step | verified tokens/step | exact | "
+             "acceptance per position |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for m in results["methods"]:
         ex = m["exactness"]
         exact = "-" if not ex["checked"] else (f"**{len(ex['failures'])} failures**" if ex["failures"] else
@@ -110,6 +107,17 @@ def markdown(results: dict) -> str:
         lines.append(f"| {m['label']} | {m['tau']:.2f} | {m['tokens_per_second']:.1f} | {m['speedup']:.2f}x | "
                      f"{m['draft_ms_per_step']:.1f} | {m['verify_ms_per_step']:.1f} | {m['verified_tokens_per_step']:.1f} | "
                      f"{exact} | {' '.join(f'{a:.2f}' for a in m['acceptance'])} |")
+    return lines
+
+
+def markdown(results: dict) -> str:
+    s, head = results["settings"], results["head"]
+    lines = [f"# Eval report: {results['name']}", "", run_line(results)]
+    if head:
+        lines.append(f"Head: `{head['path']}` ({head['kind']}, norms {head['norms']}, {head['parameters']:,} parameters).")
+    lines += ["", "tau counts tokens per target forward, bonus included; speedup is tokens/s against the baseline "
+              "measured in the same run on the same prompts.", ""]
+    lines += methods_table(results)
     lines += ["", "## Best configuration per method", ""]
     by_label = {m["label"]: m for m in results["methods"]}
     for method, label in results["best"].items():

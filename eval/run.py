@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 HEAD_METHODS = ("chain", "tree")
 
 # The head trained by recipes/reference.yaml on the embedded default, kept in the repository so that
-# `mtptrain eval` shows a real head before anything has been trained (see pretrained/README.md).
+# `mtptrain eval` shows a real head before anything has been trained (its README is in that directory).
 PRETRAINED_HEAD = Path(__file__).resolve().parents[1] / "pretrained" / "smollm2-135m-instruct-eagle3"
 
 

@@ -18,20 +18,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from eval.report import methods_table, run_line  # noqa: E402
 from eval.run import PRETRAINED_HEAD  # noqa: E402
 
 EVALS = {"eval": "temperature 0", "eval-t1": "temperature 1"}
-
-
-def methods_table(results: dict) -> list[str]:
-    rows = ["| method | tau | tokens/s | speedup | acceptance per position | exact |", "|---|---|---|---|---|---|"]
-    for m in results["methods"]:
-        exact = m["exactness"]
-        checked = f"{exact['identical']}/{exact['checked']}" if exact["checked"] else "-"
-        acceptance = " / ".join(f"{a:.2f}" for a in m["acceptance"])
-        rows.append(f"| {m['label']} | {m['tau']:.2f} | {m['tokens_per_second']:.1f} | {m['speedup']:.2f}x | "
-                    f"{acceptance} | {checked} |")
-    return rows
 
 
 def readme(config: dict, summary: dict, tokens: int | None, evals: dict[str, dict], size: int) -> str:
@@ -55,12 +45,8 @@ def readme(config: dict, summary: dict, tokens: int | None, evals: dict[str, dic
         "What this CPU-scale training buys and what limits it: docs/reference-run.md in the repository.",
     ]
     for name, results in evals.items():
-        s = results["settings"]
-        lines += ["", f"## MT-bench, {EVALS[name]}", "",
-                  f"{s['prompt_count']} questions, {s['requests']} requests, up to {s['max_new_tokens']} new tokens "
-                  f"each, batch size 1, on {results['machine']['cpu']} ({results['machine']['threads']} threads, "
-                  f"{results['machine']['dtype']}). tau is tokens per target forward, bonus included; speedup is "
-                  "against the baseline of the same run.", ""]
+        lines += ["", f"## MT-bench, {EVALS[name]}", "", run_line(results), "tau is tokens per target forward, bonus "
+                  "included; speedup is against the baseline of the same run.", ""]
         lines += methods_table(results)
     return "\n".join(lines) + "\n"
 
