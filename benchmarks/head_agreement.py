@@ -30,9 +30,8 @@ from mtptrain.features.store import FeatureStore  # noqa: E402
 from mtptrain.heads import FrozenTarget  # noqa: E402
 from mtptrain.heads.checkpoint import load_head  # noqa: E402
 from mtptrain.target import load_target  # noqa: E402
-from mtptrain.train.data import loader  # noqa: E402
-from mtptrain.train.objective import batch_objective, step_weights  # noqa: E402
-from mtptrain.train.trainer import _to_device, _Window  # noqa: E402
+from mtptrain.train.objective import step_weights  # noqa: E402
+from mtptrain.train.trainer import score_store  # noqa: E402
 
 
 def eval_conversations(results: Path, out: Path) -> None:
@@ -44,15 +43,10 @@ def eval_conversations(results: Path, out: Path) -> None:
             f.write(json.dumps({"id": cid, "messages": messages}) + "\n")
 
 
-@torch.inference_mode()
 def agreement(head, spec, store: FeatureStore, recipe, batch_size: int) -> list[float]:
-    window = _Window(spec.draft_positions)
-    weights = step_weights(recipe.head.step_weights, spec.draft_positions)
-    batches = [list(range(i, min(i + batch_size, len(store)))) for i in range(0, len(store), batch_size)]
-    for batch in loader(store, batches, 0):
-        window.add(batch_objective(head, _to_device(batch, torch.device("cpu"), torch.float32), spec.last_layer,
-                                   spec.feature_layers, weights, recipe.head.feature_weight, spec.ttt_steps,
-                                   recipe.train.loss_chunk))
+    """Top-1 agreement per draft position, scored as training validates (float32, on the CPU)."""
+    window = score_store(head, spec, store, batch_size, step_weights(recipe.head.step_weights, spec.draft_positions),
+                         recipe.head.feature_weight, recipe.train.loss_chunk, torch.device("cpu"), torch.float32)
     sums = window.reduce(None)
     return [sums[f"train/acc_{p + 1}"] for p in range(spec.draft_positions)]
 

@@ -277,13 +277,8 @@ class Trainer:
         """
         if len(self.val_store) == 0:
             return {}
-        window = _Window(self.spec.draft_positions)
-        size = self.cfg.micro_batch_size
-        batches = [list(range(i, min(i + size, len(self.val_store)))) for i in range(0, len(self.val_store), size)]
-        for batch in loader(self.val_store, batches[self.dist.rank :: self.dist.world_size], 0):
-            window.add(batch_objective(head, _to_device(batch, self.device, dtype), self.spec.last_layer,
-                                       self.spec.feature_layers, self.weights, self.recipe.head.feature_weight,
-                                       self.spec.ttt_steps, self.cfg.loss_chunk))
+        window = score_store(head, self.spec, self.val_store, self.cfg.micro_batch_size, self.weights,
+                             self.recipe.head.feature_weight, self.cfg.loss_chunk, self.device, dtype, self.dist)
         return {k.replace("train/", "val/"): v for k, v in window.reduce(self.dist, self.device).items()}
 
     def _check_health(self, engine, step: int, unhealthy: torch.Tensor, grad_norm, last_checkpoint) -> None:
@@ -366,6 +361,21 @@ class _Window:
             out[f"train/kl_{p + 1}"] = kl / max(count, 1)
             out[f"train/acc_{p + 1}"] = correct / max(count, 1)
         return out
+
+
+@torch.no_grad()
+def score_store(head, spec: HeadSpec, store: FeatureStore, batch_size: int, weights: list[float], feature_weight: float,
+                loss_chunk: int, device: torch.device, dtype: torch.dtype, dist: DistInfo | None = None) -> "_Window":
+    """Teacher-forced loss and top-1 agreement of `head` over every sample of `store` (with `dist`, this rank's
+    share of the batches); reduce the returned window for the numbers."""
+    window = _Window(spec.draft_positions)
+    batches = [list(range(i, min(i + batch_size, len(store)))) for i in range(0, len(store), batch_size)]
+    if dist is not None:
+        batches = batches[dist.rank :: dist.world_size]
+    for batch in loader(store, batches, 0):
+        window.add(batch_objective(head, _to_device(batch, device, dtype), spec.last_layer, spec.feature_layers,
+                                   weights, feature_weight, spec.ttt_steps, loss_chunk))
+    return window
 
 
 def _to_device(batch: dict, device: torch.device, dtype: torch.dtype) -> dict:
