@@ -145,6 +145,9 @@ class HeadConfig(_Section):
         8192, ge=1, description="eagle3: draft vocabulary size (most frequent target tokens of the training data).")
     mtp_depths: int = Field(2, ge=1, description="mtp: number of chained depths.")
     mtp_share: bool = Field(False, description="mtp: reuse one module at every depth.")
+    mtp_input: Literal["normed", "raw"] = Field(
+        "normed", description="mtp: the target state depth 1 reads. normed = after the target's final norm, as "
+        "vLLM and SGLang feed DeepSeek MTP layers (needed for the deepseek-mtp export); raw = the pre-norm state.")
     step_weights: list[float] | Literal["auto"] = Field(
         "auto", description="Loss weight per TTT step / MTP depth; auto = 0.8^k (the EAGLE-3 recipe's decay).")
     feature_weight: float = Field(

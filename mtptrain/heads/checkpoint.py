@@ -3,6 +3,8 @@
     <dir>/model.safetensors   the head's state_dict: never the target's embedding or LM head
     <dir>/config.json         head spec, the target's identity, captured layers, recipe
 
+load_head also reads the directories `mtptrain export` writes (mtptrain/export/).
+
 Loading checks the target's fingerprints and refuses a head trained for another target.
 """
 
@@ -41,6 +43,7 @@ class HeadSpec:
     draft_vocab_size: int = 0
     mtp_depths: int = 1
     mtp_share: bool = False
+    mtp_input: str = "raw"  # mtp: the target state depth 1 reads ("normed" or "raw"); absent in older heads = raw
 
     @property
     def draft_positions(self) -> int:
@@ -51,7 +54,8 @@ def build_head(spec: HeadSpec, frozen: FrozenTarget, vocab: DraftVocab | None = 
     if spec.kind == "eagle":
         return EagleHead(frozen, norms=spec.norms)
     if spec.kind == "mtp":
-        return MTPHead(frozen, depths=spec.mtp_depths, share=spec.mtp_share, norms=spec.norms)
+        return MTPHead(frozen, depths=spec.mtp_depths, share=spec.mtp_share, norms=spec.norms,
+                       target_input=spec.mtp_input)
     if spec.kind == "eagle3":
         if vocab is None:  # rebuilt from a checkpoint: the maps come with the weights
             vocab = DraftVocab.from_counts(Counter(), spec.draft_vocab_size, frozen.config.vocab_size)
@@ -81,8 +85,15 @@ def read_head_config(directory: Path) -> dict:
 
 
 def load_head(directory: Path, frozen: FrozenTarget, target_identity: dict) -> tuple[nn.Module, HeadSpec]:
+    """A head directory written by `mtptrain train`, or an export of one (`mtptrain export`, any format)."""
     directory = Path(directory)
-    config = read_head_config(directory)
+    if (directory / "mtptrain.json").is_file():
+        from mtptrain.export import read_export
+
+        config, state = read_export(directory)
+    else:
+        config = read_head_config(directory)
+        state = load_file(str(directory / "model.safetensors"))
     stored = config["target"]
     key = identity_mismatch(stored, target_identity)
     if key is not None:
@@ -92,5 +103,5 @@ def load_head(directory: Path, frozen: FrozenTarget, target_identity: dict) -> t
             "Load it with the target it was trained on.")
     spec = HeadSpec(**config["head"])
     head = build_head(spec, frozen)
-    head.load_state_dict(load_file(str(directory / "model.safetensors")), strict=True)
+    head.load_state_dict(state, strict=True)
     return head.to(next(frozen.embed.parameters()).device), spec

@@ -8,7 +8,13 @@ x_{t+k+1}:
     p(x_{t+k+1}) = softmax(lm_head(head_norm_k(h^k_t)))
 
 The modules are chained: one per depth, or (share=True) one module, with its
-output norm, reused at every depth. The output norm is DeepSeek's
+output norm, reused at every depth.
+
+What h^0 is. `target_input="normed"` (the recipe default) reads the target's
+last-layer state after its final RMSNorm: what vLLM and SGLang hand an MTP
+layer (the model's output hidden states), so an exported head sees in an
+engine what it saw in training. `"raw"` reads the pre-norm residual stream,
+the stored feature itself; heads saved before the option existed are raw. The output norm is DeepSeek's
 shared_head.norm; "shared" refers to the LM head, which is the target's.
 """
 
@@ -23,10 +29,14 @@ from mtptrain.heads.common import FrozenTarget, FusionBlock, rms_norm_like
 class MTPHead(nn.Module):
     kind = "mtp"
 
-    def __init__(self, target: FrozenTarget, depths: int = 1, share: bool = False, norms: str = "restored"):
+    def __init__(self, target: FrozenTarget, depths: int = 1, share: bool = False, norms: str = "restored",
+                 target_input: str = "normed"):
         super().__init__()
         if depths < 1:
             raise ValueError("an MTP head needs at least one depth")
+        if target_input not in ("normed", "raw"):
+            raise ValueError(f"target_input must be 'normed' or 'raw', not {target_input!r}")
+        self.target_input = target_input
         self.frozen = target  # a plain attribute: not a submodule, never in state_dict
         self.depths = depths
         modules = 1 if share else depths
@@ -42,7 +52,10 @@ class MTPHead(nn.Module):
 
     def step(self, depth: int, previous: torch.Tensor, token_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
              cache=None, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """One depth: previous [B, T, H] (h^{depth-1} at positions t), token_ids = x_{t+depth}."""
+        """One depth: previous [B, T, H] (h^{depth-1} at positions t; the target's stored states for depth 1),
+        token_ids = x_{t+depth}."""
+        if depth == 1 and self.target_input == "normed":
+            previous = self.frozen.final_norm(previous.to(self.frozen.lm_head.weight.dtype)).to(previous.dtype)
         if position_ids is None:
             past = cache.get_seq_length() if cache is not None else 0
             position_ids = torch.arange(past, past + token_ids.shape[1], device=token_ids.device)[None]

@@ -64,7 +64,8 @@ def head_spec(cfg: HeadConfig, manifest: dict) -> HeadSpec:
     vocab = min(cfg.draft_vocab_size, manifest["target"]["vocab_size"]) if cfg.kind == "eagle3" else 0
     return HeadSpec(kind=cfg.kind, norms=cfg.norms, last_layer=last, feature_layers=features,
                     ttt_steps=cfg.ttt_steps if cfg.kind == "eagle3" else 1, draft_vocab_size=vocab,
-                    mtp_depths=cfg.mtp_depths if cfg.kind == "mtp" else 1, mtp_share=cfg.mtp_share)
+                    mtp_depths=cfg.mtp_depths if cfg.kind == "mtp" else 1, mtp_share=cfg.mtp_share,
+                    mtp_input=cfg.mtp_input if cfg.kind == "mtp" else "raw")
 
 
 def pick_precision(requested: str, device: torch.device) -> str:
