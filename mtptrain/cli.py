@@ -141,6 +141,71 @@ def pipeline(recipe: RecipeOpt = None, overrides: SetOpt = None,
     evaluate(recipe, overrides, no_wandb, progress)
 
 
+@app.command("export")
+def export(head: Annotated[Optional[Path], typer.Argument(help="Head directory written by `mtptrain train` "
+                                                              "(default: the recipe's, as eval picks it).")] = None,
+           fmt: Annotated[str, typer.Option("--format", "-f", help="eagle3 | speculators | eagle | deepseek-mtp")] = "eagle3",
+           out: Annotated[Optional[Path], typer.Option(help="Export directory (default: "
+                                                            "<train.output_dir>/export/<format>).")] = None,
+           recipe: RecipeOpt = None, overrides: SetOpt = None,
+           target: Annotated[Optional[str], typer.Option(help="Where the target lives here (local directory or hub "
+                                                              "id), if not where the head's recipe said.")] = None,
+           verifier: Annotated[Optional[str], typer.Option(help="speculators: the target as the server loads it "
+                                                                "(hub id or path on the serving machine).")] = None,
+           results: Annotated[Optional[Path], typer.Option(help="Eval results.json whose tau the README quotes.")] = None,
+           dtype: Annotated[Optional[str], typer.Option(help="Cast the weights: bfloat16, float16 or float32 "
+                                                             "(default: as trained).")] = None,
+           sglang_ids: Annotated[str, typer.Option(help="eagle3, feature layers not starting at 1 only: the SGLang "
+                                                        "numbering, before-25454 or since-25454.")] = "auto",
+           speculative_tokens: Annotated[int, typer.Option(help="speculators: draft length vllm serve uses.")] = 3) -> None:
+    """Write a trained head in a format a serving engine loads, with a README, checked against the format's table.
+
+    Formats: eagle3 (EAGLE-3 head; SGLang and vLLM draft model), speculators (EAGLE-3 head; `vllm serve <dir>`),
+    eagle (EAGLE-1/2 head trained with head.norms=stripped; official EAGLE code and SGLang), deepseek-mtp (MTP
+    head; DeepSeek-V3 MTP layers, see `mtptrain stitch`). Every export is checked against
+    mtptrain/export/specs/<format>.yaml before it replaces <out>; `mtptrain eval --set eval.head=<out>` drafts
+    with it exactly as with the head.
+    """
+    import torch
+
+    from eval.run import head_directory
+    from mtptrain.export import ExportError, Options, export_head
+
+    cfg = _recipe(recipe, overrides)
+    head = head or head_directory(cfg)
+    out = out or Path(cfg.train.output_dir) / "export" / fmt
+    if dtype not in (None, "bfloat16", "float16", "float32"):
+        typer.echo(f"error: --dtype {dtype}: use bfloat16, float16 or float32", err=True)
+        raise typer.Exit(2)
+    options = Options(verifier=verifier, sglang_ids=sglang_ids, speculative_tokens=speculative_tokens)
+    summary = _guarded(lambda: export_head(head, fmt, out, options, target, results,
+                                           getattr(torch, dtype) if dtype else None), ExportError)
+    typer.echo(f"exported {head} as {summary['format']} to {summary['out']}: {summary['tensors']} tensors, "
+               f"{summary['bytes'] / 2**20:.1f} MiB; checked against mtptrain/export/specs/{fmt}.yaml")
+    for note in summary["notes"]:
+        typer.echo(f"  {note}")
+    for engine, command in summary["serve"]:
+        typer.echo(f"serve with {engine}:\n  {command}")
+
+
+@app.command()
+def stitch(export_dir: Annotated[Path, typer.Argument(help="A deepseek-mtp export (mtptrain export -f deepseek-mtp).")],
+           target: Annotated[Path, typer.Option(help="The target's local checkpoint directory (safetensors).")],
+           out: Annotated[Path, typer.Option(help="New directory: the target's checkpoint plus its MTP layers.")]) -> None:
+    """Write a copy of the target checkpoint with the trained MTP layers added, as DeepSeek-V3 ships them.
+
+    The MTP layers become model.layers.N.. (N = the target's layer count) in model-mtp.safetensors, listed in
+    model.safetensors.index.json, and config.json gains num_nextn_predict_layers. The target's weight files are
+    hard-linked where possible, never changed.
+    """
+    from mtptrain.export import ExportError
+    from mtptrain.export.stitch import stitch_mtp
+
+    summary = _guarded(lambda: stitch_mtp(export_dir, target, out), ExportError)
+    typer.echo(f"stitched {summary['mtp_layers']} MTP layer(s) ({summary['mtp_tensors']} tensors) into a copy of "
+               f"{target} ({summary['target_tensors']} tensors): {summary['out']}")
+
+
 @app.command("recipe")
 def show_recipe(recipe: RecipeOpt = None, overrides: SetOpt = None) -> None:
     """Validate a recipe and print it fully resolved (every default spelled out)."""

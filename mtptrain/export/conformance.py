@@ -1,0 +1,131 @@
+"""Checks an export directory against its format's specification table (mtptrain/export/specs/<format>.yaml).
+
+Each table row is one fact (a tensor's name, shape and dtype, or a config
+key's value) with the source it was read from. A row that does not hold
+gives one line naming the row, so a format change upstream, once written into
+the table, shows up as one failing line. Tensors the table does not list fail
+too: engines skip unknown names silently.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import yaml
+from safetensors import safe_open
+
+SPECS = Path(__file__).with_name("specs")
+_MISSING = object()
+_DTYPES = {"int64": (torch.int64,), "bool": (torch.bool,),
+           "float": (torch.float32, torch.bfloat16, torch.float16)}
+
+
+def load_table(fmt: str) -> dict:
+    return yaml.safe_load((SPECS / f"{fmt}.yaml").read_text())
+
+
+def symbols(config: dict, sidecar: dict, target_config: dict) -> dict:
+    """The table's symbols, from the target's config and the head's own config (never from the export itself)."""
+    head = sidecar["head_config"]["head"]
+    tc = target_config
+    heads = tc["num_attention_heads"]
+    rope = tc.get("rope_parameters") or {}
+    j = list(head.get("feature_layers") or [])
+    numbering = sidecar.get("sglang_ids", "auto")
+    sglang_j = j if numbering != "since-25454" or (j and j[0] == 1) else [x + 1 for x in j]
+    return {"H": tc["hidden_size"], "I": tc["intermediate_size"], "V": tc["vocab_size"],
+            "Vd": head.get("draft_vocab_size"), "nh": heads, "nkv": tc.get("num_key_value_heads", heads),
+            "hd": tc.get("head_dim") or tc["hidden_size"] // heads, "k": len(j), "j": j, "sglang_j": sglang_j,
+            "N": tc["num_hidden_layers"], "eps": tc["rms_norm_eps"],
+            "rope_theta": rope.get("rope_theta", tc.get("rope_theta"))}
+
+
+def _lookup(config: dict, key: str):
+    node = config
+    for part in key.split("."):
+        if isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        elif isinstance(node, dict) and part in node:
+            node = node[part]
+        else:
+            return _MISSING
+    return node
+
+
+def check_export(directory: Path, target_config: dict, target_layer: dict[str, tuple] | None = None) -> list[str]:
+    """Failures of the export at `directory`, one line per table row that does not hold; [] when it conforms.
+
+    target_layer: name -> shape of the target's own last decoder layer (block rows of deepseek-mtp).
+    """
+    directory = Path(directory)
+    sidecar = json.loads((directory / "mtptrain.json").read_text())
+    fmt = sidecar["export_format"]
+    table = load_table(fmt)
+    config = json.loads((directory / "config.json").read_text())
+    with safe_open(str(directory / sidecar["weights"]), framework="pt") as fh:
+        tensors = {name: fh.get_tensor(name) for name in fh.keys()}
+    shapes = {name: tuple(t.shape) for name, t in tensors.items()}
+    dtypes = {name: t.dtype for name, t in tensors.items()}
+    env = {"__builtins__": {}, **symbols(config, sidecar, target_config)}
+    failures: list[str] = []
+    listed: set[str] = set()
+
+    def where(i: int, row: dict) -> str:
+        return f"{fmt}.yaml weights[{i}] {row['name']}"
+
+    modules = config.get("num_nextn_predict_layers", 1)
+    floats = {d for n, d in dtypes.items() if d.is_floating_point}
+    if len(floats) > 1:
+        failures.append(f"{fmt}: tensors in several float dtypes {sorted(map(str, floats))}")
+    for i, row in enumerate(table["weights"]):
+        layer_ids = range(env["N"], env["N"] + modules) if "{L}" in row["name"] else [None]
+        for layer in layer_ids:
+            if row.get("block"):
+                prefix = row["name"].split("<block>")[0].format(L=layer)
+                if target_layer is None:
+                    failures.append(f"{where(i, row)}: the target's layer is needed to check the block")
+                    continue
+                for suffix, shape in sorted(target_layer.items()):
+                    name = prefix + suffix
+                    listed.add(name)
+                    if name not in shapes:
+                        failures.append(f"{where(i, row)}: {name} missing (the target's layer has {suffix})")
+                    elif shapes[name] != tuple(shape):
+                        failures.append(f"{where(i, row)}: {name} has shape {list(shapes[name])}, the target's "
+                                        f"layer {list(shape)}")
+                continue
+            name = row["name"].format(L=layer) if layer is not None else row["name"]
+            if row.get("absent"):
+                if name in shapes:
+                    failures.append(f"{where(i, row)}: present, must be absent ({row['source']})")
+                continue
+            listed.add(name)
+            if name not in shapes:
+                failures.append(f"{where(i, row)}: missing")
+                continue
+            want = [eval(str(e), env) for e in row["shape"]]  # noqa: S307 - the repo's own table
+            if list(shapes[name]) != want:
+                failures.append(f"{where(i, row)}: shape {list(shapes[name])}, expected {want} ({row['shape']})")
+            if dtypes[name] not in _DTYPES[row["dtype"]]:
+                failures.append(f"{where(i, row)}: dtype {str(dtypes[name]).removeprefix('torch.')}, "
+                                f"expected {row['dtype']}")
+    for name in sorted(set(shapes) - listed):
+        failures.append(f"{fmt}: tensor {name} is not in {fmt}.yaml (engines would skip or reject it)")
+    for i, row in enumerate(table["config"]):
+        label = f"{fmt}.yaml config[{i}] {row['key']}"
+        value = _lookup(config, row["key"])
+        if row.get("absent"):
+            if value is not _MISSING:
+                failures.append(f"{label}: present ({value!r}), must be absent ({row['source']})")
+            continue
+        if value is _MISSING:
+            failures.append(f"{label}: missing")
+        elif "equals" in row and value != row["equals"]:
+            failures.append(f"{label}: {value!r}, expected {row['equals']!r}")
+        elif "expr" in row and value != eval(row["expr"], env):  # noqa: S307 - the repo's own table
+            failures.append(f"{label}: {value!r}, expected {eval(row['expr'], env)!r} ({row['expr']})")
+        elif "type" in row and type(value).__name__ != row["type"]:
+            failures.append(f"{label}: {type(value).__name__} {value!r}, expected a {row['type']}")
+    return failures

@@ -1,0 +1,134 @@
+"""What an export reads: a trained head directory, and the target it was trained on.
+
+The head's config.json records the recipe it was trained with, so the
+target's config (and, for formats that carry them, its embedding and LM head)
+is found without a recipe on the command line. `target` overrides where the
+target lives on this machine (a local directory or a hub id).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from mtptrain.heads.checkpoint import HeadSpec, read_head_config
+
+# The hub model the embedded GGUF (a Q4_1 quantisation) was made from: what a server loads as the target.
+EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+class ExportError(ValueError):
+    """The head cannot be written in the asked format, or its inputs are missing; the message says why."""
+
+
+@dataclass
+class HeadSource:
+    directory: Path
+    config: dict  # the head's own config.json
+    spec: HeadSpec
+    state: dict[str, torch.Tensor]  # the head's weights, our names
+    target_config: dict  # the target's transformers config, as a dict (every key, defaults spelled out)
+    target_config_file: dict  # the same as its config.json holds it (only what differs from the defaults)
+    target_source: str  # what from_pretrained loads: a local directory or a hub id
+    target_model: str  # the recipe's target.model (or the override)
+
+    @property
+    def identity(self) -> dict:
+        return self.config["target"]
+
+    @property
+    def float_dtype(self) -> torch.dtype:
+        return next(t.dtype for t in self.state.values() if t.is_floating_point())
+
+    def served_target(self) -> str:
+        """The target as a serving engine loads it: a hub id or a local directory, never a GGUF file."""
+        from mtptrain.config import EMBEDDED_TARGET
+
+        if self.target_model == EMBEDDED_TARGET:
+            return EMBEDDED_HUB_ID
+        if self.target_model.endswith(".gguf") or self.config.get("train", {}).get("recipe", {}).get(
+                "target", {}).get("gguf_file"):
+            raise ExportError(f"the target {self.target_model} is a GGUF file, which vLLM and SGLang do not serve as "
+                              "a verifier: pass --verifier with its hub id or a local model directory")
+        path = Path(self.target_model).expanduser()
+        return str(path.resolve()) if path.is_dir() else self.target_model
+
+    def _checkpoint(self) -> tuple[Path, dict[str, str]]:
+        """The target's local checkpoint directory and its tensor -> file map (hub ids are downloaded)."""
+        directory = Path(self.target_source)
+        if not directory.is_dir():
+            from huggingface_hub import snapshot_download
+
+            directory = Path(snapshot_download(self.target_source, allow_patterns=["*.json", "*.safetensors"]))
+        index = directory / "model.safetensors.index.json"
+        files = (json.loads(index.read_text())["weight_map"] if index.is_file()
+                 else {k: "model.safetensors" for k in _keys(directory / "model.safetensors")})
+        return directory, files
+
+    def target_tensor(self, *names: str) -> torch.Tensor:
+        """The first of `names` found in the target's safetensors checkpoint (read alone, not the whole model)."""
+        directory, files = self._checkpoint()
+        for name in names:
+            if name in files:
+                with safe_open(str(directory / files[name]), framework="pt") as fh:
+                    return fh.get_tensor(name)
+        raise ExportError(f"{directory}: none of {', '.join(names)} in the target's safetensors checkpoint")
+
+    def target_layer_shapes(self) -> dict[str, tuple]:
+        """Tensor name (within the layer) -> shape for the target's last decoder layer."""
+        directory, files = self._checkpoint()
+        prefix = f"model.layers.{self.target_config['num_hidden_layers'] - 1}."
+        shapes = {}
+        for name, file in files.items():
+            if name.startswith(prefix):
+                with safe_open(str(directory / file), framework="pt") as fh:
+                    shapes[name[len(prefix):]] = tuple(fh.get_slice(name).get_shape())
+        return shapes
+
+
+def _keys(path: Path) -> list[str]:
+    if not path.is_file():
+        raise ExportError(f"{path.parent} holds neither model.safetensors nor model.safetensors.index.json: "
+                          "the target's weights must be a safetensors checkpoint")
+    with safe_open(str(path), framework="pt") as fh:
+        return list(fh.keys())
+
+
+def open_head(directory: Path, target: str | None = None) -> HeadSource:
+    """Read a head written by `mtptrain train` and locate its target (`target` overrides the recorded one)."""
+    from transformers import AutoConfig
+
+    from mtptrain.config import TargetConfig
+    from mtptrain.target import resolve_local_dir
+
+    directory = Path(directory)
+    config = read_head_config(directory)
+    recorded = config.get("train", {}).get("recipe", {}).get("target")
+    if target is None and recorded is None:
+        raise ExportError(f"{directory / 'config.json'} does not record the recipe's target: pass --target "
+                          "with the target's model directory or hub id")
+    fields = dict(recorded or {})
+    if target is not None:
+        fields.update(model=target, gguf_file=None, revision=None)
+    cfg = TargetConfig(**fields)
+    source, _ = resolve_local_dir(cfg)
+    try:
+        loaded = AutoConfig.from_pretrained(source, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+        target_config = loaded.to_dict()
+    except OSError as exc:
+        raise ExportError(f"could not read the config of target '{cfg.model}': {exc}\n"
+                          "Pass --target with a local copy of the target's model directory.") from exc
+    identity = config["target"]
+    if target_config.get("hidden_size") != identity.get("hidden_size") or \
+            target_config.get("vocab_size") != identity.get("vocab_size"):
+        raise ExportError(f"target '{cfg.model}' has hidden size {target_config.get('hidden_size')} and vocabulary "
+                          f"{target_config.get('vocab_size')}, but the head was trained for "
+                          f"'{identity.get('name')}' ({identity.get('hidden_size')}, {identity.get('vocab_size')})")
+    state = load_file(str(directory / "model.safetensors"))
+    return HeadSource(directory, config, HeadSpec(**config["head"]), state, target_config, loaded.to_diff_dict(),
+                      source, cfg.model)

@@ -1,0 +1,298 @@
+"""mtptrain export: each format conforms to its table, loads back and drafts exactly as the head; impossible
+exports fail with the reason; layer ids are numbered as each engine counts them; stitch keeps the target intact."""
+
+import json
+import re
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_tiny_llama, make_tokenizer
+from safetensors.torch import load_file, save_file
+from typer.testing import CliRunner
+
+from mtptrain.cli import app
+from mtptrain.engine.generate import generate
+from mtptrain.engine.head_chain import HeadChainProposer
+from mtptrain.engine.mtp_chain import MTPChainProposer
+from mtptrain.engine.runner import TargetRunner
+from mtptrain.export import ExportError, Options, export_head
+from mtptrain.export.conformance import check_export
+from mtptrain.export.formats import aux_layer_ids
+from mtptrain.export.source import open_head
+from mtptrain.heads import FrozenTarget
+from mtptrain.heads.checkpoint import HeadSpec, build_head, load_head, save_head
+from mtptrain.heads.eagle3 import DraftVocab
+from mtptrain.target import LayerCapture
+
+EAGLE3 = HeadSpec("eagle3", last_layer=3, feature_layers=[1, 2, 2], ttt_steps=2, draft_vocab_size=64)
+SPECS = {
+    "eagle3": EAGLE3,
+    "speculators": EAGLE3,
+    "eagle": HeadSpec("eagle", norms="stripped", last_layer=3),
+    "deepseek-mtp": HeadSpec("mtp", last_layer=3, mtp_depths=2, mtp_input="normed"),
+}
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory) -> Path:
+    """A tiny target whose greedy text varies (so drafts are compared over many different states)."""
+    out = tmp_path_factory.mktemp("export-target")
+    tok = make_tokenizer()
+    make_tiny_llama(len(tok), seed=5, initializer_range=0.2).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def target_model(target_dir: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+
+
+def identity(target_dir: Path) -> dict:
+    from mtptrain.config import TargetConfig
+    from mtptrain.target import load_target
+
+    return load_target(TargetConfig(model=str(target_dir))).identity()
+
+
+def eval_args(target_dir, head, prompts, out, *overrides):
+    settings = [f"target.model={target_dir}", f"eval.head={head}", f"eval.prompts={prompts}", f"eval.output_dir={out}",
+                "eval.max_new_tokens=24", "eval.k=[3]", "eval.tree_budgets=[6]", "eval.tree_depth=3",
+                "eval.tree_branch=2", *overrides]
+    return ["eval", "--no-progress", *[a for s in settings for a in ("--set", s)]]
+
+
+def write_prompts(path: Path, n: int) -> Path:
+    rows = [{"id": f"q{i}", "category": "writing", "turns": [f"the word is hot and you see {i}"]} for i in range(n)]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+def save_trained_like_head(target_dir: Path, out: Path, spec: HeadSpec, seed: int = 0) -> Path:
+    """A head with weights away from their initial values (norms too), saved as `mtptrain train` saves one."""
+    model = target_model(target_dir)
+    counts = Counter({i: 1000 - i for i in range(0, model.config.vocab_size, 5)})
+    vocab = DraftVocab.from_counts(counts, spec.draft_vocab_size, model.config.vocab_size) if spec.draft_vocab_size else None
+    torch.manual_seed(seed)
+    head = build_head(spec, FrozenTarget.of(model), vocab)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    recipe = {"name": "tiny-export", "target": {"model": str(target_dir)}}
+    save_head(out, head, spec, identity(target_dir), {"train": {"steps": 7, "recipe": recipe}})
+    return out
+
+
+def drafts(model, head, spec, prompt: list[int], k: int = 3) -> list[list[int]]:
+    """Every draft the head proposes while greedy decoding runs 24 tokens."""
+    proposer = MTPChainProposer(head, spec) if spec.kind == "mtp" else HeadChainProposer(head, spec)
+    seen, propose = [], proposer.propose
+
+    def logged(tokens, kk):
+        draft, probs = propose(tokens, kk)
+        seen.append(list(draft))
+        return draft, probs
+
+    proposer.propose = logged
+    capture = sorted({spec.last_layer, *spec.feature_layers})
+    generate(TargetRunner(model, capture=capture), prompt, 24, proposer, k=min(k, spec.draft_positions + 2))
+    return seen
+
+
+@pytest.mark.parametrize("fmt", list(SPECS))
+def test_export_conforms_loads_back_and_drafts_the_same_tokens(fmt, target_dir, tmp_path):
+    spec = SPECS[fmt]
+    head_dir = save_trained_like_head(target_dir, tmp_path / "head", spec)
+    out = tmp_path / fmt
+    summary = export_head(head_dir, fmt, out, Options(verifier=str(target_dir)))
+    assert summary["tensors"] == len(load_file(out / "model.safetensors"))
+    src = open_head(head_dir)
+    assert check_export(out, src.target_config, src.target_layer_shapes()) == []
+    readme = (out / "README.md").read_text()
+    for fact in (identity(target_dir)["fingerprint"], "tiny-export", "## Serve", str(out.resolve())):
+        assert fact in readme, fact
+
+    model = target_model(target_dir)
+    frozen = FrozenTarget.of(model)
+    original, _ = load_head(head_dir, frozen, identity(target_dir))
+    exported, exported_spec = load_head(out, frozen, identity(target_dir))
+    assert exported_spec == spec
+    for name, tensor in original.state_dict().items():
+        assert torch.equal(exported.state_dict()[name], tensor), name
+    prompt = torch.randint(0, model.config.vocab_size, (7,), generator=torch.Generator().manual_seed(3)).tolist()
+    ours, theirs = drafts(model, original, spec, prompt), drafts(model, exported, exported_spec, prompt)
+    assert len(ours) > 5 and ours == theirs
+
+
+def test_eval_command_loads_an_export_and_measures_it_as_the_head(target_dir, tmp_path):
+    head_dir = save_trained_like_head(target_dir, tmp_path / "head", EAGLE3)
+    export_head(head_dir, "eagle3", tmp_path / "export")
+    prompts = write_prompts(tmp_path / "p.jsonl", 2)
+    measured = {}
+    for name, head in (("head", head_dir), ("export", tmp_path / "export")):
+        args = eval_args(target_dir, head, prompts, tmp_path / f"eval-{name}", "eval.methods=[chain,tree]")
+        result = CliRunner().invoke(app, [*args, "--no-wandb"])
+        assert result.exit_code == 0, result.output
+        measured[name] = [(m["label"], m["tau"], m["acceptance"], m["tokens"])
+                          for m in json.loads((tmp_path / f"eval-{name}" / "results.json").read_text())["methods"]]
+    assert measured["head"] == measured["export"]  # the drafts themselves: the test above
+    assert [label for label, *_ in measured["head"]] == ["baseline", "chain K=3", "tree N=6"]
+
+
+def test_a_changed_fact_fails_one_line_of_the_table(target_dir, tmp_path):
+    head_dir = save_trained_like_head(target_dir, tmp_path / "head", EAGLE3)
+    out = tmp_path / "eagle3"
+    export_head(head_dir, "eagle3", out)
+    src = open_head(head_dir)
+    tensors = load_file(out / "model.safetensors")
+    tensors["layers.0.hidden_norm.weight"] = tensors.pop("midlayer.hidden_norm.weight")
+    tensors["t2d"] = tensors["t2d"].long()
+    save_file(tensors, out / "model.safetensors")
+    config = json.loads((out / "config.json").read_text())
+    config["eagle_aux_hidden_state_layer_ids"] = [1, 2, 2]  # SGLang's numbering in vLLM's key
+    del config["norm_before_residual"]
+    (out / "config.json").write_text(json.dumps(config))
+    assert check_export(out, src.target_config) == [
+        "eagle3.yaml weights[2] midlayer.hidden_norm.weight: missing",
+        "eagle3.yaml weights[14] t2d: dtype int64, expected bool",
+        "eagle3: tensor layers.0.hidden_norm.weight is not in eagle3.yaml (engines would skip or reject it)",
+        "eagle3.yaml config[16] eagle_aux_hidden_state_layer_ids: [1, 2, 2], expected [2, 3, 3] ([x + 1 for x in j])",
+        "eagle3.yaml config[19] norm_before_residual: missing",
+    ]
+
+
+def test_feature_layers_become_each_engines_ids():
+    """Ours: output of 0-based layer j. vLLM: the stream captured before layer j+1. SGLang: j, to which it adds 1
+    (since sglang PR #25454 only when the first id is 1)."""
+    class Src:
+        def __init__(self, layers, n=30):
+            self.spec = HeadSpec("eagle3", feature_layers=layers)
+            self.target_config = {"num_hidden_layers": n}
+
+    assert aux_layer_ids(Src([1, 14, 26]), Options()) == ([2, 15, 27], [1, 14, 26])  # both engines' defaults
+    assert aux_layer_ids(Src([3, 14, 26]), Options(sglang_ids="before-25454")) == ([4, 15, 27], [3, 14, 26])
+    assert aux_layer_ids(Src([3, 14, 26]), Options(sglang_ids="since-25454")) == ([4, 15, 27], [4, 15, 27])
+    with pytest.raises(ExportError, match="PR #25454"):
+        aux_layer_ids(Src([3, 14, 26]), Options())
+    with pytest.raises(ExportError, match="last layer's output is never captured"):
+        aux_layer_ids(Src([1, 14, 29]), Options())
+
+
+def test_our_layer_j_is_the_stream_engines_capture_before_layer_j_plus_1(target_dir):
+    """vLLM and SGLang capture hidden_states + residual on entering layer i: transformers' hidden_states[i]."""
+    model = target_model(target_dir)
+    ids = torch.tensor([[5, 9, 13, 2, 7]])
+    capture = LayerCapture(model.model.layers, [0, 1, 2])
+    out = model(ids, output_hidden_states=True)
+    for j, states in capture.take().items():
+        assert torch.equal(states, out.hidden_states[j + 1]), j
+
+
+@pytest.mark.parametrize("fmt, spec, reason", [
+    ("eagle3", SPECS["deepseek-mtp"], "a mtp head cannot be exported as eagle3"),
+    ("eagle", EAGLE3, "a eagle3 head cannot be exported as eagle .*formats for eagle3 heads: eagle3, speculators"),
+    ("eagle", HeadSpec("eagle", last_layer=3), "RMSNorms restored.*head.norms=stripped"),
+    ("deepseek-mtp", HeadSpec("mtp", last_layer=3, mtp_input="raw"), "pre-norm states.*head.mtp_input=normed"),
+    ("deepseek-mtp", HeadSpec("mtp", norms="stripped", last_layer=3), "norms stripped"),
+    ("deepseek-mtp", HeadSpec("eagle", last_layer=3), "a eagle head cannot be exported as deepseek-mtp"),
+    ("onnx", EAGLE3, "unknown export format 'onnx'"),
+])
+def test_a_format_that_cannot_express_the_head_is_refused_with_the_reason(fmt, spec, reason, target_dir, tmp_path):
+    head_dir = save_trained_like_head(target_dir, tmp_path / "head", spec)
+    result = CliRunner().invoke(app, ["export", str(head_dir), "--format", fmt, "--out", str(tmp_path / "out")])
+    assert result.exit_code == 1
+    assert result.output.startswith("error: ")
+    assert re.search(reason, result.output), result.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_qwen2_layer_is_refused_by_the_llama_eagle3_formats(tmp_path):
+    """Qwen2 layers carry q/k/v biases that LlamaForCausalLMEagle3 has no parameter for."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    target = tmp_path / "qwen2"
+    Qwen2ForCausalLM(config).save_pretrained(target)
+    spec = HeadSpec("eagle3", last_layer=3, feature_layers=[1, 2, 2], draft_vocab_size=32)
+    model = Qwen2ForCausalLM.from_pretrained(target)
+    head = build_head(spec, FrozenTarget.of(model), DraftVocab.from_counts(Counter(), 32, 300))
+    save_head(tmp_path / "head", head, spec, identity(target), {"train": {"recipe": {"target": {"model": str(target)}}}})
+    with pytest.raises(ExportError, match=r"qwen2 layer with tensors a Llama layer lacks \(self_attn.k_proj.bias"):
+        export_head(tmp_path / "head", "eagle3", tmp_path / "out")
+
+
+def test_export_replaces_an_earlier_export_but_never_other_files(target_dir, tmp_path):
+    head_dir = save_trained_like_head(target_dir, tmp_path / "head", EAGLE3)
+    out = tmp_path / "out"
+    export_head(head_dir, "eagle3", out)
+    export_head(head_dir, "speculators", out, Options(verifier="org/model"))
+    assert json.loads((out / "config.json").read_text())["speculators_model_type"] == "eagle3"
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    with pytest.raises(ExportError, match="not empty and holds no earlier export"):
+        export_head(head_dir, "eagle3", mine)
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]
+
+
+def test_stitch_adds_the_mtp_layers_to_a_copy_of_the_target(target_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    head_dir = save_trained_like_head(target_dir, tmp_path / "head", SPECS["deepseek-mtp"])
+    export_head(head_dir, "deepseek-mtp", tmp_path / "mtp")
+    result = CliRunner().invoke(app, ["stitch", str(tmp_path / "mtp"), "--target", str(target_dir),
+                                      "--out", str(tmp_path / "stitched")])
+    assert result.exit_code == 0, result.output
+    stitched = tmp_path / "stitched"
+    config = json.loads((stitched / "config.json").read_text())
+    assert config["num_nextn_predict_layers"] == 2 and config["num_hidden_layers"] == 4
+    index = json.loads((stitched / "model.safetensors.index.json").read_text())["weight_map"]
+    assert index["model.layers.4.eh_proj.weight"] == "model-mtp.safetensors"
+    assert index["model.layers.5.shared_head.norm.weight"] == "model-mtp.safetensors"
+    assert index["model.layers.3.mlp.up_proj.weight"] == "model.safetensors"
+    assert "num_nextn_predict_layers" not in json.loads((target_dir / "config.json").read_text())
+    # The target itself is unchanged: same logits from the stitched checkpoint
+    ids = torch.tensor([[4, 8, 15, 16, 23, 42]])
+    before = target_model(target_dir)(ids).logits
+    after = AutoModelForCausalLM.from_pretrained(stitched, dtype=torch.float32).eval()(ids).logits
+    assert torch.equal(before, after)
+    # ...and the stitched directory loads as the head
+    model = target_model(target_dir)
+    loaded, spec = load_head(stitched, FrozenTarget.of(model), identity(target_dir))
+    original, _ = load_head(head_dir, FrozenTarget.of(model), identity(target_dir))
+    assert spec == SPECS["deepseek-mtp"]
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in original.state_dict().items())
+    again = CliRunner().invoke(app, ["stitch", str(tmp_path / "mtp"), "--target", str(stitched),
+                                     "--out", str(tmp_path / "twice")])
+    assert again.exit_code == 1 and "already has 2 MTP layer(s)" in again.output
+
+
+def test_mtp_depth_one_reads_the_final_normed_state_when_normed():
+    """What DeepSeek engines feed an MTP layer: the target's output after its final norm."""
+    model = make_tiny_llama(100)
+    frozen = FrozenTarget.of(model)
+    spec = HeadSpec("mtp", last_layer=3, mtp_depths=1)
+    torch.manual_seed(0)
+    normed = build_head(HeadSpec(**{**spec.__dict__, "mtp_input": "normed"}), frozen)
+    raw = build_head(HeadSpec(**{**spec.__dict__, "mtp_input": "raw"}), frozen)
+    raw.load_state_dict(normed.state_dict())
+    hidden, ids = torch.randn(1, 5, 64) * 3, torch.randint(0, 100, (1, 5))
+    assert torch.allclose(normed.step(1, hidden, ids), raw.step(1, frozen.final_norm(hidden), ids))
+    assert not torch.allclose(normed.step(1, hidden, ids), raw.step(1, hidden, ids))
+
+
+def test_every_table_row_names_a_listed_source():
+    import yaml
+
+    from mtptrain.export.conformance import SPECS as TABLES
+
+    for path in sorted(TABLES.glob("*.yaml")):
+        table = yaml.safe_load(path.read_text())
+        keys = set(table["sources"])
+        for row in table["weights"] + table["config"]:
+            assert row.get("source"), (path.name, row)
+            assert row["source"].split()[0].rstrip(";") in keys, (path.name, row)
