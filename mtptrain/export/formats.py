@@ -163,6 +163,9 @@ def aux_layer_ids(src: HeadSource, options: Options) -> tuple[list[int], list[in
     """(vLLM / speculators ids, SGLang ids) for the head's feature layers."""
     layers = list(src.spec.feature_layers)
     n = src.target_config["num_hidden_layers"]
+    if len(set(layers)) != len(layers) or layers != sorted(layers):
+        raise ExportError(f"feature layers {layers} repeat a layer or are out of order: engines capture each layer "
+                          "once, in ascending order, so the fc input would not match")
     if max(layers) > n - 2:
         raise ExportError(f"feature layer {max(layers)} is the target's last layer (of {n}): engines capture the "
                           "residual stream before a layer, so the last layer's output is never captured; train "
@@ -243,6 +246,9 @@ class Speculators(Eagle3):
         vllm_ids, _ = aux_layer_ids(src, options)
         verifier = options.verifier or src.served_target()
         tensors = renamed(src.state, eagle3_names(self.layer_prefix)) | vocab_maps(src)
+        # speculators does not fill a missing embedding from the verifier (it only replaces NaN weights), so the
+        # target's own goes in; vLLM shares it again when it equals the target's.
+        tensors["embed_tokens.weight"] = src.target_tensor("model.embed_tokens.weight").to(src.float_dtype)
         layer = draft_llama_config(src)
         config = {
             "speculators_model_type": "eagle3",
@@ -271,7 +277,8 @@ class Speculators(Eagle3):
                  f"feature layers (0-based outputs) {src.spec.feature_layers}: eagle_aux_hidden_state_layer_ids "
                  f"{vllm_ids}",
                  "no top-level model_type: vLLM recognises the format by speculators_config",
-                 "no embedding: speculators and vLLM take the verifier's",
+                 "embed_tokens is the target's own embedding: speculators needs it in the file; vLLM shares the "
+                 "target's when they are equal",
                  "norm flags: norm_before_residual false (vLLM assumes true when it is missing), norm_before_fc, "
                  "fc_norm, norm_output false"]
         return Written(tensors, config, notes)

@@ -4,11 +4,10 @@ exports fail with the reason; layer ids are numbered as each engine counts them;
 import json
 import re
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_tiny_llama, make_tokenizer
+from conftest import make_tiny_llama
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
@@ -26,65 +25,8 @@ from mtptrain.heads.checkpoint import HeadSpec, build_head, load_head, save_head
 from mtptrain.heads.eagle3 import DraftVocab
 from mtptrain.target import LayerCapture
 
-EAGLE3 = HeadSpec("eagle3", last_layer=3, feature_layers=[1, 2, 2], ttt_steps=2, draft_vocab_size=64)
-SPECS = {
-    "eagle3": EAGLE3,
-    "speculators": EAGLE3,
-    "eagle": HeadSpec("eagle", norms="stripped", last_layer=3),
-    "deepseek-mtp": HeadSpec("mtp", last_layer=3, mtp_depths=2, mtp_input="normed"),
-}
-
-
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory) -> Path:
-    """A tiny target whose greedy text varies (so drafts are compared over many different states)."""
-    out = tmp_path_factory.mktemp("export-target")
-    tok = make_tokenizer()
-    make_tiny_llama(len(tok), seed=5, initializer_range=0.2).save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
-
-
-def target_model(target_dir: Path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-
-
-def identity(target_dir: Path) -> dict:
-    from mtptrain.config import TargetConfig
-    from mtptrain.target import load_target
-
-    return load_target(TargetConfig(model=str(target_dir))).identity()
-
-
-def eval_args(target_dir, head, prompts, out, *overrides):
-    settings = [f"target.model={target_dir}", f"eval.head={head}", f"eval.prompts={prompts}", f"eval.output_dir={out}",
-                "eval.max_new_tokens=24", "eval.k=[3]", "eval.tree_budgets=[6]", "eval.tree_depth=3",
-                "eval.tree_branch=2", *overrides]
-    return ["eval", "--no-progress", *[a for s in settings for a in ("--set", s)]]
-
-
-def write_prompts(path: Path, n: int) -> Path:
-    rows = [{"id": f"q{i}", "category": "writing", "turns": [f"the word is hot and you see {i}"]} for i in range(n)]
-    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    return path
-
-
-def save_trained_like_head(target_dir: Path, out: Path, spec: HeadSpec, seed: int = 0) -> Path:
-    """A head with weights away from their initial values (norms too), saved as `mtptrain train` saves one."""
-    model = target_model(target_dir)
-    counts = Counter({i: 1000 - i for i in range(0, model.config.vocab_size, 5)})
-    vocab = DraftVocab.from_counts(counts, spec.draft_vocab_size, model.config.vocab_size) if spec.draft_vocab_size else None
-    torch.manual_seed(seed)
-    head = build_head(spec, FrozenTarget.of(model), vocab)
-    with torch.no_grad():
-        for p in head.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    recipe = {"name": "tiny-export", "target": {"model": str(target_dir)}}
-    save_head(out, head, spec, identity(target_dir), {"train": {"steps": 7, "recipe": recipe}})
-    return out
-
+from export_helpers import (EAGLE3, SPECS, eval_args, identity, save_trained_like_head, target_dir,  # noqa: F401
+                            target_model, write_prompts)
 
 def drafts(model, head, spec, prompt: list[int], k: int = 3) -> list[list[int]]:
     """Every draft the head proposes while greedy decoding runs 24 tokens."""
@@ -152,14 +94,14 @@ def test_a_changed_fact_fails_one_line_of_the_table(target_dir, tmp_path):
     tensors["t2d"] = tensors["t2d"].long()
     save_file(tensors, out / "model.safetensors")
     config = json.loads((out / "config.json").read_text())
-    config["eagle_aux_hidden_state_layer_ids"] = [1, 2, 2]  # SGLang's numbering in vLLM's key
+    config["eagle_aux_hidden_state_layer_ids"] = [1, 2, 4]  # SGLang's numbering in vLLM's key
     del config["norm_before_residual"]
     (out / "config.json").write_text(json.dumps(config))
     assert check_export(out, src.target_config) == [
         "eagle3.yaml weights[2] midlayer.hidden_norm.weight: missing",
         "eagle3.yaml weights[14] t2d: dtype int64, expected bool",
         "eagle3: tensor layers.0.hidden_norm.weight is not in eagle3.yaml (engines would skip or reject it)",
-        "eagle3.yaml config[16] eagle_aux_hidden_state_layer_ids: [1, 2, 2], expected [2, 3, 3] ([x + 1 for x in j])",
+        "eagle3.yaml config[16] eagle_aux_hidden_state_layer_ids: [1, 2, 4], expected [2, 3, 5] ([x + 1 for x in j])",
         "eagle3.yaml config[19] norm_before_residual: missing",
     ]
 
@@ -179,6 +121,8 @@ def test_feature_layers_become_each_engines_ids():
         aux_layer_ids(Src([3, 14, 26]), Options())
     with pytest.raises(ExportError, match="last layer's output is never captured"):
         aux_layer_ids(Src([1, 14, 29]), Options())
+    with pytest.raises(ExportError, match="repeat a layer or are out of order"):
+        aux_layer_ids(Src([1, 14, 14]), Options())
 
 
 def test_our_layer_j_is_the_stream_engines_capture_before_layer_j_plus_1(target_dir):
@@ -194,10 +138,10 @@ def test_our_layer_j_is_the_stream_engines_capture_before_layer_j_plus_1(target_
 @pytest.mark.parametrize("fmt, spec, reason", [
     ("eagle3", SPECS["deepseek-mtp"], "a mtp head cannot be exported as eagle3"),
     ("eagle", EAGLE3, "a eagle3 head cannot be exported as eagle .*formats for eagle3 heads: eagle3, speculators"),
-    ("eagle", HeadSpec("eagle", last_layer=3), "RMSNorms restored.*head.norms=stripped"),
-    ("deepseek-mtp", HeadSpec("mtp", last_layer=3, mtp_input="raw"), "pre-norm states.*head.mtp_input=normed"),
-    ("deepseek-mtp", HeadSpec("mtp", norms="stripped", last_layer=3), "norms stripped"),
-    ("deepseek-mtp", HeadSpec("eagle", last_layer=3), "a eagle head cannot be exported as deepseek-mtp"),
+    ("eagle", HeadSpec("eagle", last_layer=5), "RMSNorms restored.*head.norms=stripped"),
+    ("deepseek-mtp", HeadSpec("mtp", last_layer=5, mtp_input="raw"), "pre-norm states.*head.mtp_input=normed"),
+    ("deepseek-mtp", HeadSpec("mtp", norms="stripped", last_layer=5), "norms stripped"),
+    ("deepseek-mtp", HeadSpec("eagle", last_layer=5), "a eagle head cannot be exported as deepseek-mtp"),
     ("onnx", EAGLE3, "unknown export format 'onnx'"),
 ])
 def test_a_format_that_cannot_express_the_head_is_refused_with_the_reason(fmt, spec, reason, target_dir, tmp_path):
@@ -249,11 +193,11 @@ def test_stitch_adds_the_mtp_layers_to_a_copy_of_the_target(target_dir, tmp_path
     assert result.exit_code == 0, result.output
     stitched = tmp_path / "stitched"
     config = json.loads((stitched / "config.json").read_text())
-    assert config["num_nextn_predict_layers"] == 2 and config["num_hidden_layers"] == 4
+    assert config["num_nextn_predict_layers"] == 2 and config["num_hidden_layers"] == 6
     index = json.loads((stitched / "model.safetensors.index.json").read_text())["weight_map"]
-    assert index["model.layers.4.eh_proj.weight"] == "model-mtp.safetensors"
-    assert index["model.layers.5.shared_head.norm.weight"] == "model-mtp.safetensors"
-    assert index["model.layers.3.mlp.up_proj.weight"] == "model.safetensors"
+    assert index["model.layers.6.eh_proj.weight"] == "model-mtp.safetensors"
+    assert index["model.layers.7.shared_head.norm.weight"] == "model-mtp.safetensors"
+    assert index["model.layers.5.mlp.up_proj.weight"] == "model.safetensors"
     assert "num_nextn_predict_layers" not in json.loads((target_dir / "config.json").read_text())
     # The target itself is unchanged: same logits from the stitched checkpoint
     ids = torch.tensor([[4, 8, 15, 16, 23, 42]])

@@ -1,0 +1,119 @@
+"""Our exports in other projects' own model classes: vLLM's `speculators` package (0.9.0, in its own
+environment) and SpecForge's LlamaForCausalLMEagle3 (0.2.0, imported from the unpacked wheel) load them and
+compute what our head computes. scripts/setup_interop.sh provides both; the fixture runs it (about 1.5 minutes
+the first time, seconds after)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from mtptrain.export import Options, export_head
+from mtptrain.heads import FrozenTarget
+from mtptrain.heads.checkpoint import HeadSpec, load_head
+from mtptrain.target import LayerCapture
+
+from export_helpers import identity, save_trained_like_head, target_dir, target_model  # noqa: F401
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPTS = Path(__file__).with_name("interop")
+HEAD = HeadSpec("eagle3", last_layer=5, feature_layers=[1, 2, 4], ttt_steps=3, draft_vocab_size=64)
+LENGTH = 128  # speculators' default flex attention takes whole 128-token blocks on CPU
+
+
+@pytest.fixture(scope="session")
+def interop() -> dict:
+    done = subprocess.run(["bash", "scripts/setup_interop.sh"], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, f"scripts/setup_interop.sh failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+    return {"python": ROOT / ".venv-speculators" / "bin" / "python",
+            "specforge": ROOT / "build" / "interop" / "specforge-0.2.0"}
+
+
+def run(cmd: list, **env) -> None:
+    clean = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    done = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=600,
+                          env={**clean, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": "", **env})
+    assert done.returncode == 0, done.stderr[-4000:]
+
+
+@torch.no_grad()
+def our_side(model, head, spec: HeadSpec, steps: int, seed: int = 0):
+    """The inputs both sides read, and our head's output state and logits at every training-time-test step."""
+    ids = torch.randint(1, model.config.vocab_size, (1, LENGTH + 1), generator=torch.Generator().manual_seed(seed))
+    capture = LayerCapture(model.model.layers, spec.feature_layers)
+    model(ids)
+    states = capture.take()
+    capture.close()
+    layers = [states[j].float() for j in spec.feature_layers]
+    outputs = head.unroll(head.fuse(layers), ids, steps)
+    inputs = {"hidden_states": torch.cat(layers, -1)[:, :LENGTH].contiguous(),
+              "input_ids": ids[:, 1 : LENGTH + 1].contiguous()}
+    return inputs, [o[0] for o in outputs], [head.logits(o)[0] for o in outputs]
+
+
+def assert_same_drafts(ours: torch.Tensor, theirs: torch.Tensor, atol: float) -> None:
+    assert ours.shape == theirs.shape
+    assert (ours - theirs).abs().max().item() < atol
+    top2 = ours.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 2 * atol  # positions that are not float near-ties
+    assert clear.float().mean() > 0.9
+    assert torch.equal(ours.argmax(-1)[clear], theirs.argmax(-1)[clear])
+
+
+def test_speculators_loads_our_export_and_computes_our_logits_at_every_ttt_step(interop, target_dir, tmp_path):
+    head_dir = save_trained_like_head(target_dir, tmp_path / "head", HEAD)
+    export_head(head_dir, "speculators", tmp_path / "export", Options(verifier=str(target_dir)))
+    model = target_model(target_dir)
+    head, spec = load_head(head_dir, FrozenTarget.of(model), identity(target_dir))
+    inputs, _, logits = our_side(model, head, spec, steps=3)
+    save_file(inputs, tmp_path / "inputs.safetensors")
+    run([interop["python"], SCRIPTS / "speculators_forward.py", tmp_path / "export", tmp_path / "inputs.safetensors",
+         tmp_path / "out.safetensors", 3])
+    theirs = load_file(tmp_path / "out.safetensors")
+    assert bytes(theirs["attention"].tolist()).decode() == "simple_flex_attention"  # its default attention
+    assert torch.equal(theirs["d2t"], load_file(tmp_path / "export" / "model.safetensors")["d2t"])
+    for step in range(3):  # step k covers the positions whose token k ahead is known
+        valid = LENGTH - step
+        assert_same_drafts(logits[step], theirs[f"logits.{step}"][:valid], atol=1e-4)
+        assert torch.equal(theirs[f"draft.{step}"][:valid], logits[step].argmax(-1))
+
+
+def test_specforge_loads_our_sglang_export_and_computes_our_first_step(interop, target_dir, tmp_path):
+    head_dir = save_trained_like_head(target_dir, tmp_path / "head", HEAD)
+    export_head(head_dir, "eagle3", tmp_path / "export")
+    model = target_model(target_dir)
+    head, spec = load_head(head_dir, FrozenTarget.of(model), identity(target_dir))
+    inputs, states, logits = our_side(model, head, spec, steps=1, seed=1)
+    save_file(inputs, tmp_path / "inputs.safetensors")
+    run([sys.executable, SCRIPTS / "specforge_forward.py", interop["specforge"], tmp_path / "export", target_dir,
+         tmp_path / "inputs.safetensors", tmp_path / "out.safetensors"], TORCHDYNAMO_DISABLE="1")
+    theirs = load_file(tmp_path / "out.safetensors")
+    assert (states[0] - theirs["hidden"]).abs().max().item() < 1e-4
+    assert_same_drafts(logits[0], theirs["logits"], atol=1e-4)
+
+
+@pytest.mark.real_model
+def test_speculators_runs_the_shipped_head_on_smollm2_as_we_do(interop, tmp_path):
+    """The reference head (bf16) exported against the real target: the same drafts in speculators and in ours.
+    The logits differ by up to 0.004 here (about 1e-3 of their range; position 0 by 1e-5), so the bound is 1e-2."""
+    from eval.run import PRETRAINED_HEAD
+    from mtptrain.config import TargetConfig
+    from mtptrain.target import load_target, resolve_local_dir
+
+    cfg = TargetConfig()
+    verifier, _ = resolve_local_dir(cfg)
+    export_head(PRETRAINED_HEAD, "speculators", tmp_path / "export", Options(verifier=verifier))
+    target = load_target(cfg)
+    head, spec = load_head(tmp_path / "export", FrozenTarget.of(target.model), target.identity())
+    head.float()
+    inputs, _, logits = our_side(target.model, head, spec, steps=2)
+    save_file(inputs, tmp_path / "inputs.safetensors")
+    run([interop["python"], SCRIPTS / "speculators_forward.py", tmp_path / "export", tmp_path / "inputs.safetensors",
+         tmp_path / "out.safetensors", 2])
+    theirs = load_file(tmp_path / "out.safetensors")
+    for step in range(2):
+        assert_same_drafts(logits[step], theirs[f"logits.{step}"][: LENGTH - step], atol=1e-2)
