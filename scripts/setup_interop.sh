@@ -8,6 +8,7 @@
 # 2. SpecForge's wheel (0.2.0), unpacked, not installed: it pins sglang, which
 #    does not install here, but its LlamaForCausalLMEagle3 module imports from
 #    the unpacked files with .venv's torch and transformers.
+# 3. The official EAGLE-1/2 code from PyPI (eagle-llm), unpacked the same way.
 #
 #   SPECULATORS_VENV  where to put it (default .venv-speculators, repo-relative)
 #   MAIN_VENV         venv whose torch version is matched (default .venv)
@@ -78,3 +79,17 @@ if [ ! -f "$SPECFORGE_DIR/specforge/modeling/draft/llama3_eagle.py" ]; then
     rm -rf "$WHEELS"
 fi
 echo "specforge $SPECFORGE_VERSION unpacked in $SPECFORGE_DIR"
+
+# 3. The official EAGLE code as published on PyPI (eagle-llm 1.2.1, EAGLE-1/2), unpacked: its pins (fschat,
+#    gradio, transformers of its day) are not needed to import eagle/model/cnets.py.
+EAGLE_VERSION=1.2.1
+EAGLE_DIR=${EAGLE_DIR:-build/interop/eagle-llm-$EAGLE_VERSION}
+if [ ! -f "$EAGLE_DIR/eagle/model/cnets.py" ]; then
+    WHEELS=$(mktemp -d)
+    "$MAIN_VENV/bin/python" -m pip --disable-pip-version-check -q download --no-deps \
+        "eagle-llm==$EAGLE_VERSION" -d "$WHEELS"
+    rm -rf "$EAGLE_DIR" && mkdir -p "$EAGLE_DIR"
+    "$MAIN_VENV/bin/python" -m zipfile -e "$WHEELS"/eagle_llm-*.whl "$EAGLE_DIR"
+    rm -rf "$WHEELS"
+fi
+echo "eagle-llm $EAGLE_VERSION unpacked in $EAGLE_DIR"

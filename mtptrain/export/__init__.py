@@ -64,6 +64,8 @@ def export_head(head_dir: Path, fmt: str, out: Path, options: Options | None = N
         (stage / "README.md").write_text(export_readme(form, src, written, sidecar, measured, out))
         failures = check_export(stage, src.target_config,
                                 src.target_layer_shapes() if fmt == "deepseek-mtp" else None)
+        for path in stage.iterdir():  # readable by a server running as another user (safetensors writes 0600)
+            path.chmod(0o644)
         if failures:
             raise ExportError(f"the {fmt} export does not conform to mtptrain/export/specs/{fmt}.yaml:\n  "
                               + "\n  ".join(failures))

@@ -219,7 +219,10 @@ class Eagle3(Format):
                  "(eagle_config.eagle_aux_hidden_state_layer_ids)",
                  "no embedding: both engines use the target's own",
                  "norm flags: norm_before_residual, norm_before_fc, fc_norm, norm_output all false (the residual "
-                 "is the un-normed fc output; one hidden_norm on the feature, input_layernorm on the embedding)"]
+                 "is the un-normed fc output; one hidden_norm on the feature, input_layernorm on the embedding; "
+                 "the next step reads the pre-norm output)",
+                 "SpecForge reads norm_output otherwise (the final norm before its LM head, default true): set it "
+                 "true to load this directory into SpecForge's LlamaForCausalLMEagle3"]
         return Written(tensors, config, notes)
 
     def to_head(self, tensors, sidecar):
@@ -321,6 +324,9 @@ class Eagle(Format):
                  "no input norm on layer 0, no final norm, no LM head, no embedding: the target's own LM head and "
                  "embedding are used, on the target's final-normed states",
                  "vLLM's EAGLE-1 drafter has no fc bias and does not load this layout"]
+        if config["rope_theta"] != 10000:
+            notes.append(f"rope_theta {config['rope_theta']:g}: the official repository reads it, but eagle-llm 1.2.1 "
+                         "on PyPI fixes the rotary base at 10000; serve with the repository's code or SGLang")
         return Written(renamed(src.state, eagle_names()), config, notes)
 
     def to_head(self, tensors, sidecar):

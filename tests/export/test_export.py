@@ -240,3 +240,28 @@ def test_every_table_row_names_a_listed_source():
         for row in table["weights"] + table["config"]:
             assert row.get("source"), (path.name, row)
             assert row["source"].split()[0].rstrip(";") in keys, (path.name, row)
+
+
+@pytest.mark.real_model
+def test_the_shipped_head_drafts_the_same_tokens_from_its_exports(tmp_path):
+    from eval.run import PRETRAINED_HEAD
+    from mtptrain.config import TargetConfig
+    from mtptrain.target import load_target
+
+    target = load_target(TargetConfig())
+    frozen = FrozenTarget.of(target.model)
+    head, spec = load_head(PRETRAINED_HEAD, frozen, target.identity())
+    text = target.tokenizer.apply_chat_template([{"role": "user", "content": "Name three uses of copper."}],
+                                                add_generation_prompt=True, tokenize=False)
+    prompt = target.tokenizer(text, add_special_tokens=False)["input_ids"]
+    ours = drafts(target.model, head.float(), spec, list(prompt))
+    assert len(ours) > 5
+    for fmt in ("eagle3", "speculators"):
+        summary = export_head(PRETRAINED_HEAD, fmt, tmp_path / fmt)
+        readme = (tmp_path / fmt / "README.md").read_text()
+        assert "| chain K=3 | 1.32 | 0.92x | 0.25 0.06 0.02 |" in readme  # the shipped eval.json, quoted
+        assert "4 training-time-test steps, draft vocabulary 8192 tokens" in readme
+        assert summary["notes"] and all(mode == 0o644 for mode in
+                                        (p.stat().st_mode & 0o777 for p in (tmp_path / fmt).iterdir()))
+        exported, exported_spec = load_head(tmp_path / fmt, frozen, target.identity())
+        assert drafts(target.model, exported.float(), exported_spec, list(prompt)) == ours, fmt

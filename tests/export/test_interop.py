@@ -1,7 +1,8 @@
 """Our exports in other projects' own model classes: vLLM's `speculators` package (0.9.0, in its own
-environment) and SpecForge's LlamaForCausalLMEagle3 (0.2.0, imported from the unpacked wheel) load them and
-compute what our head computes. scripts/setup_interop.sh provides both; the fixture runs it (about 1.5 minutes
-the first time, seconds after)."""
+environment), SpecForge's LlamaForCausalLMEagle3 (0.2.0) and the official EAGLE-1/2 Model (eagle-llm 1.2.1),
+both imported from their unpacked wheels, load them and compute what our head computes.
+scripts/setup_interop.sh provides all three; the fixture runs it (about 1.5 minutes the first time, seconds
+after)."""
 
 import os
 import subprocess
@@ -30,7 +31,8 @@ def interop() -> dict:
     done = subprocess.run(["bash", "scripts/setup_interop.sh"], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, f"scripts/setup_interop.sh failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
     return {"python": ROOT / ".venv-speculators" / "bin" / "python",
-            "specforge": ROOT / "build" / "interop" / "specforge-0.2.0"}
+            "specforge": ROOT / "build" / "interop" / "specforge-0.2.0",
+            "eagle": ROOT / "build" / "interop" / "eagle-llm-1.2.1"}
 
 
 def run(cmd: list, **env) -> None:
@@ -94,6 +96,28 @@ def test_specforge_loads_our_sglang_export_and_computes_our_first_step(interop, 
     theirs = load_file(tmp_path / "out.safetensors")
     assert (states[0] - theirs["hidden"]).abs().max().item() < 1e-4
     assert_same_drafts(logits[0], theirs["logits"], atol=1e-4)
+
+
+def test_the_official_eagle_model_loads_our_eagle_export_and_computes_our_states(interop, target_dir, tmp_path):
+    spec = HeadSpec("eagle", norms="stripped", last_layer=5)
+    head_dir = save_trained_like_head(target_dir, tmp_path / "head", spec)
+    export_head(head_dir, "eagle", tmp_path / "export")
+    model = target_model(target_dir)
+    head, _ = load_head(head_dir, FrozenTarget.of(model), identity(target_dir))
+    ids = torch.randint(1, model.config.vocab_size, (1, 41), generator=torch.Generator().manual_seed(2))
+    capture = LayerCapture(model.model.layers, [5])
+    with torch.no_grad():
+        model(ids)
+        features = head.features(capture.take()[5][:, :40])  # EAGLE-1 reads the target's final-normed states
+        ours = head(features, ids[:, 1:41])[0]
+    capture.close()
+    save_file({"hidden_states": features.contiguous(), "input_ids": ids[:, 1:41].contiguous()},
+              tmp_path / "inputs.safetensors")
+    run([sys.executable, SCRIPTS / "eagle_forward.py", interop["eagle"], tmp_path / "export", target_dir,
+         tmp_path / "inputs.safetensors", tmp_path / "out.safetensors"])
+    theirs = load_file(tmp_path / "out.safetensors")["hidden"]
+    assert (ours - theirs).abs().max().item() < 1e-5
+    assert torch.equal(head.logits(ours).argmax(-1), head.logits(theirs).argmax(-1))
 
 
 @pytest.mark.real_model
