@@ -61,7 +61,8 @@ def export_head(head_dir: Path, fmt: str, out: Path, options: Options | None = N
         save_file(written.tensors, str(stage / "model.safetensors"), metadata={"format": "pt"})
         write_json(stage / "config.json", written.config)
         write_json(stage / SIDECAR, sidecar)
-        (stage / "README.md").write_text(export_readme(form, src, written, sidecar, measured, out))
+        served = _served(src, options, written)
+        (stage / "README.md").write_text(export_readme(form, src, written, sidecar, measured, out, served))
         failures = check_export(stage, src.target_config,
                                 src.target_layer_shapes() if fmt == "deepseek-mtp" else None)
         for path in stage.iterdir():  # readable by a server running as another user (safetensors writes 0600)
@@ -76,17 +77,19 @@ def export_head(head_dir: Path, fmt: str, out: Path, options: Options | None = N
         shutil.rmtree(stage, ignore_errors=True)
     return {"format": fmt, "out": str(out), "tensors": len(written.tensors),
             "bytes": sum(t.numel() * t.element_size() for t in written.tensors.values()), "notes": written.notes,
-            "serve": form.serve(str(out.resolve()), _served(src, options), sidecar)}
+            "serve": form.serve(str(out.resolve()), served, sidecar)}
 
 
 def write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2) + "\n")
 
 
-def _served(src: HeadSource, options: Options) -> str:
+def _served(src: HeadSource, options: Options, written) -> str:
+    """The target as the serve commands name it: the speculators verifier, --verifier, or the recorded target."""
+    verifier = written.config.get("speculators_config", {}).get("verifier", {}).get("name_or_path")
     try:
-        return options.verifier or src.served_target()
-    except ExportError:
+        return verifier or options.verifier or src.served_target()
+    except ExportError:  # a GGUF target: no served form known
         return "<target hub id or directory>"
 
 

@@ -26,7 +26,7 @@ def load_table(fmt: str) -> dict:
     return yaml.safe_load((SPECS / f"{fmt}.yaml").read_text())
 
 
-def symbols(config: dict, sidecar: dict, target_config: dict) -> dict:
+def symbols(sidecar: dict, target_config: dict) -> dict:
     """The table's symbols, from the target's config and the head's own config (never from the export itself)."""
     head = sidecar["head_config"]["head"]
     tc = target_config
@@ -68,7 +68,7 @@ def check_export(directory: Path, target_config: dict, target_layer: dict[str, t
         tensors = {name: fh.get_tensor(name) for name in fh.keys()}
     shapes = {name: tuple(t.shape) for name, t in tensors.items()}
     dtypes = {name: t.dtype for name, t in tensors.items()}
-    env = {"__builtins__": {}, **symbols(config, sidecar, target_config)}
+    env = {"__builtins__": {}, **symbols(sidecar, target_config)}
     failures: list[str] = []
     listed: set[str] = set()
 

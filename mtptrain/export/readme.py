@@ -9,7 +9,7 @@ from mtptrain.export.source import HeadSource
 
 
 def export_readme(form: Format, src: HeadSource, written: Written, sidecar: dict, measured: dict | None,
-                  out: Path) -> str:
+                  out: Path, served: str) -> str:
     spec, ident = src.spec, src.identity
     train = src.config.get("train", {})
     recipe = train.get("recipe", {})
@@ -64,17 +64,8 @@ def export_readme(form: Format, src: HeadSource, written: Written, sidecar: dict
                      "exports) and export again with `--results <eval.output_dir>/results.json`.")
     lines += ["", "## Format", ""] + [f"- {note}" for note in written.notes]
     lines += ["", "## Serve", ""]
-    for engine, command in form.serve(str(out.resolve()), _target_for(src, written), sidecar):
+    for engine, command in form.serve(str(out.resolve()), served, sidecar):
         lines += [f"{engine}:", "", "```", command, "```", ""]
     lines += ["Check the export drafts as the head did: `mtptrain eval --set eval.head=" + str(out) + "`.", ""]
     return "\n".join(lines)
 
-
-def _target_for(src: HeadSource, written: Written) -> str:
-    verifier = written.config.get("speculators_config", {}).get("verifier", {}).get("name_or_path")
-    if verifier:
-        return verifier
-    try:
-        return src.served_target()
-    except ValueError:
-        return "<target hub id or directory>"

@@ -100,14 +100,21 @@ def _keys(path: Path) -> list[str]:
 
 
 def open_head(directory: Path, target: str | None = None) -> HeadSource:
-    """Read a head written by `mtptrain train` and locate its target (`target` overrides the recorded one)."""
+    """Read a head written by `mtptrain train` (or an export of one) and locate its target (`target` overrides
+    the recorded one)."""
     from transformers import AutoConfig
 
     from mtptrain.config import TargetConfig
     from mtptrain.target import resolve_local_dir
 
     directory = Path(directory)
-    config = read_head_config(directory)
+    if (directory / "mtptrain.json").is_file():  # an earlier export: re-export it in another format
+        from mtptrain.export import read_export
+
+        config, state = read_export(directory)
+    else:
+        config = read_head_config(directory)
+        state = load_file(str(directory / "model.safetensors"))
     recorded = config.get("train", {}).get("recipe", {}).get("target")
     if target is None and recorded is None:
         raise ExportError(f"{directory / 'config.json'} does not record the recipe's target: pass --target "
@@ -129,6 +136,5 @@ def open_head(directory: Path, target: str | None = None) -> HeadSource:
         raise ExportError(f"target '{cfg.model}' has hidden size {target_config.get('hidden_size')} and vocabulary "
                           f"{target_config.get('vocab_size')}, but the head was trained for "
                           f"'{identity.get('name')}' ({identity.get('hidden_size')}, {identity.get('vocab_size')})")
-    state = load_file(str(directory / "model.safetensors"))
     return HeadSource(directory, config, HeadSpec(**config["head"]), state, target_config, loaded.to_diff_dict(),
                       source, cfg.model)

@@ -44,9 +44,10 @@ def drafts(model, head, spec, prompt: list[int], k: int = 3) -> list[list[int]]:
     return seen
 
 
-@pytest.mark.parametrize("fmt", list(SPECS))
-def test_export_conforms_loads_back_and_drafts_the_same_tokens(fmt, target_dir, tmp_path):
-    spec = SPECS[fmt]
+@pytest.mark.parametrize("fmt, spec", [*SPECS.items(), ("deepseek-mtp", HeadSpec("mtp", last_layer=5, mtp_depths=2,
+                                                                                  mtp_share=True, mtp_input="normed"))],
+                         ids=[*SPECS, "deepseek-mtp-shared"])
+def test_export_conforms_loads_back_and_drafts_the_same_tokens(fmt, spec, target_dir, tmp_path):
     head_dir = save_trained_like_head(target_dir, tmp_path / "head", spec)
     out = tmp_path / fmt
     summary = export_head(head_dir, fmt, out, Options(verifier=str(target_dir)))
@@ -82,6 +83,24 @@ def test_eval_command_loads_an_export_and_measures_it_as_the_head(target_dir, tm
                           for m in json.loads((tmp_path / f"eval-{name}" / "results.json").read_text())["methods"]]
     assert measured["head"] == measured["export"]  # the drafts themselves: the test above
     assert [label for label, *_ in measured["head"]] == ["baseline", "chain K=3", "tree N=6"]
+
+
+def test_the_export_command_casts_checks_and_says_how_to_serve(target_dir, tmp_path):
+    head_dir = save_trained_like_head(target_dir, tmp_path / "head", EAGLE3)
+    out = tmp_path / "spec"
+    result = CliRunner().invoke(app, ["export", str(head_dir), "-f", "speculators", "--out", str(out),
+                                      "--verifier", "org/tiny-target", "--dtype", "bfloat16",
+                                      "--speculative-tokens", "4"])
+    assert result.exit_code == 0, result.output
+    assert "checked against mtptrain/export/specs/speculators.yaml" in result.output
+    assert f"serve with vLLM:\n  vllm serve {out.resolve()}" in result.output
+    config = json.loads((out / "config.json").read_text())
+    assert config["speculators_config"]["verifier"]["name_or_path"] == "org/tiny-target"
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 4
+    tensors = load_file(out / "model.safetensors")
+    assert tensors["fc.weight"].dtype == torch.bfloat16 and tensors["d2t"].dtype == torch.int64
+    bad = CliRunner().invoke(app, ["export", str(head_dir), "--out", str(tmp_path / "x"), "--dtype", "int8"])
+    assert bad.exit_code == 2 and "use bfloat16, float16 or float32" in bad.output
 
 
 def test_a_changed_fact_fails_one_line_of_the_table(target_dir, tmp_path):
@@ -175,6 +194,11 @@ def test_export_replaces_an_earlier_export_but_never_other_files(target_dir, tmp
     export_head(head_dir, "eagle3", out)
     export_head(head_dir, "speculators", out, Options(verifier="org/model"))
     assert json.loads((out / "config.json").read_text())["speculators_model_type"] == "eagle3"
+    export_head(out, "eagle3", tmp_path / "again")  # an export exports again, to the same tensors
+    first = load_file(tmp_path / "again" / "model.safetensors")
+    export_head(head_dir, "eagle3", tmp_path / "direct")
+    assert first.keys() == load_file(tmp_path / "direct" / "model.safetensors").keys()
+    assert all(torch.equal(t, load_file(tmp_path / "direct" / "model.safetensors")[k]) for k, t in first.items())
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "notes.txt").write_text("keep")
