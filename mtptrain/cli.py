@@ -142,46 +142,23 @@ def pipeline(recipe: RecipeOpt = None, overrides: SetOpt = None,
 
 
 @app.command("export")
-def export(head: Annotated[Optional[Path], typer.Argument(help="Head directory written by `mtptrain train` "
-                                                              "(default: the recipe's, as eval picks it).")] = None,
-           fmt: Annotated[str, typer.Option("--format", "-f", help="eagle3 | speculators | eagle | deepseek-mtp")] = "eagle3",
-           out: Annotated[Optional[Path], typer.Option(help="Export directory (default: "
-                                                            "<train.output_dir>/export/<format>).")] = None,
-           recipe: RecipeOpt = None, overrides: SetOpt = None,
-           target: Annotated[Optional[str], typer.Option(help="Where the target lives here (local directory or hub "
-                                                              "id), if not where the head's recipe said.")] = None,
-           verifier: Annotated[Optional[str], typer.Option(help="speculators: the target as the server loads it "
-                                                                "(hub id or path on the serving machine).")] = None,
-           results: Annotated[Optional[Path], typer.Option(help="Eval results.json whose tau the README quotes.")] = None,
-           dtype: Annotated[Optional[str], typer.Option(help="Cast the weights: bfloat16, float16 or float32 "
-                                                             "(default: as trained).")] = None,
-           sglang_ids: Annotated[str, typer.Option(help="eagle3, feature layers not starting at 1 only: the SGLang "
-                                                        "numbering, before-25454 or since-25454.")] = "auto",
-           speculative_tokens: Annotated[int, typer.Option(help="speculators: draft length vllm serve uses.")] = 3) -> None:
+def export(recipe: RecipeOpt = None, overrides: SetOpt = None) -> None:
     """Write a trained head in a format a serving engine loads, with a README, checked against the format's table.
 
-    Formats: eagle3 (EAGLE-3 head; SGLang and vLLM draft model), speculators (EAGLE-3 head; `vllm serve <dir>`),
-    eagle (EAGLE-1/2 head trained with head.norms=stripped; official EAGLE code and SGLang), deepseek-mtp (MTP
-    head; DeepSeek-V3 MTP layers, see `mtptrain stitch`). Every export is checked against
-    mtptrain/export/specs/<format>.yaml before it replaces <out>; `mtptrain eval --set eval.head=<out>` drafts
-    with it exactly as with the head.
+    export.format: eagle3 (EAGLE-3 head; SGLang and vLLM draft model), speculators (EAGLE-3 head; `vllm serve
+    <dir>`), eagle (EAGLE-1/2 head trained with head.norms=stripped; official EAGLE code and SGLang), deepseek-mtp
+    (MTP head; DeepSeek-V3 MTP layers, see `mtptrain stitch`). The head is export.head, or the one `mtptrain eval`
+    would use; the directory is export.output_dir, or <train.output_dir>/export/<format>. Every export is checked
+    against mtptrain/export/specs/<format>.yaml before it replaces an earlier one; `mtptrain eval --set
+    eval.head=<export>` drafts with it exactly as with the head. Example:
+    mtptrain export --set export.head=runs/x/train/head --set export.format=speculators
     """
-    import torch
-
-    from eval.run import head_directory
-    from mtptrain.export import ExportError, Options, export_head
+    from mtptrain.export import ExportError, run_export
 
     cfg = _recipe(recipe, overrides)
-    head = head or head_directory(cfg)
-    out = out or Path(cfg.train.output_dir) / "export" / fmt
-    if dtype not in (None, "bfloat16", "float16", "float32"):
-        typer.echo(f"error: --dtype {dtype}: use bfloat16, float16 or float32", err=True)
-        raise typer.Exit(2)
-    options = Options(verifier=verifier, sglang_ids=sglang_ids, speculative_tokens=speculative_tokens)
-    summary = _guarded(lambda: export_head(head, fmt, out, options, target, results,
-                                           getattr(torch, dtype) if dtype else None), ExportError)
-    typer.echo(f"exported {head} as {summary['format']} to {summary['out']}: {summary['tensors']} tensors, "
-               f"{summary['bytes'] / 2**20:.1f} MiB; checked against mtptrain/export/specs/{fmt}.yaml")
+    summary = _guarded(lambda: run_export(cfg), ExportError)
+    typer.echo(f"exported as {summary['format']} to {summary['out']}: {summary['tensors']} tensors, "
+               f"{summary['bytes'] / 2**20:.1f} MiB; checked against mtptrain/export/specs/{summary['format']}.yaml")
     for note in summary["notes"]:
         typer.echo(f"  {note}")
     for engine, command in summary["serve"]:

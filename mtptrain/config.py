@@ -241,6 +241,28 @@ class EvalConfig(_Truncation):
         return sorted(set(value))
 
 
+class ExportConfig(_Section):
+    format: Literal["eagle3", "speculators", "eagle", "deepseek-mtp"] = Field(
+        "eagle3", description="eagle3 (SGLang and vLLM draft model), speculators (`vllm serve <dir>`), eagle "
+        "(EAGLE-1/2: official code, SGLang), deepseek-mtp (DeepSeek-V3 MTP layers; see `mtptrain stitch`).")
+    head: str | None = Field(None, description="Head directory to export (default: the head eval would use).")
+    output_dir: str | None = Field(None, description="Export directory (default: <train.output_dir>/export/<format>).")
+    target: str | None = Field(
+        None, description="Where the target lives on this machine (directory or hub id), when not where the head's "
+        "recipe said; its fingerprint is checked against the head's.")
+    verifier: str | None = Field(
+        None, description="speculators: the target as the serving machine loads it (default: the recorded target; "
+        "the hub id for the embedded default).")
+    results: str | None = Field(None, description="An eval results.json whose tau the export's README quotes.")
+    dtype: Literal["as_trained", "bfloat16", "float16", "float32"] = Field(
+        "as_trained", description="Floating-point dtype of the exported weights.")
+    sglang_ids: Literal["auto", "before-25454", "since-25454"] = Field(
+        "auto", description="eagle3 with feature layers not starting at layer 1: the SGLang numbering to write "
+        "(its PR #25454 changed how it reads them).")
+    speculative_tokens: int | None = Field(
+        None, ge=1, description="speculators: draft length `vllm serve` uses (default: the head's TTT steps).")
+
+
 class Recipe(_Section):
     name: str = Field("run", description="Run name, used in logs and output metadata.")
     target: TargetConfig = TargetConfig()
@@ -250,6 +272,7 @@ class Recipe(_Section):
     head: HeadConfig = HeadConfig()
     train: TrainConfig = TrainConfig()
     eval: EvalConfig = EvalConfig()
+    export: ExportConfig = ExportConfig()
 
 
 # --------------------------------------------------------------------------- loading

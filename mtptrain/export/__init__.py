@@ -16,79 +16,108 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from mtptrain.export.formats import FORMATS, Format, Options
+from mtptrain.config import ExportConfig, Recipe
+from mtptrain.export.formats import FORMATS, Format, Written
 from mtptrain.export.source import ExportError, HeadSource, open_head
+from mtptrain.heads.checkpoint import EXPORT_SIDECAR
 from mtptrain.io import tmp_name
 
-SIDECAR = "mtptrain.json"
+SIDECAR = EXPORT_SIDECAR
 EXPORT_FORMAT = "mtptrain-export/1"
+# What an export directory holds; a directory with anything else is never replaced (a stitched checkpoint, say).
+EXPORT_FILES = {"config.json", "model.safetensors", SIDECAR, "README.md"}
+TARGET_TENSORS = ("speculators", "deepseek-mtp")  # formats that copy the target's own weights
 
-__all__ = ["EXPORT_FORMAT", "ExportError", "FORMATS", "Options", "SIDECAR", "export_head", "read_export"]
+__all__ = ["EXPORT_FORMAT", "ExportError", "FORMATS", "SIDECAR", "export_head", "read_export", "run_export"]
 
 
-def export_head(head_dir: Path, fmt: str, out: Path, options: Options | None = None, target: str | None = None,
-                results: Path | None = None, dtype: torch.dtype | None = None) -> dict:
-    """Write the head at `head_dir` to `out` in format `fmt`; returns a summary.
+def run_export(recipe: Recipe) -> dict:
+    """`mtptrain export`: the recipe's export section, with the head eval would use by default."""
+    from eval.run import head_directory
 
-    The files are written to a staging directory, checked against the format's table and only then moved to
-    `out` (replacing an earlier export there), so an error leaves `out` as it was.
+    cfg = recipe.export
+    head = Path(cfg.head) if cfg.head else head_directory(recipe)
+    out = Path(cfg.output_dir) if cfg.output_dir else Path(recipe.train.output_dir) / "export" / cfg.format
+    return export_head(head, out, cfg)
+
+
+def export_head(head_dir: Path, out: Path, cfg: ExportConfig) -> dict:
+    """Write the head at `head_dir` to `out` in format `cfg.format`; returns a summary.
+
+    The files are written to a staging directory and checked against the format's table. Only then does the
+    staging directory take `out`'s place (an earlier export there is moved aside first and removed last), so
+    an error leaves `out` as it was.
     """
-    options = options or Options()
-    if fmt not in FORMATS:
-        raise ExportError(f"unknown export format {fmt!r}; formats: {', '.join(FORMATS)}")
-    out = Path(out)
-    if out.resolve() == Path(head_dir).resolve():
-        raise ExportError(f"--out {out} is the head directory itself: export to another directory")
-    if out.exists() and any(out.iterdir()) and not (out / SIDECAR).is_file():
-        raise ExportError(f"{out} is not empty and holds no earlier export: choose a new or empty directory "
-                          "(an earlier export there is replaced)")
-    src = open_head(head_dir, target)
-    if dtype is not None:
+    head_dir, out = Path(head_dir), Path(out)
+    _check_out(out, head_dir)
+    src = open_head(head_dir, cfg.target)
+    if cfg.dtype != "as_trained":
+        dtype = getattr(torch, cfg.dtype)
         src.state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in src.state.items()}
-    form = FORMATS[fmt]
-    form.check(src, options)
-    written = form.write(src, options)
-    sidecar = {"format": EXPORT_FORMAT, "export_format": fmt, "weights": "model.safetensors",
-               "num_hidden_layers": src.target_config["num_hidden_layers"], "sglang_ids": options.sglang_ids,
-               "source_head": str(Path(head_dir).resolve()), "head_config": src.config}
-    measured = _measured(src, results)
+    form = FORMATS[cfg.format]
+    form.check(src, cfg)
+    if cfg.format in TARGET_TENSORS or cfg.target is not None:
+        src.verify_target()  # its weights go into the export, or it is not the recorded one: same fingerprint?
+    written = form.write(src, cfg)
+    sidecar = {"format": EXPORT_FORMAT, "export_format": cfg.format, "weights": "model.safetensors",
+               "num_hidden_layers": src.target_config["num_hidden_layers"], "sglang_ids": cfg.sglang_ids,
+               "source_head": str(head_dir.resolve()), "head_config": src.config}
+    measured = _measured(src, Path(cfg.results) if cfg.results else None)
+    served = _served(src, cfg, written)
+    _write(form, src, written, sidecar, measured, out, served)
+    return {"format": cfg.format, "out": str(out), "tensors": len(written.tensors),
+            "bytes": sum(t.numel() * t.element_size() for t in written.tensors.values()), "notes": written.notes,
+            "serve": form.serve(str(out.resolve()), served, sidecar)}
+
+
+def _check_out(out: Path, head_dir: Path) -> None:
+    if out.resolve() == head_dir.resolve():
+        raise ExportError(f"export.output_dir {out} is the head directory itself: export to another directory")
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"export.output_dir {out} is a file: choose a directory")
+    if out.exists():
+        others = sorted(p.name for p in out.iterdir() if p.name not in EXPORT_FILES)
+        if others or (any(out.iterdir()) and not (out / SIDECAR).is_file()):
+            raise ExportError(f"{out} holds {', '.join(others[:3]) or 'files'} besides an earlier export: choose a "
+                              "new or empty directory (only a directory holding just an export is replaced)")
+
+
+def _write(form: Format, src: HeadSource, written: Written, sidecar: dict, measured: dict | None, out: Path,
+           served: str) -> None:
     from mtptrain.export.conformance import check_export
     from mtptrain.export.readme import export_readme
 
-    stage = tmp_name(out)
+    stage, old = tmp_name(out), tmp_name(out)
     try:
         stage.mkdir(parents=True)
         save_file(written.tensors, str(stage / "model.safetensors"), metadata={"format": "pt"})
         write_json(stage / "config.json", written.config)
         write_json(stage / SIDECAR, sidecar)
-        served = _served(src, options, written)
         (stage / "README.md").write_text(export_readme(form, src, written, sidecar, measured, out, served))
-        failures = check_export(stage, src.target_config,
-                                src.target_layer_shapes() if fmt == "deepseek-mtp" else None)
         for path in stage.iterdir():  # readable by a server running as another user (safetensors writes 0600)
             path.chmod(0o644)
+        failures = check_export(stage, src.target_config,
+                                src.target_layer_shapes() if form.name == "deepseek-mtp" else None)
         if failures:
-            raise ExportError(f"the {fmt} export does not conform to mtptrain/export/specs/{fmt}.yaml:\n  "
-                              + "\n  ".join(failures))
+            raise ExportError(f"the {form.name} export does not conform to mtptrain/export/specs/{form.name}.yaml:"
+                              "\n  " + "\n  ".join(failures))
         if out.exists():
-            shutil.rmtree(out)
+            os.replace(out, old)
         os.replace(stage, out)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
-    return {"format": fmt, "out": str(out), "tensors": len(written.tensors),
-            "bytes": sum(t.numel() * t.element_size() for t in written.tensors.values()), "notes": written.notes,
-            "serve": form.serve(str(out.resolve()), served, sidecar)}
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2) + "\n")
 
 
-def _served(src: HeadSource, options: Options, written) -> str:
-    """The target as the serve commands name it: the speculators verifier, --verifier, or the recorded target."""
+def _served(src: HeadSource, cfg: ExportConfig, written: Written) -> str:
+    """The target as the serve commands name it: the speculators verifier, export.verifier, or the recorded one."""
     verifier = written.config.get("speculators_config", {}).get("verifier", {}).get("name_or_path")
     try:
-        return verifier or options.verifier or src.served_target()
+        return verifier or cfg.verifier or src.served_target()
     except ExportError:  # a GGUF target: no served form known
         return "<target hub id or directory>"
 
@@ -103,7 +132,7 @@ def _measured(src: HeadSource, results: Path | None) -> dict | None:
     for path in candidates:
         if not path.is_file():
             if results:
-                raise ExportError(f"--results {path} does not exist")
+                raise ExportError(f"export.results {path} does not exist")
             continue
         data = json.loads(path.read_text())
         head_path = data.get("head", {}).get("path") if data.get("head") else None
@@ -112,10 +141,6 @@ def _measured(src: HeadSource, results: Path | None) -> dict | None:
             data["_path"] = str(path)
             return data
     return None
-
-
-def is_export(directory: Path) -> bool:
-    return (Path(directory) / SIDECAR).is_file()
 
 
 def read_export(directory: Path) -> tuple[dict, dict[str, torch.Tensor]]:

@@ -16,6 +16,8 @@ import torch
 import yaml
 from safetensors import safe_open
 
+from mtptrain.heads.checkpoint import EXPORT_SIDECAR
+
 SPECS = Path(__file__).with_name("specs")
 _MISSING = object()
 _DTYPES = {"int64": (torch.int64,), "bool": (torch.bool,),
@@ -34,11 +36,12 @@ def symbols(sidecar: dict, target_config: dict) -> dict:
     rope = tc.get("rope_parameters") or {}
     j = list(head.get("feature_layers") or [])
     numbering = sidecar.get("sglang_ids", "auto")
-    sglang_j = j if numbering != "since-25454" or (j and j[0] == 1) else [x + 1 for x in j]
+    sglang_j = j if numbering != "since-25454" or (j and j[0] == 1) else [x + 1 for x in j]  # PR #25454
     return {"H": tc["hidden_size"], "I": tc["intermediate_size"], "V": tc["vocab_size"],
             "Vd": head.get("draft_vocab_size"), "nh": heads, "nkv": tc.get("num_key_value_heads", heads),
             "hd": tc.get("head_dim") or tc["hidden_size"] // heads, "k": len(j), "j": j, "sglang_j": sglang_j,
-            "N": tc["num_hidden_layers"], "eps": tc["rms_norm_eps"],
+            "N": tc["num_hidden_layers"], "eps": tc["rms_norm_eps"], "model_type": tc.get("model_type"),
+            "architectures": tc.get("architectures"),
             "rope_theta": rope.get("rope_theta", tc.get("rope_theta"))}
 
 
@@ -60,67 +63,66 @@ def check_export(directory: Path, target_config: dict, target_layer: dict[str, t
     target_layer: name -> shape of the target's own last decoder layer (block rows of deepseek-mtp).
     """
     directory = Path(directory)
-    sidecar = json.loads((directory / "mtptrain.json").read_text())
+    sidecar = json.loads((directory / EXPORT_SIDECAR).read_text())
     fmt = sidecar["export_format"]
     table = load_table(fmt)
     config = json.loads((directory / "config.json").read_text())
     with safe_open(str(directory / sidecar["weights"]), framework="pt") as fh:
         tensors = {name: fh.get_tensor(name) for name in fh.keys()}
-    shapes = {name: tuple(t.shape) for name, t in tensors.items()}
-    dtypes = {name: t.dtype for name, t in tensors.items()}
     env = {"__builtins__": {}, **symbols(sidecar, target_config)}
-    failures: list[str] = []
-    listed: set[str] = set()
-
-    def where(i: int, row: dict) -> str:
-        return f"{fmt}.yaml weights[{i}] {row['name']}"
-
     modules = config.get("num_nextn_predict_layers", 1)
-    floats = {d for n, d in dtypes.items() if d.is_floating_point}
+    return (_check_weights(fmt, table["weights"], tensors, env, modules, target_layer)
+            + _check_config(fmt, table["config"], config, env))
+
+
+def _check_weights(fmt: str, rows: list[dict], tensors: dict, env: dict, modules: int,
+                   target_layer: dict[str, tuple] | None) -> list[str]:
+    failures, listed = [], set()
+    floats = {str(t.dtype) for t in tensors.values() if t.is_floating_point()}
     if len(floats) > 1:
-        failures.append(f"{fmt}: tensors in several float dtypes {sorted(map(str, floats))}")
-    for i, row in enumerate(table["weights"]):
-        layer_ids = range(env["N"], env["N"] + modules) if "{L}" in row["name"] else [None]
-        for layer in layer_ids:
-            if row.get("block"):
-                prefix = row["name"].split("<block>")[0].format(L=layer)
+        failures.append(f"{fmt}: tensors in several float dtypes {sorted(floats)}")
+    for i, row in enumerate(rows):
+        where = f"{fmt}.yaml weights[{i}] {row['name']}"
+        layers = range(env["N"], env["N"] + modules) if "{L}" in row["name"] else [None]
+        for name in (row["name"].format(L=layer) if layer is not None else row["name"] for layer in layers):
+            if row.get("block"):  # the target layer's own tensors under this MTP layer's prefix
                 if target_layer is None:
-                    failures.append(f"{where(i, row)}: the target's layer is needed to check the block")
+                    failures.append(f"{where}: the target's layer is needed to check the block")
                     continue
-                for suffix, shape in sorted(target_layer.items()):
-                    name = prefix + suffix
-                    listed.add(name)
-                    if name not in shapes:
-                        failures.append(f"{where(i, row)}: {name} missing (the target's layer has {suffix})")
-                    elif shapes[name] != tuple(shape):
-                        failures.append(f"{where(i, row)}: {name} has shape {list(shapes[name])}, the target's "
-                                        f"layer {list(shape)}")
-                continue
-            name = row["name"].format(L=layer) if layer is not None else row["name"]
-            if row.get("absent"):
-                if name in shapes:
-                    failures.append(f"{where(i, row)}: present, must be absent ({row['source']})")
-                continue
-            listed.add(name)
-            if name not in shapes:
-                failures.append(f"{where(i, row)}: missing")
-                continue
-            want = [eval(str(e), env) for e in row["shape"]]  # noqa: S307 - the repo's own table
-            if list(shapes[name]) != want:
-                failures.append(f"{where(i, row)}: shape {list(shapes[name])}, expected {want} ({row['shape']})")
-            if dtypes[name] not in _DTYPES[row["dtype"]]:
-                failures.append(f"{where(i, row)}: dtype {str(dtypes[name]).removeprefix('torch.')}, "
-                                f"expected {row['dtype']}")
-    for name in sorted(set(shapes) - listed):
-        failures.append(f"{fmt}: tensor {name} is not in {fmt}.yaml (engines would skip or reject it)")
-    for i, row in enumerate(table["config"]):
+                expected = {name.split("<block>")[0] + suffix: tuple(shape) for suffix, shape in target_layer.items()}
+                listed.update(expected)
+                failures += [f"{where}: {n} missing (the target's layer has it)" if n not in tensors else
+                             f"{where}: {n} has shape {list(tensors[n].shape)}, the target's layer {list(shape)}"
+                             for n, shape in sorted(expected.items())
+                             if n not in tensors or tuple(tensors[n].shape) != shape]
+            elif row.get("absent"):
+                if name in tensors:
+                    failures.append(f"{where}: present, must be absent ({row['source']})")
+            elif name not in tensors:
+                listed.add(name)
+                failures.append(f"{where}: missing")
+            else:
+                listed.add(name)
+                want = [eval(str(e), env) for e in row["shape"]]  # noqa: S307 - the repo's own table
+                if list(tensors[name].shape) != want:
+                    failures.append(f"{where}: shape {list(tensors[name].shape)}, expected {want} ({row['shape']})")
+                if tensors[name].dtype not in _DTYPES[row["dtype"]]:
+                    failures.append(f"{where}: dtype {str(tensors[name].dtype).removeprefix('torch.')}, "
+                                    f"expected {row['dtype']}")
+    failures += [f"{fmt}: tensor {name} is not in {fmt}.yaml (engines would skip or reject it)"
+                 for name in sorted(set(tensors) - listed)]
+    return failures
+
+
+def _check_config(fmt: str, rows: list[dict], config: dict, env: dict) -> list[str]:
+    failures = []
+    for i, row in enumerate(rows):
         label = f"{fmt}.yaml config[{i}] {row['key']}"
         value = _lookup(config, row["key"])
         if row.get("absent"):
             if value is not _MISSING:
                 failures.append(f"{label}: present ({value!r}), must be absent ({row['source']})")
-            continue
-        if value is _MISSING:
+        elif value is _MISSING:
             failures.append(f"{label}: missing")
         elif "equals" in row and value != row["equals"]:
             failures.append(f"{label}: {value!r}, expected {row['equals']!r}")

@@ -61,7 +61,7 @@ def export_readme(form: Format, src: HeadSource, written: Written, sidecar: dict
                              f"{' '.join(f'{a:.2f}' for a in m['acceptance'])} |")
     else:
         lines.append("Not measured yet: run `mtptrain eval` with `--set eval.head=<this directory>` (it loads "
-                     "exports) and export again with `--results <eval.output_dir>/results.json`.")
+                     "exports) and export again with `--set export.results=<eval.output_dir>/results.json`.")
     lines += ["", "## Format", ""] + [f"- {note}" for note in written.notes]
     lines += ["", "## Serve", ""]
     for engine, command in form.serve(str(out.resolve()), served, sidecar):

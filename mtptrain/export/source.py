@@ -16,7 +16,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from mtptrain.heads.checkpoint import HeadSpec, read_head_config
+from mtptrain.config import TargetConfig
+from mtptrain.heads.checkpoint import EXPORT_SIDECAR, HeadSpec, read_head_config
 
 # The hub model the embedded GGUF (a Q4_1 quantisation) was made from: what a server loads as the target.
 EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -33,9 +34,23 @@ class HeadSource:
     spec: HeadSpec
     state: dict[str, torch.Tensor]  # the head's weights, our names
     target_config: dict  # the target's transformers config, as a dict (every key, defaults spelled out)
-    target_config_file: dict  # the same as its config.json holds it (only what differs from the defaults)
     target_source: str  # what from_pretrained loads: a local directory or a hub id
-    target_model: str  # the recipe's target.model (or the override)
+    target_cfg: TargetConfig  # the recipe's target section (with export.target as its model when set)
+
+    @property
+    def target_model(self) -> str:
+        return self.target_cfg.model
+
+    def verify_target(self) -> None:
+        """Load the target once (bfloat16, CPU) and refuse it unless its fingerprint is the head's."""
+        from mtptrain.target import identity_mismatch, load_target
+
+        loaded = load_target(self.target_cfg.model_copy(update={"dtype": "bfloat16", "device": "cpu"})).identity()
+        key = identity_mismatch(self.identity, loaded)
+        if key is not None:
+            raise ExportError(f"target '{self.target_model}' has {key} {loaded.get(key)}, but the head was trained "
+                              f"for '{self.identity.get('name')}' ({self.identity.get(key)}): point export.target at "
+                              "the checkpoint the head was trained on")
 
     @property
     def identity(self) -> dict:
@@ -54,7 +69,7 @@ class HeadSource:
         if self.target_model.endswith(".gguf") or self.config.get("train", {}).get("recipe", {}).get(
                 "target", {}).get("gguf_file"):
             raise ExportError(f"the target {self.target_model} is a GGUF file, which vLLM and SGLang do not serve as "
-                              "a verifier: pass --verifier with its hub id or a local model directory")
+                              "a verifier: set export.verifier to its hub id or a local model directory")
         path = Path(self.target_model).expanduser()
         return str(path.resolve()) if path.is_dir() else self.target_model
 
@@ -69,6 +84,11 @@ class HeadSource:
         files = (json.loads(index.read_text())["weight_map"] if index.is_file()
                  else {k: "model.safetensors" for k in _keys(directory / "model.safetensors")})
         return directory, files
+
+    def target_config_json(self) -> dict:
+        """The target's config.json as the checkpoint holds it (every key the checkpoint's authors wrote)."""
+        directory, _ = self._checkpoint()
+        return json.loads((directory / "config.json").read_text())
 
     def target_tensor(self, *names: str) -> torch.Tensor:
         """The first of `names` found in the target's safetensors checkpoint (read alone, not the whole model)."""
@@ -104,11 +124,10 @@ def open_head(directory: Path, target: str | None = None) -> HeadSource:
     the recorded one)."""
     from transformers import AutoConfig
 
-    from mtptrain.config import TargetConfig
     from mtptrain.target import resolve_local_dir
 
     directory = Path(directory)
-    if (directory / "mtptrain.json").is_file():  # an earlier export: re-export it in another format
+    if (directory / EXPORT_SIDECAR).is_file():  # an earlier export: re-export it in another format
         from mtptrain.export import read_export
 
         config, state = read_export(directory)
@@ -117,8 +136,8 @@ def open_head(directory: Path, target: str | None = None) -> HeadSource:
         state = load_file(str(directory / "model.safetensors"))
     recorded = config.get("train", {}).get("recipe", {}).get("target")
     if target is None and recorded is None:
-        raise ExportError(f"{directory / 'config.json'} does not record the recipe's target: pass --target "
-                          "with the target's model directory or hub id")
+        raise ExportError(f"{directory / 'config.json'} does not record the recipe's target: set export.target "
+                          "to the target's model directory or hub id")
     fields = dict(recorded or {})
     if target is not None:
         fields.update(model=target, gguf_file=None, revision=None)
@@ -129,12 +148,11 @@ def open_head(directory: Path, target: str | None = None) -> HeadSource:
         target_config = loaded.to_dict()
     except OSError as exc:
         raise ExportError(f"could not read the config of target '{cfg.model}': {exc}\n"
-                          "Pass --target with a local copy of the target's model directory.") from exc
+                          "Set export.target to a local copy of the target's model directory.") from exc
     identity = config["target"]
     if target_config.get("hidden_size") != identity.get("hidden_size") or \
             target_config.get("vocab_size") != identity.get("vocab_size"):
         raise ExportError(f"target '{cfg.model}' has hidden size {target_config.get('hidden_size')} and vocabulary "
                           f"{target_config.get('vocab_size')}, but the head was trained for "
                           f"'{identity.get('name')}' ({identity.get('hidden_size')}, {identity.get('vocab_size')})")
-    return HeadSource(directory, config, HeadSpec(**config["head"]), state, target_config, loaded.to_diff_dict(),
-                      source, cfg.model)
+    return HeadSource(directory, config, HeadSpec(**config["head"]), state, target_config, source, cfg)

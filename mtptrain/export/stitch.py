@@ -37,8 +37,10 @@ def stitch_mtp(export_dir: Path, target_dir: Path, out: Path) -> dict:
     if not (target_dir / "config.json").is_file():
         raise ExportError(f"{target_dir} holds no config.json: --target must be the target's local checkpoint "
                           "directory")
-    if out.exists() and any(out.iterdir()):
-        raise ExportError(f"{out} is not empty: stitch writes a new directory")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ExportError(f"{out} exists and is not an empty directory: stitch writes a new directory")
+    if not (export_dir / "config.json").is_file():
+        raise ExportError(f"{export_dir / 'config.json'} is missing: the export is incomplete; export again")
     target_config = json.loads((target_dir / "config.json").read_text())
     export_config = json.loads((export_dir / "config.json").read_text())
     for key in ("num_hidden_layers", "hidden_size", "vocab_size"):
@@ -48,6 +50,7 @@ def stitch_mtp(export_dir: Path, target_dir: Path, out: Path) -> dict:
     if target_config.get("num_nextn_predict_layers"):
         raise ExportError(f"{target_dir} already has {target_config['num_nextn_predict_layers']} MTP layer(s) "
                           "(num_nextn_predict_layers): stitch into a checkpoint without them")
+    _verify_target(target_dir, sidecar["head_config"]["target"])
     files = _weight_map(target_dir)
     mtp = load_file(str(export_dir / sidecar["weights"]))
     clash = sorted(set(mtp) & set(files))
@@ -74,10 +77,13 @@ def stitch_mtp(export_dir: Path, target_dir: Path, out: Path) -> dict:
         (stage / SIDECAR).write_text(json.dumps({**sidecar, "weights": MTP_FILE, "stitched_into": str(target_dir)},
                                                 indent=2) + "\n")
         readme = (export_dir / "README.md").read_text() if (export_dir / "README.md").is_file() else ""
+        written = [MTP_FILE, INDEX, "config.json", SIDECAR, "README-mtp.md"]
         (stage / "README-mtp.md").write_text(
             f"# MTP layers stitched into {target_dir.name}\n\n`mtptrain stitch` added {len(mtp)} tensors "
             f"(model.layers.{config['num_hidden_layers']}..) in {MTP_FILE} and num_nextn_predict_layers "
             f"{config['num_nextn_predict_layers']} to a copy of `{target_dir}`.\n\n" + readme)
+        for name in written:  # readable by a server running as another user; the linked target files keep theirs
+            (stage / name).chmod(0o644)
         out.parent.mkdir(parents=True, exist_ok=True)
         if out.exists():
             out.rmdir()
@@ -86,6 +92,18 @@ def stitch_mtp(export_dir: Path, target_dir: Path, out: Path) -> dict:
         shutil.rmtree(stage, ignore_errors=True)
     return {"out": str(out), "mtp_tensors": len(mtp), "mtp_layers": config["num_nextn_predict_layers"],
             "target_tensors": len(files)}
+
+
+def _verify_target(directory: Path, identity: dict) -> None:
+    """The checkpoint must be the one the head was trained on: same fingerprint (loaded once, bfloat16, CPU)."""
+    from mtptrain.config import TargetConfig
+    from mtptrain.target import identity_mismatch, load_target
+
+    loaded = load_target(TargetConfig(model=str(directory), dtype="bfloat16", device="cpu")).identity()
+    key = identity_mismatch(identity, loaded)
+    if key is not None:
+        raise ExportError(f"{directory} has {key} {loaded.get(key)}, but the head was trained for "
+                          f"'{identity.get('name')}' ({identity.get(key)}): stitch into that checkpoint")
 
 
 def _weight_map(directory: Path) -> dict[str, str]:

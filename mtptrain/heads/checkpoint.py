@@ -27,6 +27,7 @@ from mtptrain.io import atomic_write, atomic_write_json
 from mtptrain.target import identity_mismatch
 
 HEAD_FORMAT = "mtptrain-head/1"
+EXPORT_SIDECAR = "mtptrain.json"  # in a directory `mtptrain export` wrote: the head's own config (mtptrain/export/)
 
 
 class HeadCheckpointError(RuntimeError):
@@ -87,7 +88,7 @@ def read_head_config(directory: Path) -> dict:
 def load_head(directory: Path, frozen: FrozenTarget, target_identity: dict) -> tuple[nn.Module, HeadSpec]:
     """A head directory written by `mtptrain train`, or an export of one (`mtptrain export`, any format)."""
     directory = Path(directory)
-    if (directory / "mtptrain.json").is_file():
+    if (directory / EXPORT_SIDECAR).is_file():
         from mtptrain.export import read_export
 
         config, state = read_export(directory)

@@ -8,14 +8,15 @@ x_{t+k+1}:
     p(x_{t+k+1}) = softmax(lm_head(head_norm_k(h^k_t)))
 
 The modules are chained: one per depth, or (share=True) one module, with its
-output norm, reused at every depth.
+output norm, reused at every depth. The output norm is DeepSeek's
+shared_head.norm; "shared" refers to the LM head, which is the target's.
 
 What h^0 is. `target_input="normed"` (the recipe default) reads the target's
 last-layer state after its final RMSNorm: what vLLM and SGLang hand an MTP
-layer (the model's output hidden states), so an exported head sees in an
-engine what it saw in training. `"raw"` reads the pre-norm residual stream,
-the stored feature itself; heads saved before the option existed are raw. The output norm is DeepSeek's
-shared_head.norm; "shared" refers to the LM head, which is the target's.
+layer (the model's output hidden states), so an exported head reads the same
+kind of state it was trained on. (vLLM also zeroes the embedding at position 0
+of a sequence; the head does not.) `"raw"` reads the pre-norm residual stream,
+the stored feature itself; heads saved before the option existed are raw.
 """
 
 from __future__ import annotations

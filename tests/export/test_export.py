@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import make_tiny_llama
+from conftest import make_tiny_llama, make_tokenizer
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
@@ -16,9 +16,10 @@ from mtptrain.engine.generate import generate
 from mtptrain.engine.head_chain import HeadChainProposer
 from mtptrain.engine.mtp_chain import MTPChainProposer
 from mtptrain.engine.runner import TargetRunner
-from mtptrain.export import ExportError, Options, export_head
+from mtptrain.config import ExportConfig
+from mtptrain.export import ExportError, export_head
 from mtptrain.export.conformance import check_export
-from mtptrain.export.formats import aux_layer_ids
+from mtptrain.export.formats.eagle3 import sglang_layer_ids, vllm_layer_ids
 from mtptrain.export.source import open_head
 from mtptrain.heads import FrozenTarget
 from mtptrain.heads.checkpoint import HeadSpec, build_head, load_head, save_head
@@ -50,7 +51,7 @@ def drafts(model, head, spec, prompt: list[int], k: int = 3) -> list[list[int]]:
 def test_export_conforms_loads_back_and_drafts_the_same_tokens(fmt, spec, target_dir, tmp_path):
     head_dir = save_trained_like_head(target_dir, tmp_path / "head", spec)
     out = tmp_path / fmt
-    summary = export_head(head_dir, fmt, out, Options(verifier=str(target_dir)))
+    summary = export_head(head_dir, out, ExportConfig(format=fmt, verifier=str(target_dir)))
     assert summary["tensors"] == len(load_file(out / "model.safetensors"))
     src = open_head(head_dir)
     assert check_export(out, src.target_config, src.target_layer_shapes()) == []
@@ -72,7 +73,7 @@ def test_export_conforms_loads_back_and_drafts_the_same_tokens(fmt, spec, target
 
 def test_eval_command_loads_an_export_and_measures_it_as_the_head(target_dir, tmp_path):
     head_dir = save_trained_like_head(target_dir, tmp_path / "head", EAGLE3)
-    export_head(head_dir, "eagle3", tmp_path / "export")
+    export_head(head_dir, tmp_path / "export", ExportConfig(format="eagle3"))
     prompts = write_prompts(tmp_path / "p.jsonl", 2)
     measured = {}
     for name, head in (("head", head_dir), ("export", tmp_path / "export")):
@@ -88,9 +89,9 @@ def test_eval_command_loads_an_export_and_measures_it_as_the_head(target_dir, tm
 def test_the_export_command_casts_checks_and_says_how_to_serve(target_dir, tmp_path):
     head_dir = save_trained_like_head(target_dir, tmp_path / "head", EAGLE3)
     out = tmp_path / "spec"
-    result = CliRunner().invoke(app, ["export", str(head_dir), "-f", "speculators", "--out", str(out),
-                                      "--verifier", "org/tiny-target", "--dtype", "bfloat16",
-                                      "--speculative-tokens", "4"])
+    result = CliRunner().invoke(app, ["export", *sets(head=head_dir, format="speculators", output_dir=out,
+                                                      verifier="org/tiny-target", dtype="bfloat16",
+                                                      speculative_tokens=4)])
     assert result.exit_code == 0, result.output
     assert "checked against mtptrain/export/specs/speculators.yaml" in result.output
     assert f"serve with vLLM:\n  vllm serve {out.resolve()}" in result.output
@@ -99,14 +100,21 @@ def test_the_export_command_casts_checks_and_says_how_to_serve(target_dir, tmp_p
     assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 4
     tensors = load_file(out / "model.safetensors")
     assert tensors["fc.weight"].dtype == torch.bfloat16 and tensors["d2t"].dtype == torch.int64
-    bad = CliRunner().invoke(app, ["export", str(head_dir), "--out", str(tmp_path / "x"), "--dtype", "int8"])
-    assert bad.exit_code == 2 and "use bfloat16, float16 or float32" in bad.output
+    bad = CliRunner().invoke(app, ["export", *sets(head=head_dir, output_dir=tmp_path / "x", dtype="int8")])
+    assert bad.exit_code == 2 and "export.dtype" in bad.output and not (tmp_path / "x").exists()
+    default = CliRunner().invoke(app, ["export", *sets(head=head_dir), "--set", f"train.output_dir={tmp_path / 'run'}"])
+    assert default.exit_code == 0, default.output
+    assert (tmp_path / "run" / "export" / "eagle3" / "model.safetensors").is_file()  # the default place and format
+
+
+def sets(**fields) -> list[str]:
+    return [a for key, value in fields.items() for a in ("--set", f"export.{key}={value}")]
 
 
 def test_a_changed_fact_fails_one_line_of_the_table(target_dir, tmp_path):
     head_dir = save_trained_like_head(target_dir, tmp_path / "head", EAGLE3)
     out = tmp_path / "eagle3"
-    export_head(head_dir, "eagle3", out)
+    export_head(head_dir, out, ExportConfig(format="eagle3"))
     src = open_head(head_dir)
     tensors = load_file(out / "model.safetensors")
     tensors["layers.0.hidden_norm.weight"] = tensors.pop("midlayer.hidden_norm.weight")
@@ -127,25 +135,42 @@ def test_a_changed_fact_fails_one_line_of_the_table(target_dir, tmp_path):
 
 def test_feature_layers_become_each_engines_ids():
     """Ours: output of 0-based layer j. vLLM: the stream captured before layer j+1. SGLang: j, to which it adds 1
-    (since sglang PR #25454 only when the first id is 1)."""
+    (since sglang PR #25454 only when the first id is 1, taking other ids as they are)."""
     class Src:
         def __init__(self, layers, n=30):
             self.spec = HeadSpec("eagle3", feature_layers=layers)
             self.target_config = {"num_hidden_layers": n}
 
-    assert aux_layer_ids(Src([1, 14, 26]), Options()) == ([2, 15, 27], [1, 14, 26])  # both engines' defaults
-    assert aux_layer_ids(Src([3, 14, 26]), Options(sglang_ids="before-25454")) == ([4, 15, 27], [3, 14, 26])
-    assert aux_layer_ids(Src([3, 14, 26]), Options(sglang_ids="since-25454")) == ([4, 15, 27], [4, 15, 27])
+    assert vllm_layer_ids(Src([1, 14, 26])) == [2, 15, 27]  # both engines' defaults for N = 30
+    assert sglang_layer_ids([1, 14, 26], "auto") == [1, 14, 26]
+    assert sglang_layer_ids([3, 14, 26], "before-25454") == [3, 14, 26]
+    assert sglang_layer_ids([3, 14, 26], "since-25454") == [4, 15, 27]
     with pytest.raises(ExportError, match="PR #25454"):
-        aux_layer_ids(Src([3, 14, 26]), Options())
-    with pytest.raises(ExportError, match="last layer's output is never captured"):
-        aux_layer_ids(Src([1, 14, 29]), Options())
-    with pytest.raises(ExportError, match="repeat a layer or are out of order"):
-        aux_layer_ids(Src([1, 14, 14]), Options())
+        sglang_layer_ids([3, 14, 26], "auto")
+    with pytest.raises(ExportError, match="would get 1 added again"):
+        sglang_layer_ids([0, 14, 26], "since-25454")
+    for layers, reason in (([1, 14, 29], "last layer's output is never captured"),
+                           ([1, 14, 14], "repeat a layer or are out of order"),
+                           ([1, 14], "SGLang's fc takes exactly 3"), ([1, 7, 14, 26], "SGLang's fc takes exactly 3")):
+        with pytest.raises(ExportError, match=reason):
+            vllm_layer_ids(Src(layers))
 
 
-def test_our_layer_j_is_the_stream_engines_capture_before_layer_j_plus_1(target_dir):
-    """vLLM and SGLang capture hidden_states + residual on entering layer i: transformers' hidden_states[i]."""
+def test_speculators_takes_feature_layers_that_only_sglang_would_read_ambiguously(target_dir, tmp_path):
+    spec = HeadSpec("eagle3", last_layer=5, feature_layers=[2, 3, 4], ttt_steps=2, draft_vocab_size=64)
+    head_dir = save_trained_like_head(target_dir, tmp_path / "head", spec)
+    export_head(head_dir, tmp_path / "spec", ExportConfig(format="speculators", verifier="org/m"))
+    assert json.loads((tmp_path / "spec" / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"] == [3, 4, 5]
+    with pytest.raises(ExportError, match="PR #25454"):
+        export_head(head_dir, tmp_path / "sglang", ExportConfig(format="eagle3"))
+    export_head(head_dir, tmp_path / "sglang", ExportConfig(format="eagle3", sglang_ids="since-25454"))
+    config = json.loads((tmp_path / "sglang" / "config.json").read_text())
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [3, 4, 5]
+
+
+def test_our_layer_j_is_transformers_hidden_states_j_plus_1(target_dir):
+    """The numbering the conversion starts from. (vLLM and SGLang capture hidden_states + residual on entering
+    layer i, which is transformers' hidden_states[i]: read in their source, docs/export.md.)"""
     model = target_model(target_dir)
     ids = torch.tensor([[5, 9, 13, 2, 7]])
     capture = LayerCapture(model.model.layers, [0, 1, 2])
@@ -161,12 +186,12 @@ def test_our_layer_j_is_the_stream_engines_capture_before_layer_j_plus_1(target_
     ("deepseek-mtp", HeadSpec("mtp", last_layer=5, mtp_input="raw"), "pre-norm states.*head.mtp_input=normed"),
     ("deepseek-mtp", HeadSpec("mtp", norms="stripped", last_layer=5), "norms stripped"),
     ("deepseek-mtp", HeadSpec("eagle", last_layer=5), "a eagle head cannot be exported as deepseek-mtp"),
-    ("onnx", EAGLE3, "unknown export format 'onnx'"),
+    ("onnx", EAGLE3, "export.format: Input should be 'eagle3', 'speculators', 'eagle' or 'deepseek-mtp'"),
 ])
 def test_a_format_that_cannot_express_the_head_is_refused_with_the_reason(fmt, spec, reason, target_dir, tmp_path):
     head_dir = save_trained_like_head(target_dir, tmp_path / "head", spec)
-    result = CliRunner().invoke(app, ["export", str(head_dir), "--format", fmt, "--out", str(tmp_path / "out")])
-    assert result.exit_code == 1
+    result = CliRunner().invoke(app, ["export", *sets(head=head_dir, format=fmt, output_dir=tmp_path / "out")])
+    assert result.exit_code == (2 if fmt == "onnx" else 1)
     assert result.output.startswith("error: ")
     assert re.search(reason, result.output), result.output
     assert not (tmp_path / "out").exists()
@@ -176,34 +201,34 @@ def test_a_qwen2_layer_is_refused_by_the_llama_eagle3_formats(tmp_path):
     """Qwen2 layers carry q/k/v biases that LlamaForCausalLMEagle3 has no parameter for."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    config = Qwen2Config(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+    config = Qwen2Config(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
     target = tmp_path / "qwen2"
     Qwen2ForCausalLM(config).save_pretrained(target)
-    spec = HeadSpec("eagle3", last_layer=3, feature_layers=[1, 2, 2], draft_vocab_size=32)
+    spec = HeadSpec("eagle3", last_layer=5, feature_layers=[1, 2, 4], draft_vocab_size=32)
     model = Qwen2ForCausalLM.from_pretrained(target)
     head = build_head(spec, FrozenTarget.of(model), DraftVocab.from_counts(Counter(), 32, 300))
     save_head(tmp_path / "head", head, spec, identity(target), {"train": {"recipe": {"target": {"model": str(target)}}}})
     with pytest.raises(ExportError, match=r"qwen2 layer with tensors a Llama layer lacks \(self_attn.k_proj.bias"):
-        export_head(tmp_path / "head", "eagle3", tmp_path / "out")
+        export_head(tmp_path / "head", tmp_path / "out", ExportConfig(format="eagle3"))
 
 
 def test_export_replaces_an_earlier_export_but_never_other_files(target_dir, tmp_path):
     head_dir = save_trained_like_head(target_dir, tmp_path / "head", EAGLE3)
     out = tmp_path / "out"
-    export_head(head_dir, "eagle3", out)
-    export_head(head_dir, "speculators", out, Options(verifier="org/model"))
+    export_head(head_dir, out, ExportConfig(format="eagle3"))
+    export_head(head_dir, out, ExportConfig(format="speculators", verifier="org/model"))
     assert json.loads((out / "config.json").read_text())["speculators_model_type"] == "eagle3"
-    export_head(out, "eagle3", tmp_path / "again")  # an export exports again, to the same tensors
+    export_head(out, tmp_path / "again", ExportConfig(format="eagle3"))  # an export exports again, to the same tensors
     first = load_file(tmp_path / "again" / "model.safetensors")
-    export_head(head_dir, "eagle3", tmp_path / "direct")
+    export_head(head_dir, tmp_path / "direct", ExportConfig(format="eagle3"))
     assert first.keys() == load_file(tmp_path / "direct" / "model.safetensors").keys()
     assert all(torch.equal(t, load_file(tmp_path / "direct" / "model.safetensors")[k]) for k, t in first.items())
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "notes.txt").write_text("keep")
-    with pytest.raises(ExportError, match="not empty and holds no earlier export"):
-        export_head(head_dir, "eagle3", mine)
+    with pytest.raises(ExportError, match="holds notes.txt besides an earlier export"):
+        export_head(head_dir, mine, ExportConfig(format="eagle3"))
     assert [p.name for p in mine.iterdir()] == ["notes.txt"]
 
 
@@ -211,7 +236,7 @@ def test_stitch_adds_the_mtp_layers_to_a_copy_of_the_target(target_dir, tmp_path
     from transformers import AutoModelForCausalLM
 
     head_dir = save_trained_like_head(target_dir, tmp_path / "head", SPECS["deepseek-mtp"])
-    export_head(head_dir, "deepseek-mtp", tmp_path / "mtp")
+    export_head(head_dir, tmp_path / "mtp", ExportConfig(format="deepseek-mtp"))
     result = CliRunner().invoke(app, ["stitch", str(tmp_path / "mtp"), "--target", str(target_dir),
                                       "--out", str(tmp_path / "stitched")])
     assert result.exit_code == 0, result.output
@@ -237,6 +262,25 @@ def test_stitch_adds_the_mtp_layers_to_a_copy_of_the_target(target_dir, tmp_path
     again = CliRunner().invoke(app, ["stitch", str(tmp_path / "mtp"), "--target", str(stitched),
                                      "--out", str(tmp_path / "twice")])
     assert again.exit_code == 1 and "already has 2 MTP layer(s)" in again.output
+    modes = {p.name: p.stat().st_mode & 0o777 for p in stitched.iterdir()}
+    assert modes["model-mtp.safetensors"] == modes["config.json"] == 0o644  # a server under another user reads them
+    with pytest.raises(ExportError, match="besides an earlier export"):  # a stitched checkpoint is never replaced
+        export_head(head_dir, stitched, ExportConfig(format="deepseek-mtp"))
+    assert (stitched / "model-mtp.safetensors").is_file()
+
+
+def test_another_checkpoint_of_the_same_shape_is_refused_as_target(target_dir, tmp_path):
+    """Its embedding would go into the export: the fingerprint must be the head's."""
+    other = tmp_path / "other"
+    make_tiny_llama(target_model(target_dir).config.vocab_size, seed=9, layers=6, initializer_range=0.2).save_pretrained(other)
+    make_tokenizer().save_pretrained(other)
+    head_dir = save_trained_like_head(target_dir, tmp_path / "head", SPECS["deepseek-mtp"])
+    with pytest.raises(ExportError, match="has fingerprint .* but the head was trained for"):
+        export_head(head_dir, tmp_path / "out", ExportConfig(format="deepseek-mtp", target=str(other)))
+    export_head(head_dir, tmp_path / "mtp", ExportConfig(format="deepseek-mtp"))
+    result = CliRunner().invoke(app, ["stitch", str(tmp_path / "mtp"), "--target", str(other),
+                                      "--out", str(tmp_path / "stitched")])
+    assert result.exit_code == 1 and "has fingerprint" in result.output and not (tmp_path / "stitched").exists()
 
 
 def test_mtp_depth_one_reads_the_final_normed_state_when_normed():
@@ -281,7 +325,7 @@ def test_the_shipped_head_drafts_the_same_tokens_from_its_exports(tmp_path):
     ours = drafts(target.model, head.float(), spec, list(prompt))
     assert len(ours) > 5
     for fmt in ("eagle3", "speculators"):
-        summary = export_head(PRETRAINED_HEAD, fmt, tmp_path / fmt)
+        summary = export_head(PRETRAINED_HEAD, tmp_path / fmt, ExportConfig(format=fmt))
         readme = (tmp_path / fmt / "README.md").read_text()
         assert "| chain K=3 | 1.32 | 0.92x | 0.25 0.06 0.02 |" in readme  # the shipped eval.json, quoted
         assert "4 training-time-test steps, draft vocabulary 8192 tokens" in readme

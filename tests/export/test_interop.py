@@ -13,7 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from mtptrain.export import Options, export_head
+from mtptrain.config import ExportConfig
+from mtptrain.export import export_head
 from mtptrain.heads import FrozenTarget
 from mtptrain.heads.checkpoint import HeadSpec, load_head
 from mtptrain.target import LayerCapture
@@ -68,7 +69,7 @@ def assert_same_drafts(ours: torch.Tensor, theirs: torch.Tensor, atol: float) ->
 
 def test_speculators_loads_our_export_and_computes_our_logits_at_every_ttt_step(interop, target_dir, tmp_path):
     head_dir = save_trained_like_head(target_dir, tmp_path / "head", HEAD)
-    export_head(head_dir, "speculators", tmp_path / "export", Options(verifier=str(target_dir)))
+    export_head(head_dir, tmp_path / "export", ExportConfig(format="speculators", verifier=str(target_dir)))
     model = target_model(target_dir)
     head, spec = load_head(head_dir, FrozenTarget.of(model), identity(target_dir))
     inputs, _, logits = our_side(model, head, spec, steps=3)
@@ -86,7 +87,7 @@ def test_speculators_loads_our_export_and_computes_our_logits_at_every_ttt_step(
 
 def test_specforge_loads_our_sglang_export_and_computes_our_first_step(interop, target_dir, tmp_path):
     head_dir = save_trained_like_head(target_dir, tmp_path / "head", HEAD)
-    export_head(head_dir, "eagle3", tmp_path / "export")
+    export_head(head_dir, tmp_path / "export", ExportConfig(format="eagle3"))
     model = target_model(target_dir)
     head, spec = load_head(head_dir, FrozenTarget.of(model), identity(target_dir))
     inputs, states, logits = our_side(model, head, spec, steps=1, seed=1)
@@ -101,7 +102,7 @@ def test_specforge_loads_our_sglang_export_and_computes_our_first_step(interop, 
 def test_the_official_eagle_model_loads_our_eagle_export_and_computes_our_states(interop, target_dir, tmp_path):
     spec = HeadSpec("eagle", norms="stripped", last_layer=5)
     head_dir = save_trained_like_head(target_dir, tmp_path / "head", spec)
-    export_head(head_dir, "eagle", tmp_path / "export")
+    export_head(head_dir, tmp_path / "export", ExportConfig(format="eagle"))
     model = target_model(target_dir)
     head, _ = load_head(head_dir, FrozenTarget.of(model), identity(target_dir))
     ids = torch.randint(1, model.config.vocab_size, (1, 41), generator=torch.Generator().manual_seed(2))
@@ -130,7 +131,7 @@ def test_speculators_runs_the_shipped_head_on_smollm2_as_we_do(interop, tmp_path
 
     cfg = TargetConfig()
     verifier, _ = resolve_local_dir(cfg)
-    export_head(PRETRAINED_HEAD, "speculators", tmp_path / "export", Options(verifier=verifier))
+    export_head(PRETRAINED_HEAD, tmp_path / "export", ExportConfig(format="speculators", verifier=verifier))
     target = load_target(cfg)
     head, spec = load_head(tmp_path / "export", FrozenTarget.of(target.model), target.identity())
     head.float()

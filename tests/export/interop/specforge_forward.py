@@ -3,8 +3,11 @@
     python specforge_forward.py SPECFORGE_DIR EXPORT_DIR VERIFIER_DIR INPUTS.safetensors OUT.safetensors
 
 INPUTS as for speculators_forward.py. OUT gets the draft's first-step output state (hidden, [T, H]) and
-logits over the draft vocabulary (logits, [T, Vd]). The weights are loaded as SpecForge loads a draft
-checkpoint: the file's tensors, then the embedding from the verifier.
+logits over the draft vocabulary (logits, [T, Vd]). The draft is loaded the way SpecForge's own
+export/checkpoint_io.py (materialize_draft) loads one: built from the config, load_state_dict(strict=False)
+with only the embedding allowed to be missing (float32 here, to compare closely), then the embedding from the
+verifier with load_embedding. (Loaded with its from_pretrained under transformers 5.23, the same export gave
+NaN outputs.)
 """
 
 import sys

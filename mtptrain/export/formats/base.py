@@ -1,0 +1,112 @@
+"""What every export format shares: the Format interface, and the Llama draft layer the EAGLE formats use."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from mtptrain.config import ExportConfig
+from mtptrain.export.source import ExportError, HeadSource
+
+# A Llama decoder layer's tensors (no biases, no q/k norms): the layer every EAGLE format's draft is built of.
+LLAMA_LAYER = ("input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
+               "self_attn.v_proj.weight", "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+               "mlp.down_proj.weight", "post_attention_layernorm.weight")
+
+
+@dataclass
+class Written:
+    tensors: dict[str, torch.Tensor]
+    config: dict
+    notes: list[str] = field(default_factory=list)  # facts the README spells out
+
+
+class Format:
+    name = ""
+    title = ""
+    kinds: tuple[str, ...] = ()
+
+    def check(self, src: HeadSource, cfg: ExportConfig) -> None:
+        """Raise ExportError when the format cannot express the head."""
+        if src.spec.kind not in self.kinds:
+            from mtptrain.export.formats import FORMATS
+
+            fits = [f.name for f in FORMATS.values() if src.spec.kind in f.kinds]
+            raise ExportError(f"a {src.spec.kind} head cannot be exported as {self.name} ({self.title}), which "
+                              f"holds {' or '.join(self.kinds)} heads only; formats for {src.spec.kind} heads: "
+                              f"{', '.join(fits) or 'none'}")
+
+    def write(self, src: HeadSource, cfg: ExportConfig) -> Written:
+        raise NotImplementedError
+
+    def to_head(self, tensors: dict[str, torch.Tensor], sidecar: dict) -> dict[str, torch.Tensor]:
+        """The inverse of write: the export's tensors under the head's own names."""
+        raise NotImplementedError
+
+    def serve(self, out: str, target: str, sidecar: dict) -> list[tuple[str, str]]:
+        """(engine, command) pairs that serve the export."""
+        raise NotImplementedError
+
+
+def draft_llama_config(src: HeadSource) -> dict:
+    """A one-layer Llama config with the target's attention, MLP, rope and vocabulary settings.
+
+    Rope is written both ways: transformers 5 reads rope_parameters, older engines rope_theta / rope_scaling.
+    """
+    tc = src.target_config
+    if tc.get("hidden_act", "silu") != "silu":
+        raise ExportError(f"the target's hidden_act is {tc.get('hidden_act')!r}; a Llama draft layer uses silu")
+    heads = tc["num_attention_heads"]
+    rope = dict(tc.get("rope_parameters") or {})
+    theta = rope.get("rope_theta", tc.get("rope_theta", 10000.0))
+    scaling = tc.get("rope_scaling") or ({k: v for k, v in rope.items() if k != "rope_theta"}
+                                        if rope.get("rope_type", "default") != "default" else None)
+    return {
+        "model_type": "llama",
+        "hidden_size": tc["hidden_size"],
+        "intermediate_size": tc["intermediate_size"],
+        "num_hidden_layers": 1,
+        "num_attention_heads": heads,
+        "num_key_value_heads": tc.get("num_key_value_heads", heads),
+        "head_dim": tc.get("head_dim") or tc["hidden_size"] // heads,
+        "hidden_act": "silu",
+        "rms_norm_eps": tc["rms_norm_eps"],
+        "max_position_embeddings": tc["max_position_embeddings"],
+        "rope_theta": theta,
+        "rope_scaling": scaling,
+        "rope_parameters": {"rope_theta": theta, **(scaling or {"rope_type": "default"})},
+        "attention_bias": False,
+        "mlp_bias": False,
+        "vocab_size": tc["vocab_size"],
+        "tie_word_embeddings": False,
+        "bos_token_id": tc.get("bos_token_id"),
+        "eos_token_id": tc.get("eos_token_id"),
+        "pad_token_id": tc.get("pad_token_id"),
+        "torch_dtype": str(src.float_dtype).removeprefix("torch."),
+    }
+
+
+def check_llama_layer(src: HeadSource, prefix: str, expected: tuple[str, ...], fmt: str) -> None:
+    """The head's decoder layer must hold exactly a Llama layer's tensors: anything else would be dropped."""
+    have = {k[len(prefix):] for k in src.state if k.startswith(prefix)}
+    extra, missing = sorted(have - set(expected)), sorted(set(expected) - have)
+    if extra or missing:
+        model_type = src.target_config.get("model_type")
+        raise ExportError(
+            f"the head's decoder layer is a {model_type} layer with "
+            + (f"tensors a Llama layer lacks ({', '.join(extra)})" if extra else "")
+            + (" and " if extra and missing else "")
+            + (f"without {', '.join(missing)}" if missing else "")
+            + f"; the {fmt} format's draft layer is a plain Llama layer and would drop or invent them")
+
+
+def renamed(state: dict[str, torch.Tensor], names: dict[str, str]) -> dict[str, torch.Tensor]:
+    return {theirs: state[ours].contiguous() for ours, theirs in names.items()}
+
+
+def inverse(tensors: dict[str, torch.Tensor], names: dict[str, str]) -> dict[str, torch.Tensor]:
+    missing = [theirs for theirs in names.values() if theirs not in tensors]
+    if missing:
+        raise ExportError(f"the export lacks {', '.join(missing[:5])}")
+    return {ours: tensors[theirs] for ours, theirs in names.items()}
