@@ -84,6 +84,9 @@ def train(recipe: RecipeOpt = None, overrides: SetOpt = None,
 
 
 def format_train_summary(summary: dict) -> str:
+    if summary.get("stopped"):
+        return (f"stopped on request at step {summary['steps']} (a STOP file in train.output_dir): checkpoint "
+                f"{summary['checkpoint']}; run the same command again to resume")
     accuracy = "  ".join(f"{k.removeprefix('val/')} {v:.3f}" for k, v in summary.items() if k.startswith("val/acc"))
     return (f"trained {summary['steps']} steps at {summary['tokens_per_second']:,.0f} tokens/s per process "
             f"(data wait {summary['data_wait_fraction']:.1%})\n"
@@ -181,6 +184,32 @@ def stitch(export_dir: Annotated[Path, typer.Argument(help="A deepseek-mtp expor
     summary = _guarded(lambda: stitch_mtp(export_dir, target, out), ExportError)
     typer.echo(f"stitched {summary['mtp_layers']} MTP layer(s) ({summary['mtp_tensors']} tensors) into a copy of "
                f"{target} ({summary['target_tensors']} tensors): {summary['out']}")
+
+
+@app.command()
+def slurm(stage: Annotated[str, typer.Argument(help="precompute, train, eval, or pipeline (all three, chained).")],
+          recipe: RecipeOpt = None, overrides: SetOpt = None,
+          dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the scripts; submit nothing.")] = False) -> None:
+    """Render the sbatch script of a stage from the recipe (its slurm section) and submit it.
+
+    pipeline submits precompute, train and eval, each after the previous one succeeded. The scripts, the
+    resolved recipe they run and the job logs go to slurm.output_dir (default <train.output_dir>/slurm). The
+    train job asks Slurm for a warning signal slurm.warning_seconds before its time limit, checkpoints on it,
+    requeues itself and resumes; precompute resumes by keeping complete shards.
+    """
+    from mtptrain.slurm import STAGES, SlurmError, render, slurm_dir, submit
+
+    if stage not in (*STAGES, "pipeline"):
+        typer.echo(f"error: unknown stage {stage!r}: use {', '.join(STAGES)} or pipeline", err=True)
+        raise typer.Exit(2)
+    cfg = _recipe(recipe, overrides)
+    if dry_run:
+        for name in STAGES if stage == "pipeline" else (stage,):
+            typer.echo(f"# ---- {name}.sbatch\n" + render(cfg, name, slurm_dir(cfg) / "recipe.yaml"))
+        return
+    for name, job, script in _guarded(lambda: submit(cfg, stage), SlurmError):
+        typer.echo(f"submitted {name} as job {job}: {script}")
+    typer.echo(f"logs: {slurm_dir(cfg) / 'logs'}")
 
 
 @app.command("recipe")

@@ -263,6 +263,35 @@ class ExportConfig(_Section):
         None, ge=1, description="speculators: draft length `vllm serve` uses (default: the head's TTT steps).")
 
 
+class SlurmStage(_Section):
+    nodes: int = Field(1, ge=1, description="Nodes of the allocation.")
+    tasks_per_node: int = Field(
+        8, ge=1, description="precompute, eval: one task (rank) per GPU; train: processes per node, started by "
+        "one torchrun launcher per node.")
+    gpus_per_node: int = Field(8, ge=0, description="GPUs per node (0 on CPU clusters: gloo instead of NCCL).")
+    cpus_per_task: int | None = Field(None, ge=1, description="CPUs per task (train: per node's launcher); "
+                                      "None = the cluster's default.")
+    mem: str | None = Field(None, description="Memory per node, e.g. 400G; None = the cluster's default.")
+    time: str = Field("04:00:00", description="Time limit (HH:MM:SS or D-HH:MM:SS).")
+
+
+class SlurmConfig(_Section):
+    partition: str | None = Field(None, description="Partition; None = the cluster's default (or SBATCH_PARTITION).")
+    account: str | None = Field(None, description="Account; None = the cluster's default (or SBATCH_ACCOUNT).")
+    sbatch_args: list[str] = Field([], description="Further sbatch options, one per entry, e.g. --qos=high.")
+    setup: list[str] = Field([], description="Shell lines every job runs first (module load, source a venv, ...).")
+    python: str = Field("auto", description="Interpreter that runs mtptrain in the jobs; auto = the one running "
+                        "`mtptrain slurm` (so its virtual environment must be on the shared file system).")
+    output_dir: str | None = Field(None, description="Rendered scripts, the resolved recipe and job logs "
+                                   "(default: <train.output_dir>/slurm).")
+    warning_seconds: int = Field(
+        300, ge=10, description="train: Slurm signals the batch script this long before the time limit (or on "
+        "preemption); the trainer checkpoints at its next step and the job requeues itself.")
+    precompute: SlurmStage = SlurmStage(time="04:00:00")
+    train: SlurmStage = SlurmStage(time="24:00:00")
+    eval: SlurmStage = SlurmStage(tasks_per_node=1, gpus_per_node=1, time="04:00:00")
+
+
 class Recipe(_Section):
     name: str = Field("run", description="Run name, used in logs and output metadata.")
     target: TargetConfig = TargetConfig()
@@ -273,6 +302,7 @@ class Recipe(_Section):
     train: TrainConfig = TrainConfig()
     eval: EvalConfig = EvalConfig()
     export: ExportConfig = ExportConfig()
+    slurm: SlurmConfig = SlurmConfig()
 
 
 # --------------------------------------------------------------------------- loading

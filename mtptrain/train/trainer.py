@@ -8,6 +8,12 @@ state: the global micro-batch position and the RNG states, so a resumed run
 continues exactly where the last checkpoint stood. DeepSpeed writes them as
 torch pickles; they are read back only from this run's own directory.
 
+Stopping on request. A file named STOP in the run directory (what the Slurm
+train job writes on its time-limit or preemption warning) makes every rank
+checkpoint at the next optimizer step and return; the trainer then leaves a
+REQUEUE file there with the step and checkpoint, and the job requeues itself.
+Running the same command again resumes from that checkpoint.
+
 The head module itself knows nothing of this: the loss comes from
 `objective.batch_objective`, through the head's own forward code.
 """
@@ -50,6 +56,10 @@ class TrainingDiverged(RuntimeError):
 
 class RunMismatch(RuntimeError):
     pass
+
+
+STOP_FILE = "STOP"  # in the run directory: checkpoint at the next step and stop
+REQUEUE_FILE = "REQUEUE"  # left by a run that stopped on request: where it stopped
 
 
 def head_spec(cfg: HeadConfig, manifest: dict) -> HeadSpec:
@@ -158,6 +168,7 @@ class Trainer:
                               dist.world_size, dist.rank, self.steps, self.cfg.grad_accum)
         self.fingerprint = run_fingerprint(recipe, manifest, dist.world_size)
         self.precision = pick_precision(self.cfg.precision, device)
+        self.stop_file = self.run_dir / STOP_FILE
 
     # ------------------------------------------------------------------ set-up
 
@@ -217,6 +228,8 @@ class Trainer:
                              config=self.recipe.model_dump(mode="json"), resume_id=state.get("wandb_id"))
         step = state["step"]
         metrics.forget_after(step)  # rows a killed run logged past its last checkpoint are logged again
+        if self.dist.is_main:
+            (self.run_dir / REQUEUE_FILE).unlink(missing_ok=True)  # this run is the requeued one
         per_step = self.plan.micro_batches_per_step
         batches = self.plan.for_rank(step * per_step)
         progress = tqdm(total=self.steps, initial=step, desc="train", unit="step", disable=not self.show_progress)
@@ -247,6 +260,8 @@ class Trainer:
                 grad_norm = engine.get_global_grad_norm()  # None where DeepSpeed computed none (fp32, ZeRO-0)
                 self._check_health(engine, step, unhealthy, grad_norm, last_checkpoint)
                 progress.update(1)
+                if step < self.steps and self._stop_requested():
+                    return self._stop(engine, step, metrics.run_id)
                 if step % self.cfg.log_every == 0 or step == self.steps:
                     logged = window.reduce(self.dist, self.device)
                     if grad_norm is not None:
@@ -268,6 +283,24 @@ class Trainer:
             progress.close()
             metrics.close()
         return self._finish(head, step, totals, last_checkpoint)
+
+    def _stop_requested(self) -> bool:
+        """Whether the STOP file exists, as rank 0 sees it, agreed by every rank (they stop at the same step)."""
+        flag = torch.tensor([float(self.dist.is_main and self.stop_file.exists())], device=self.device)
+        if self.dist.world_size > 1:
+            torch_dist.all_reduce(flag)
+        return bool(flag.item())
+
+    def _stop(self, engine, step: int, wandb_id: str | None) -> dict:
+        checkpoint = self._checkpoint(engine, step, wandb_id)
+        if self.dist.is_main:
+            atomic_write_json(self.run_dir / REQUEUE_FILE, {"step": step, "checkpoint": checkpoint})
+            self.stop_file.unlink(missing_ok=True)
+            log.info("stopped on request (%s) at step %d; checkpoint %s", self.stop_file, step, checkpoint)
+        if torch_dist.is_initialized():
+            torch_dist.barrier()
+        return {"steps": step, "rank": self.dist.rank, "world_size": self.dist.world_size, "stopped": True,
+                "checkpoint": checkpoint, "head": None}
 
     @torch.no_grad()
     def validate(self, head, dtype: torch.dtype) -> dict:

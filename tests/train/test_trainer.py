@@ -251,3 +251,23 @@ def test_rerunning_a_finished_run_keeps_its_summary_and_export_settings_do_not_s
     assert again == first and "val/acc_1" in again
     assert (tmp_path / "run" / "head" / "model.safetensors").read_bytes() == head
     assert json.loads((tmp_path / "run" / "summary.json").read_text()) == first
+
+
+def test_a_stop_file_checkpoints_and_stops_and_the_rerun_ends_as_an_uninterrupted_run(tiny_target_dir, tiny_store,
+                                                                                      tmp_path):
+    """What the Slurm train job does on its warning signal: STOP in the run directory, then a requeue."""
+    args = (tiny_target_dir, tiny_store, "head.kind=eagle", "train.max_steps=6", "train.checkpoint_every=100")
+    run_train(train_recipe(tiny_target_dir, tiny_store, tmp_path / "clean", *args[2:]), show_progress=False)
+    stopped = tmp_path / "stopped"
+    stopped.mkdir()
+    (stopped / "STOP").touch()
+    first = run_train(train_recipe(tiny_target_dir, tiny_store, stopped, *args[2:]), show_progress=False)
+    assert first["stopped"] and first["steps"] == 1 and not (stopped / "head").exists()
+    assert not (stopped / "STOP").exists()
+    assert json.loads((stopped / "REQUEUE").read_text()) == {"step": 1, "checkpoint": str(stopped / "checkpoints" /
+                                                                                         "step-0000001")}
+    again = run_train(train_recipe(tiny_target_dir, tiny_store, stopped, *args[2:]), show_progress=False)
+    assert again["steps"] == 6 and not again.get("stopped") and not (stopped / "REQUEUE").exists()
+    a, b = (load_file(d / "head" / "model.safetensors") for d in (tmp_path / "clean", stopped))
+    for name in a:
+        assert torch.allclose(a[name], b[name], atol=1e-6, rtol=1e-5), name
