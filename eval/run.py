@@ -369,21 +369,22 @@ def format_results(results: dict) -> str:
 
 
 def _log_wandb(recipe: Recipe, results: dict, out_dir: Path, requested: str | None) -> None:
-    from mtptrain.train.metrics import wandb_mode
+    """The results as the eval job of the run's W&B group: a table (tau, speedup, acceptance per position for
+    every method), the plots, and tau and speedup per method in the summary."""
+    from mtptrain.tracking import init_run
 
-    mode = wandb_mode(requested or recipe.eval.wandb)
-    if mode == "disabled":
+    run = init_run(recipe, "eval", requested or recipe.eval.wandb, recipe.eval.wandb_project, out_dir)
+    if run is None:
         return
     import wandb
 
-    run = wandb.init(project=recipe.eval.wandb_project, name=f"{recipe.name}-eval", group=recipe.name,
-                     job_type="eval", config=recipe.model_dump(mode="json"), dir=str(out_dir), mode=mode,
-                     settings=wandb.Settings(silent=True, console="off"))
-    columns = ["label", "method", "k", "budget", "tau", "tokens_per_second", "speedup", "acceptance"]
-    table = wandb.Table(columns=columns, data=[[m[c] if c != "acceptance" else " ".join(map(str, m[c]))
-                                                for c in columns] for m in results["methods"]])
-    run.log({"eval/results": table, **{f"eval/{Path(p).stem}": wandb.Image(str(out_dir / p))
-                                       for p in results["files"] if p.endswith(".png")}})
+    positions = max((len(m["acceptance"]) for m in results["methods"]), default=0)
+    columns = ["label", "method", "k", "budget", "tau", "tokens_per_second", "speedup",
+               *[f"acceptance_{p}" for p in range(1, positions + 1)]]
+    rows = [[m["label"], m["method"], m["k"], m["budget"], m["tau"], m["tokens_per_second"], m["speedup"],
+             *(m["acceptance"] + [None] * (positions - len(m["acceptance"])))] for m in results["methods"]]
+    run.log({"eval/results": wandb.Table(columns=columns, data=rows),
+             **{f"eval/{Path(p).stem}": wandb.Image(str(out_dir / p)) for p in results["files"] if p.endswith(".png")}})
     for m in results["methods"]:
         run.summary[f"tau/{m['label']}"] = m["tau"]
         run.summary[f"speedup/{m['label']}"] = m["speedup"]

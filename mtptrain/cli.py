@@ -48,6 +48,7 @@ def regenerate(recipe: RecipeOpt = None, overrides: SetOpt = None,
 
 @app.command()
 def precompute(recipe: RecipeOpt = None, overrides: SetOpt = None,
+               no_wandb: Annotated[bool, typer.Option("--no-wandb", help="Do not log to W&B.")] = False,
                progress: Annotated[bool, typer.Option(help="Show progress bars.")] = True) -> None:
     """Run the target over the recipe's conversations and store its hidden states.
 
@@ -58,7 +59,7 @@ def precompute(recipe: RecipeOpt = None, overrides: SetOpt = None,
     from mtptrain.features.precompute import format_summary, run_precompute
 
     cfg = _recipe(recipe, overrides)
-    summary = _guarded(lambda: run_precompute(cfg, show_progress=progress))
+    summary = _guarded(lambda: run_precompute(cfg, show_progress=progress, wandb="disabled" if no_wandb else None))
     if summary["rank"] == 0 or summary["wrote_manifest"]:
         typer.echo(format_summary(summary))
 
@@ -132,12 +133,15 @@ def pipeline(recipe: RecipeOpt = None, overrides: SetOpt = None,
     interruption resumes where it stopped: finished regeneration batches, feature shards and training steps
     are kept, and eval (which measures, so has nothing to resume) runs again.
     """
+    from mtptrain.tracking import pipeline_group
+
     cfg = _recipe(recipe, overrides)
+    overrides = [*(overrides or []), f"wandb_group={pipeline_group(cfg)}"]  # one W&B group for this run's jobs
     if cfg.data.regenerated:
         typer.echo("== regenerate")
         regenerate(recipe, overrides, progress)
     typer.echo("== precompute")
-    precompute(recipe, overrides, progress)
+    precompute(recipe, overrides, no_wandb, progress)
     typer.echo("== train")
     train(recipe, overrides, no_wandb, progress)
     typer.echo("== eval")

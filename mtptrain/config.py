@@ -121,6 +121,9 @@ class PrecomputeConfig(_Section):
     )
     max_batch_size: int = Field(64, ge=1, description="Upper bound on sequences per forward batch.")
     shard_mb: float = Field(256.0, gt=0, description="Target shard size in MiB.")
+    wandb: Literal["auto", "offline", "online", "disabled"] = Field(
+        "auto", description="auto = online when W&B credentials are configured, offline otherwise.")
+    wandb_project: str = Field("mtptrain", description="W&B project.")
     write_queue: int = Field(
         2, ge=1, description="Batches waiting to be written while the next ones compute."
     )
@@ -294,6 +297,9 @@ class SlurmConfig(_Section):
 
 class Recipe(_Section):
     name: str = Field("run", description="Run name, used in logs and output metadata.")
+    wandb_group: str | None = Field(
+        None, description="W&B group of this run's precompute, train and eval jobs; None = the name. `mtptrain "
+        "pipeline` and `mtptrain slurm pipeline` set <name>-<date-time> when it is unset (one group per run).")
     target: TargetConfig = TargetConfig()
     data: DataConfig = DataConfig()
     regenerate: RegenerateConfig = RegenerateConfig()

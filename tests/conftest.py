@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 
 import pytest
 import torch
+
+# Stages left at wandb: auto log nothing in the tests; the tests of W&B logging ask for offline runs.
+os.environ.setdefault("WANDB_MODE", "disabled")
 
 CHATML = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"

@@ -28,7 +28,8 @@ def test_pipeline_runs_every_stage_and_resumes_without_redoing_them(varied_targe
             "train.micro_batch_size=4", "train.num_workers=0", "head.kind=eagle3", "head.ttt_steps=2",
             "head.draft_vocab_size=64", f"eval.prompts={prompts}", "eval.methods=[chain]", "eval.k=[2]",
             "eval.max_new_tokens=12", f"eval.output_dir={run / 'eval'}"]
-    cmd = [sys.executable, "-m", "mtptrain.cli", "pipeline", "--no-progress", "--no-wandb",
+    sets += ["precompute.wandb=offline", "train.wandb=offline", "eval.wandb=offline"]
+    cmd = [sys.executable, "-m", "mtptrain.cli", "pipeline", "--no-progress",
            *[a for s in sets for a in ("--set", s)]]
     env = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS and not k.startswith("SLURM_")}
     first = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env)
@@ -44,6 +45,19 @@ def test_pipeline_runs_every_stage_and_resumes_without_redoing_them(varied_targe
     assert results["methods"][1]["exactness"]["identical"] == 3
     steps = json.loads((run / "train" / "summary.json").read_text())["steps"]
     head = (run / "train" / "head" / "model.safetensors").read_bytes()
+    # W&B (offline): the three jobs of one group, each with what the run printed
+    from mtptrain.tracking import read_offline_run
+
+    logged = {r["job_type"]: r for r in map(read_offline_run, run.rglob("wandb/offline-run-*/run-*.wandb"))}
+    assert sorted(logged) == ["eval", "precompute", "train"]
+    (group,) = {r["group"] for r in logged.values()}
+    assert group.startswith("run-") and len(group) == len("run-20261122-000000")  # <name>-<date-time>
+    tokens = logged["precompute"]["summary"]["precompute/tokens"]
+    assert f"tokens {tokens:,}" in first.stdout and tokens == sum(t["tokens"] for t in manifest["totals"].values())
+    assert f"trained {steps} steps" in first.stdout and logged["train"]["history"][-1]["_step"] == steps
+    tau = logged["eval"]["summary"]["tau/chain K=2"]
+    assert tau == results["methods"][1]["tau"] and f"{tau:.2f}" in first.stdout
+    assert logged["train"]["artifacts"][0]["type"] == "model"
 
     again = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env)
     assert again.returncode == 0, again.stderr[-3000:]

@@ -41,12 +41,13 @@ def run_export(recipe: Recipe) -> dict:
     return export_head(head, out, cfg)
 
 
-def export_head(head_dir: Path, out: Path, cfg: ExportConfig) -> dict:
+def export_head(head_dir: Path, out: Path, cfg: ExportConfig, check_target: bool = True) -> dict:
     """Write the head at `head_dir` to `out` in format `cfg.format`; returns a summary.
 
     The files are written to a staging directory and checked against the format's table. Only then does the
     staging directory take `out`'s place (an earlier export there is moved aside first and removed last), so
-    an error leaves `out` as it was.
+    an error leaves `out` as it was. check_target=False skips loading the target to compare fingerprints (the
+    trainer, which has just trained on it).
     """
     head_dir, out = Path(head_dir), Path(out)
     _check_out(out, head_dir)
@@ -56,7 +57,7 @@ def export_head(head_dir: Path, out: Path, cfg: ExportConfig) -> dict:
         src.state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in src.state.items()}
     form = FORMATS[cfg.format]
     form.check(src, cfg)
-    if cfg.format in TARGET_TENSORS or cfg.target is not None:
+    if check_target and (cfg.format in TARGET_TENSORS or cfg.target is not None):
         src.verify_target()  # its weights go into the export, or it is not the recorded one: same fingerprint?
     written = form.write(src, cfg)
     sidecar = {"format": EXPORT_FORMAT, "export_format": cfg.format, "weights": "model.safetensors",

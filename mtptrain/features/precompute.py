@@ -53,15 +53,31 @@ def build_manifest(out_dir: Path, plan: list[ShardPlan], plan_id: str, target: T
     }
 
 
-def run_precompute(recipe: Recipe, show_progress: bool = True) -> dict:
+def run_precompute(recipe: Recipe, show_progress: bool = True, wandb: str | None = None) -> dict:
     dist = DistInfo.from_env()
     setup_logging(dist)
     grouped = init_process_group(dist)
     try:
-        return _precompute(recipe, dist, grouped, show_progress and dist.is_main)
+        summary = _precompute(recipe, dist, grouped, show_progress and dist.is_main)
     finally:
         if grouped:
             destroy_process_group()
+    if dist.is_main:
+        _log_wandb(recipe, summary, wandb or recipe.precompute.wandb)
+    return summary
+
+
+def _log_wandb(recipe: Recipe, summary: dict, mode: str) -> None:
+    """Rank 0's numbers (and the store's, once complete) as the precompute job of the run's W&B group."""
+    from mtptrain.tracking import init_run
+
+    run = init_run(recipe, "precompute", mode, recipe.precompute.wandb_project, Path(recipe.precompute.output_dir))
+    if run is None:
+        return
+    flat = {k: v for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    flat.update({f"samples/{split}": n for split, n in summary.get("samples", {}).items()})
+    run.summary.update({f"precompute/{k}": v for k, v in flat.items()})
+    run.finish()
 
 
 def _precompute(recipe: Recipe, dist: DistInfo, grouped: bool, show_progress: bool) -> dict:

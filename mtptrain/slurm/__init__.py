@@ -86,6 +86,10 @@ def sbatch(script: Path, after: str | None = None) -> str:
 def submit(recipe: Recipe, stage: str) -> list[tuple[str, str, Path]]:
     """Submit one stage, or with stage 'pipeline' all three chained; returns (stage, job id, script)."""
     stages = STAGES if stage == "pipeline" else (stage,)
+    if stage == "pipeline":
+        from mtptrain.tracking import pipeline_group
+
+        recipe = recipe.model_copy(update={"wandb_group": pipeline_group(recipe)})  # one W&B group for the run
     scripts = write_scripts(recipe, stages)
     submitted, previous = [], None
     for name in stages:

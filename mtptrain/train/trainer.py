@@ -223,9 +223,8 @@ class Trainer:
         if state["step"] >= self.steps and finished.is_file() and (self.run_dir / "head" / "config.json").is_file():
             log.info("%s already finished its %d steps; nothing to do", self.run_dir, self.steps)
             return {**json.loads(finished.read_text()), "rank": self.dist.rank}
-        metrics = MetricsLog(self.run_dir, self.dist.is_main, self.wandb_mode, self.cfg.wandb_project,
-                             name=f"{self.recipe.name}-train", group=self.recipe.name,
-                             config=self.recipe.model_dump(mode="json"), resume_id=state.get("wandb_id"))
+        metrics = MetricsLog(self.run_dir, self.dist.is_main, self.recipe, self.wandb_mode,
+                             resume_id=state.get("wandb_id"))
         step = state["step"]
         metrics.forget_after(step)  # rows a killed run logged past its last checkpoint are logged again
         if self.dist.is_main:
@@ -279,10 +278,14 @@ class Trainer:
                         self._snapshot(head, step)
                     last_checkpoint = self._checkpoint(engine, step, metrics.run_id)
                 clock = time.perf_counter()  # logging, validation and checkpoints are not waiting for data
+            progress.close()
+            summary = self._finish(head, step, totals, last_checkpoint)
+            if metrics.wandb_run is not None:
+                log_head_artifact(metrics.wandb_run, self.recipe, self.run_dir / "head", summary)
+            return summary
         finally:
             progress.close()
             metrics.close()
-        return self._finish(head, step, totals, last_checkpoint)
 
     def _stop_requested(self) -> bool:
         """Whether the STOP file exists, as rank 0 sees it, agreed by every rank (they stop at the same step)."""
@@ -363,6 +366,30 @@ class Trainer:
         if torch_dist.is_initialized():
             torch_dist.barrier()
         return summary
+
+
+def log_head_artifact(run, recipe: Recipe, head_dir: Path, summary: dict) -> None:
+    """The trained head as a W&B model artifact, with its export in recipe.export.format (or, when that format
+    cannot hold this head, the first one that can), and the run's summary numbers."""
+    import wandb
+
+    from mtptrain.export import FORMATS, ExportError, export_head
+
+    spec = json.loads((head_dir / "config.json").read_text())["head"]
+    artifact = wandb.Artifact(f"{recipe.name}-head", type="model", metadata={"head": spec, "steps": summary["steps"]})
+    artifact.add_dir(str(head_dir), name="head")
+    fmt = recipe.export.format
+    if spec["kind"] not in FORMATS[fmt].kinds:
+        fmt = next((f.name for f in FORMATS.values() if spec["kind"] in f.kinds), None)
+    try:
+        out = head_dir.parent / "export" / fmt
+        export_head(head_dir, out, recipe.export.model_copy(update={"format": fmt}), check_target=False)
+        artifact.add_dir(str(out), name=f"export-{fmt}")
+    except ExportError as exc:  # e.g. an eagle head with restored norms: no format holds it
+        log.warning("the W&B artifact holds the head without an export: %s", exc)
+        artifact.metadata["export"] = str(exc)
+    run.log_artifact(artifact)
+    run.summary.update({k: v for k, v in summary.items() if k.startswith("val/") or k == "tokens_per_second"})
 
 
 class _Window:

@@ -85,6 +85,7 @@ def test_eval_measures_every_method_on_the_same_prompts_and_writes_the_report(ti
 
 def test_eval_logs_the_table_and_figures_to_wandb_offline(tiny_target_dir, eagle3_head, tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc: auto means offline
     out = tmp_path / "eval"
     args = eval_args(tiny_target_dir, eagle3_head, write_prompts(tmp_path / "p.jsonl", 1), out,
@@ -98,6 +99,19 @@ def test_eval_logs_the_table_and_figures_to_wandb_offline(tiny_target_dir, eagle
     tables = list((runs[0] / "files" / "media" / "table" / "eval").glob("results_*.table.json"))
     table = json.loads(tables[0].read_text())
     assert [row[0] for row in table["data"]] == ["baseline", "ngram K=1", "ngram K=3", "chain K=1", "chain K=3"]
+    assert table["columns"][-3:] == ["acceptance_1", "acceptance_2", "acceptance_3"]
+    measured = {m["label"]: m for m in json.loads((out / "results.json").read_text())["methods"]}
+    for row in table["data"]:
+        m = measured[row[0]]
+        assert row[4:7] == [m["tau"], m["tokens_per_second"], m["speedup"]]
+        assert row[7:] == m["acceptance"] + [None] * (3 - len(m["acceptance"]))
+    from mtptrain.tracking import read_offline_run
+
+    (run_file,) = runs[0].glob("run-*.wandb")
+    run = read_offline_run(run_file)
+    assert (run["group"], run["job_type"]) == ("run", "eval")  # the recipe's name, as no group was set
+    assert run["config"]["eval"]["methods"] == ["ngram", "chain"]
+    assert run["summary"]["tau/chain K=3"] == measured["chain K=3"]["tau"]
 
 
 def test_a_divergence_that_is_not_a_near_tie_fails_the_command(tiny_target_dir, eagle3_head, tmp_path, monkeypatch):

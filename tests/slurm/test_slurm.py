@@ -97,6 +97,8 @@ def test_the_pipeline_runs_chained_on_slurm_with_two_cpu_tasks(cluster, tmp_path
     assert json.loads((out / "train" / "summary.json").read_text())["world_size"] == 2
     results = json.loads((out / "eval" / "results.json").read_text())
     assert [m["label"] for m in results["methods"]] == ["baseline", "chain K=2"]
+    rendered = load_recipe(out / "train" / "slurm" / "recipe.yaml")
+    assert rendered.wandb_group.startswith("slurm-pipeline-")  # one W&B group for the three jobs of this run
 
 
 @pytest.fixture(scope="module")

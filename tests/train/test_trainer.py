@@ -185,13 +185,24 @@ def test_slurm_rendezvous_from_the_step_variables():
 
 
 def test_the_offline_wandb_run_holds_the_logged_metrics(tiny_target_dir, tiny_store, tmp_path):
-    from mtptrain.train.metrics import read_offline_history
+    from mtptrain.tracking import read_offline_run
 
     run_dir = tmp_path / "run"
-    run_train(train_recipe(tiny_target_dir, tiny_store, run_dir, "head.kind=eagle", "train.max_steps=10",
-                           "train.log_every=2", "train.eval_every=5", "train.wandb=offline"), show_progress=False)
+    recipe = train_recipe(tiny_target_dir, tiny_store, run_dir, "head.kind=eagle3", "train.max_steps=10",
+                          "train.log_every=2", "train.eval_every=5", "train.wandb=offline", "name=wb",
+                          "wandb_group=wb-1", "export.format=speculators")
+    summary = run_train(recipe, show_progress=False)
     (run_file,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
-    history = read_offline_history(run_file)
+    run = read_offline_run(run_file)
+    history = run["history"]
+    assert (run["group"], run["job_type"]) == ("wb-1", "train")
+    config = {k: v for k, v in run["config"].items() if k != "_wandb"}  # W&B's own bookkeeping key
+    assert config == recipe.model_dump(mode="json")  # the resolved recipe, nothing else
+    assert run["summary"]["val/acc_1"] == pytest.approx(summary["val/acc_1"])
+    (artifact,) = run["artifacts"]
+    assert (artifact["name"], artifact["type"]) == ("wb-head", "model")
+    assert {"head/model.safetensors", "head/config.json", "export-speculators/model.safetensors",
+            "export-speculators/config.json", "export-speculators/README.md"} <= set(artifact["files"])
     by_step: dict = {}  # W&B merges what is logged at one step into one row
     for line in _metrics(run_dir):
         by_step.setdefault(line.pop("step"), {}).update(line)
