@@ -294,6 +294,13 @@ class SlurmConfig(_Section):
     train: SlurmStage = SlurmStage(time="24:00:00")
     eval: SlurmStage = SlurmStage(tasks_per_node=1, gpus_per_node=1, time="04:00:00")
 
+    @field_validator("eval")
+    @classmethod
+    def _one_eval_process(cls, value: SlurmStage) -> SlurmStage:
+        if value.nodes != 1 or value.tasks_per_node != 1:
+            raise ValueError("eval runs one process: slurm.eval needs nodes 1 and tasks_per_node 1")
+        return value
+
 
 class Recipe(_Section):
     name: str = Field("run", description="Run name, used in logs and output metadata.")

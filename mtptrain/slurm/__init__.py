@@ -35,8 +35,6 @@ def _job(recipe: Recipe, stage: str) -> dict:
            "cpus_per_task": res.cpus_per_task, "mem": res.mem, "time": res.time}
     if stage == "train":  # one launcher per node, which starts tasks_per_node processes
         job["ntasks_per_node"] = 1
-    if stage == "eval":
-        job.update(nodes=1, ntasks_per_node=1)
     return job
 
 
