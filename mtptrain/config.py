@@ -278,6 +278,26 @@ class SlurmStage(_Section):
     time: str = Field("04:00:00", description="Time limit (HH:MM:SS or D-HH:MM:SS).")
 
 
+class SlurmPrecompute(SlurmStage):
+    time: str = Field("04:00:00", description="Time limit (HH:MM:SS or D-HH:MM:SS).")
+
+
+class SlurmTrain(SlurmStage):
+    time: str = Field("24:00:00", description="Time limit (HH:MM:SS or D-HH:MM:SS).")
+
+
+class SlurmEval(SlurmStage):
+    tasks_per_node: int = Field(1, ge=1, description="Always 1: eval runs one process.")
+    gpus_per_node: int = Field(1, ge=0, description="GPUs (0 on CPU clusters).")
+
+    @field_validator("nodes", "tasks_per_node")
+    @classmethod
+    def _one_process(cls, value: int) -> int:
+        if value != 1:
+            raise ValueError("eval runs one process: slurm.eval needs nodes 1 and tasks_per_node 1")
+        return value
+
+
 class SlurmConfig(_Section):
     partition: str | None = Field(None, description="Partition; None = the cluster's default (or SBATCH_PARTITION).")
     account: str | None = Field(None, description="Account; None = the cluster's default (or SBATCH_ACCOUNT).")
@@ -290,16 +310,10 @@ class SlurmConfig(_Section):
     warning_seconds: int = Field(
         300, ge=10, description="train: Slurm signals the batch script this long before the time limit (or on "
         "preemption); the trainer checkpoints at its next step and the job requeues itself.")
-    precompute: SlurmStage = SlurmStage(time="04:00:00")
-    train: SlurmStage = SlurmStage(time="24:00:00")
-    eval: SlurmStage = SlurmStage(tasks_per_node=1, gpus_per_node=1, time="04:00:00")
-
-    @field_validator("eval")
-    @classmethod
-    def _one_eval_process(cls, value: SlurmStage) -> SlurmStage:
-        if value.nodes != 1 or value.tasks_per_node != 1:
-            raise ValueError("eval runs one process: slurm.eval needs nodes 1 and tasks_per_node 1")
-        return value
+    # One class per stage, so that overriding one key keeps the stage's other defaults.
+    precompute: SlurmPrecompute = SlurmPrecompute()
+    train: SlurmTrain = SlurmTrain()
+    eval: SlurmEval = SlurmEval()
 
 
 class Recipe(_Section):

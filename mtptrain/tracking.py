@@ -58,7 +58,8 @@ def init_run(recipe: Recipe, job_type: str, mode: str, project: str, directory: 
 
 def read_offline_run(run_file: Path) -> dict:
     """What an offline W&B run file (`run-<id>.wandb`) holds: its group, job type, config, history rows,
-    summary and logged artifacts, for checks and local inspection.
+    summary and logged artifacts, and whether it has its exit record (`finished`), for checks and local
+    inspection.
 
     wandb ships no reader for these files. Layout: a 7-byte header, then 32 KiB
     blocks of length-prefixed chunks (4-byte checksum, 2-byte length, 1-byte
@@ -72,7 +73,8 @@ def read_offline_run(run_file: Path) -> dict:
     data = Path(run_file).read_bytes()
     header, block = 7, 32 * 1024
     pos, pending = header, b""
-    run = {"group": None, "job_type": None, "config": {}, "history": [], "summary": {}, "artifacts": []}
+    run = {"group": None, "job_type": None, "config": {}, "history": [], "summary": {}, "artifacts": [],
+           "finished": False}
     while pos + 7 <= len(data):
         block_end = header + ((pos - header) // block + 1) * block
         if block_end - pos < 7:  # the tail of a block too short for a chunk header is padding
@@ -105,6 +107,8 @@ def _take(run: dict, record) -> None:
     elif kind == "summary":
         run["summary"].update({item.key or "/".join(item.nested_key): json.loads(item.value_json)
                                for item in record.summary.update})
+    elif kind == "exit":  # written by run.finish(): the file is complete
+        run["finished"] = True
     elif kind == "artifact":
         run["artifacts"].append({"name": record.artifact.name, "type": record.artifact.type,
                                  "files": sorted(e.path for e in record.artifact.manifest.contents)})

@@ -119,3 +119,19 @@ def tiny_recipe(target_dir: Path, data: Path, out: Path, **precompute):
                  "precompute.batch_tokens=512"]
     overrides += [f"precompute.{k}={v}" for k, v in precompute.items()]
     return load_recipe(None, overrides)
+
+
+def read_offline_wandb_run(run_file: Path, timeout: float = 60) -> dict:
+    """An offline W&B run file read back once all its records are on disk (its exit record). The W&B service
+    of a test process outlives run.finish() and may still be writing the file; a command's process ends
+    with it."""
+    import time
+
+    from mtptrain.tracking import read_offline_run
+
+    deadline = time.time() + timeout
+    while True:
+        run = read_offline_run(run_file)
+        if run["finished"] or time.time() > deadline:
+            return run
+        time.sleep(0.5)

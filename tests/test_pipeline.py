@@ -49,7 +49,7 @@ def test_pipeline_runs_every_stage_and_resumes_without_redoing_them(varied_targe
     from mtptrain.tracking import read_offline_run
 
     logged = {r["job_type"]: r for r in map(read_offline_run, run.rglob("wandb/offline-run-*/run-*.wandb"))}
-    assert sorted(logged) == ["eval", "precompute", "train"]
+    assert sorted(logged) == ["eval", "precompute", "train"] and all(r["finished"] for r in logged.values())
     (group,) = {r["group"] for r in logged.values()}
     assert group.startswith("run-") and len(group) == len("run-20261122-000000")  # <name>-<date-time>
     tokens = logged["precompute"]["summary"]["precompute/tokens"]

@@ -105,10 +105,10 @@ def test_eval_logs_the_table_and_figures_to_wandb_offline(tiny_target_dir, eagle
         m = measured[row[0]]
         assert row[4:7] == [m["tau"], m["tokens_per_second"], m["speedup"]]
         assert row[7:] == m["acceptance"] + [None] * (3 - len(m["acceptance"]))
-    from mtptrain.tracking import read_offline_run
+    from conftest import read_offline_wandb_run
 
     (run_file,) = runs[0].glob("run-*.wandb")
-    run = read_offline_run(run_file)
+    run = read_offline_wandb_run(run_file)
     assert (run["group"], run["job_type"]) == ("run", "eval")  # the recipe's name, as no group was set
     assert run["config"]["eval"]["methods"] == ["ngram", "chain"]
     assert run["summary"]["tau/chain K=3"] == measured["chain K=3"]["tau"]

@@ -12,8 +12,8 @@ from mtptrain.config import load_recipe
 REFERENCE = "recipes/reference.yaml"
 # Sections of the recipe that decide the head's weights (output paths and export settings aside).
 TRAINING_SECTIONS = ("target", "data", "regenerate", "precompute", "head")
-# Recipe fields added after the shipped head was trained, none of which applies to an eagle3 head.
-ADDED_SINCE = {"head": {"mtp_input"}}
+# Recipe fields added after the shipped head was trained, none of which changes its weights.
+ADDED_SINCE = {"head": {"mtp_input"}, "precompute": {"wandb", "wandb_project"}}
 TRAIN_KEYS_IGNORED = {"features", "output_dir", "head_dtype", "head_snapshots", "log_every", "eval_every",
                       "checkpoint_every", "wandb", "wandb_project"}
 

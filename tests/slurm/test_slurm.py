@@ -72,6 +72,8 @@ def test_scripts_are_filled_from_the_recipe_with_nothing_of_a_cluster_baked_in(t
     for line in ("#SBATCH --partition=gpu", "#SBATCH --account=lab", "#SBATCH --qos=high", "#SBATCH --nodes=2",
                  "#SBATCH --ntasks-per-node=8", "srun --kill-on-bad-exit=1"):
         assert line in pre, line
+    partial = load_recipe(None, ["slurm.train.nodes=2", "slurm.eval.gpus_per_node=0"]).slurm
+    assert (partial.train.time, partial.eval.tasks_per_node) == ("24:00:00", 1)  # other defaults of the stage kept
     dry = CliRunner().invoke(app, ["slurm", "pipeline", "--dry-run"])
     assert dry.exit_code == 0 and dry.output.count("#!/usr/bin/env bash") == 3
     assert CliRunner().invoke(app, ["slurm", "finetune"]).exit_code == 2

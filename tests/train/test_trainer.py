@@ -185,7 +185,7 @@ def test_slurm_rendezvous_from_the_step_variables():
 
 
 def test_the_offline_wandb_run_holds_the_logged_metrics(tiny_target_dir, tiny_store, tmp_path):
-    from mtptrain.tracking import read_offline_run
+    from conftest import read_offline_wandb_run
 
     run_dir = tmp_path / "run"
     recipe = train_recipe(tiny_target_dir, tiny_store, run_dir, "head.kind=eagle3", "train.max_steps=10",
@@ -193,7 +193,7 @@ def test_the_offline_wandb_run_holds_the_logged_metrics(tiny_target_dir, tiny_st
                           "wandb_group=wb-1", "export.format=speculators")
     summary = run_train(recipe, show_progress=False)
     (run_file,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
-    run = read_offline_run(run_file)
+    run = read_offline_wandb_run(run_file)
     history = run["history"]
     assert (run["group"], run["job_type"]) == ("wb-1", "train")
     config = {k: v for k, v in run["config"].items() if k != "_wandb"}  # W&B's own bookkeeping key
