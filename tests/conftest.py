@@ -121,6 +121,18 @@ def tiny_recipe(target_dir: Path, data: Path, out: Path, **precompute):
     return load_recipe(None, overrides)
 
 
+@pytest.fixture(scope="session")
+def tiny_store(tiny_target_dir, tmp_path_factory):
+    """A feature store of the tiny target with layers [0, 1, 2] and the last (3), for training runs."""
+    from mtptrain.features.precompute import run_precompute
+
+    tmp = tmp_path_factory.mktemp("train-store")
+    recipe = tiny_recipe(tiny_target_dir, write_sharegpt(tmp / "c.json", 160, seed=5), tmp / "features",
+                         layers="[0, 1, 2]", dtype="float32")
+    run_precompute(recipe, show_progress=False)
+    return tmp / "features"
+
+
 def read_offline_wandb_run(run_file: Path, timeout: float = 60) -> dict:
     """An offline W&B run file read back once all its records are on disk (its exit record). The W&B service
     of a test process outlives run.finish() and may still be writing the file; a command's process ends

@@ -12,13 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 from cluster import LocalSlurm, install
-from conftest import tiny_recipe, write_sharegpt
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from mtptrain.cli import app
 from mtptrain.config import load_recipe
-from mtptrain.features.precompute import run_precompute
 from mtptrain.slurm import render
 
 REPO = Path(__file__).resolve().parents[2]
@@ -103,19 +101,10 @@ def test_the_pipeline_runs_chained_on_slurm_with_two_cpu_tasks(cluster, tmp_path
     assert rendered.wandb_group.startswith("slurm-pipeline-")  # one W&B group for the three jobs of this run
 
 
-@pytest.fixture(scope="module")
-def tiny_features(tiny_target_dir, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("slurm-store")
-    recipe = tiny_recipe(tiny_target_dir, write_sharegpt(tmp / "c.json", 120, seed=7), tmp / "features",
-                         layers="[0, 1, 2]", dtype="float32")
-    run_precompute(recipe, show_progress=False)
-    return tmp / "features"
-
-
 def test_a_warned_train_job_checkpoints_requeues_and_ends_as_an_uninterrupted_run(cluster, tiny_target_dir,
-                                                                                   tiny_features, tmp_path):
+                                                                                   tiny_store, tmp_path):
     def train_overrides(name: str) -> list[str]:
-        return [*CPU_JOBS, f"name={name}", f"target.model={tiny_target_dir}", f"train.features={tiny_features}",
+        return [*CPU_JOBS, f"name={name}", f"target.model={tiny_target_dir}", f"train.features={tiny_store}",
                 f"train.output_dir={tmp_path / name}", "head.kind=eagle", "train.max_steps=150",
                 "train.micro_batch_size=2", "train.log_every=1", "train.eval_every=1000", "train.num_workers=0",
                 "train.checkpoint_every=1000", "train.wandb=disabled", "slurm.warning_seconds=60"]

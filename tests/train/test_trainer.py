@@ -8,25 +8,13 @@ import time
 
 import pytest
 import torch
-from conftest import tiny_recipe, write_sharegpt
 from safetensors.torch import load_file
 from train_helpers import REPO, clean_env, train_cmd, train_recipe
 
-from mtptrain.features.precompute import run_precompute
 from mtptrain.features.store import FeatureStoreError
 from mtptrain.train.trainer import TrainingDiverged, run_train
 
 VOCAB = 400
-
-
-@pytest.fixture(scope="module")
-def tiny_store(tiny_target_dir, tmp_path_factory):
-    """A feature store of the tiny target with layers [0, 1, 2] and the last (3)."""
-    tmp = tmp_path_factory.mktemp("train-store")
-    recipe = tiny_recipe(tiny_target_dir, write_sharegpt(tmp / "c.json", 160, seed=5), tmp / "features",
-                         layers="[0, 1, 2]", dtype="float32")
-    run_precompute(recipe, show_progress=False)
-    return tmp / "features"
 
 
 def _metrics(run_dir):

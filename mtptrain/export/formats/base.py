@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 import torch
@@ -22,7 +23,7 @@ class Written:
     notes: list[str] = field(default_factory=list)  # facts the README spells out
 
 
-class Format:
+class Format(ABC):
     name = ""
     title = ""
     kinds: tuple[str, ...] = ()
@@ -37,16 +38,17 @@ class Format:
                               f"holds {' or '.join(self.kinds)} heads only; formats for {src.spec.kind} heads: "
                               f"{', '.join(fits) or 'none'}")
 
+    @abstractmethod
     def write(self, src: HeadSource, cfg: ExportConfig) -> Written:
-        raise NotImplementedError
+        """The export's tensors (engine names) and config."""
 
+    @abstractmethod
     def to_head(self, tensors: dict[str, torch.Tensor], sidecar: dict) -> dict[str, torch.Tensor]:
         """The inverse of write: the export's tensors under the head's own names."""
-        raise NotImplementedError
 
+    @abstractmethod
     def serve(self, out: str, target: str, sidecar: dict) -> list[tuple[str, str]]:
         """(engine, command) pairs that serve the export."""
-        raise NotImplementedError
 
 
 def draft_llama_config(src: HeadSource) -> dict:
