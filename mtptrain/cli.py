@@ -173,7 +173,7 @@ def export(recipe: RecipeOpt = None, overrides: SetOpt = None) -> None:
 
 
 @app.command()
-def stitch(export_dir: Annotated[Path, typer.Argument(help="A deepseek-mtp export (mtptrain export -f deepseek-mtp).")],
+def stitch(export_dir: Annotated[Path, typer.Argument(help="A deepseek-mtp export (mtptrain export --set export.format=deepseek-mtp).")],
            target: Annotated[Path, typer.Option(help="The target's local checkpoint directory (safetensors).")],
            out: Annotated[Path, typer.Option(help="New directory: the target's checkpoint plus its MTP layers.")]) -> None:
     """Write a copy of the target checkpoint with the trained MTP layers added, as DeepSeek-V3 ships them.

@@ -124,7 +124,7 @@ def _served(src: HeadSource, cfg: ExportConfig, written: Written) -> str:
 
 
 def _measured(src: HeadSource, results: Path | None) -> dict | None:
-    """Eval results for this head: --results, else the eval.json shipped beside it, else the recipe's own eval
+    """Eval results for this head: export.results, else the eval.json shipped beside it, else the recipe's own eval
     when it measured this head."""
     candidates = [Path(results)] if results else [src.directory / "eval.json"]
     recipe = src.config.get("train", {}).get("recipe", {})

@@ -19,7 +19,7 @@ def export_readme(form: Format, src: HeadSource, written: Written, sidecar: dict
     lines = [
         f"# {ident.get('name')} {spec.kind} head: {form.title}",
         "",
-        f"Written by `mtptrain export --format {form.name}` from `{sidecar['source_head']}`.",
+        f"Written by `mtptrain export` (export.format {form.name}) from `{sidecar['source_head']}`.",
         "",
         "## Target",
         "",
