@@ -3,7 +3,6 @@ the embedded default, and a train job that is warned, checkpoints, requeues itse
 run would."""
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -87,7 +86,8 @@ def test_the_pipeline_runs_chained_on_slurm_with_two_cpu_tasks(cluster, tmp_path
                  "eval.max_new_tokens=8", "eval.methods=[chain]", "eval.k=[2]", "eval.wandb=disabled"]
     jobs = submit(cluster, "pipeline", overrides, "recipes/quickstart.yaml")
     assert list(jobs) == ["precompute", "train", "eval"]
-    assert cluster.job(jobs["eval"])["Dependency"] in (f"afterok:{jobs['train']}(unfulfilled)", "(null)")
+    assert cluster.job(jobs["train"])["Dependency"] == f"afterok:{jobs['precompute']}(unfulfilled)"
+    assert cluster.job(jobs["eval"])["Dependency"] == f"afterok:{jobs['train']}(unfulfilled)"
     for stage, job in jobs.items():
         info = cluster.wait(job, timeout=900)
         assert info["JobState"] == "COMPLETED", (stage, info, log_of(out / "train" / "slurm", job))
@@ -130,4 +130,4 @@ def test_a_warned_train_job_checkpoints_requeues_and_ends_as_an_uninterrupted_ru
     a, b = (load_file(tmp_path / name / "head" / "model.safetensors") for name in ("clean", "warned"))
     for name in a:
         assert torch.allclose(a[name], b[name], atol=1e-6, rtol=1e-5), name
-    assert os.path.getsize(tmp_path / "warned" / "summary.json") > 0
+    assert json.loads((tmp_path / "warned" / "summary.json").read_text())["steps"] == 150
