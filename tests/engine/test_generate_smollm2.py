@@ -23,7 +23,7 @@ from mtptrain.target import load_target
 
 pytestmark = pytest.mark.real_model
 NEAR_TIE = 1e-3  # top-2 logit gap of the baseline below which float32 batched verification may flip
-NEW_TOKENS = 64
+NEW_TOKENS = 48
 
 
 @pytest.fixture(scope="module")
@@ -33,12 +33,12 @@ def smollm2():
 
 @pytest.fixture(scope="module")
 def requests(smollm2):
-    """Three MT-bench first turns and the baseline's greedy answers (checked against transformers' generate)."""
+    """Two MT-bench first turns and the baseline's greedy answers (checked against transformers' generate)."""
     tok = smollm2.tokenizer
     eos = {tok.convert_tokens_to_ids("<|im_end|>")}
     runner = TargetRunner(smollm2.model)
     out = []
-    for prompt in load_prompts("mtbench", limit=3):
+    for prompt in load_prompts("mtbench", limit=2):
         ids = tok.apply_chat_template([{"role": "user", "content": prompt.turns[0]}], add_generation_prompt=True)
         ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
         plain = generate(runner, ids, NEW_TOKENS, eos=eos)
