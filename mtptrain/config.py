@@ -43,6 +43,11 @@ class TargetConfig(_Section):
         "auto", description="auto = flash_attention_2 when flash-attn imports on CUDA, else sdpa."
     )
     device: str = Field("auto", description="auto = cuda:<local rank> when CUDA is present, else cpu.")
+    gpus_per_rank: int = Field(
+        1, ge=1, description="GPUs one rank's copy of the target is split over, for targets larger than one GPU "
+        "(Llama-3.1-70B: 2 H100s). Rank r takes GPUs r*N ... r*N+N-1 of its node, decoder layers cut into N "
+        "equal runs; run gpus_per_node / N ranks per node. Precompute and eval only: training reads the "
+        "target's embedding, final norm and LM head alone. Ignored on CPU.")
     trust_remote_code: bool = Field(False, description="Run model code shipped with the checkpoint.")
 
 

@@ -57,8 +57,14 @@ class Target:
     model: nn.Module  # a transformers *ForCausalLM
     tokenizer: object
     name: str
-    fingerprint: str
+    fingerprint: str | None  # None when only the frozen parts were loaded (`load_frozen_target`)
     tokenizer_fingerprint: str
+    frozen_fingerprint: str
+
+    @property
+    def partial(self) -> bool:
+        """Only the embedding, final norm and LM head hold weights; the decoder layers are on the meta device."""
+        return self.fingerprint is None
 
     @property
     def config(self):
@@ -78,7 +84,8 @@ class Target:
 
     @property
     def device(self) -> torch.device:
-        return next(self.model.parameters()).device
+        """Where inputs go: the embedding's device (the first of several when the target is split)."""
+        return self.model.get_input_embeddings().weight.device
 
     def decoder(self) -> nn.Module:
         """The stack without the LM head (embeddings, decoder layers, final norm)."""
@@ -93,6 +100,7 @@ class Target:
             "name": self.name,
             "fingerprint": self.fingerprint,
             "tokenizer_fingerprint": self.tokenizer_fingerprint,
+            "frozen_fingerprint": self.frozen_fingerprint,
             "model_type": self.config.model_type,
             "hidden_size": self.hidden_size,
             "vocab_size": self.vocab_size,
@@ -212,14 +220,18 @@ def load_tokenizer(cfg: TargetConfig):
 
 
 def load_target(cfg: TargetConfig, dist: DistInfo | None = None) -> Target:
+    """The whole target on this rank's device, or split over its `target.gpus_per_rank` GPUs."""
     from transformers import AutoModelForCausalLM
 
     dist = dist or DistInfo()
     source, name = resolve_local_dir(cfg)
-    device = pick_device(cfg.device, dist)
-    dtype = pick_dtype(cfg.dtype, device)
-    attention = pick_attention(cfg.attn_implementation, device)
+    devices = rank_devices(cfg, dist)
+    dtype = pick_dtype(cfg.dtype, devices[0])
+    attention = pick_attention(cfg.attn_implementation, devices[0])
     tokenizer = load_tokenizer(cfg)
+    placement = {}
+    if len(devices) > 1:
+        placement["device_map"] = split_device_map(_skeleton(load_config(cfg, source), dtype, cfg), devices)
     try:
         model = AutoModelForCausalLM.from_pretrained(
             source,
@@ -227,14 +239,165 @@ def load_target(cfg: TargetConfig, dist: DistInfo | None = None) -> Target:
             dtype=dtype,
             attn_implementation=attention,
             trust_remote_code=cfg.trust_remote_code,
+            **placement,
         )
     except OSError as exc:
         raise TargetError(_load_hint(cfg.model, exc)) from exc
-    model.to(device).eval().requires_grad_(False)
+    if len(devices) == 1:
+        model.to(devices[0])
+    model.eval().requires_grad_(False)
     log.info("target %s: %d layers, hidden %d, vocab %d, %s on %s, attention %s",
-             name, model.config.num_hidden_layers, model.config.hidden_size,
-             model.config.vocab_size, str(dtype).removeprefix("torch."), device, attention)
-    return Target(model, tokenizer, name, model_fingerprint(model), tokenizer_fingerprint(tokenizer))
+             name, model.config.num_hidden_layers, model.config.hidden_size, model.config.vocab_size,
+             str(dtype).removeprefix("torch."), ", ".join(map(str, devices)), attention)
+    return Target(model, tokenizer, name, model_fingerprint(model), tokenizer_fingerprint(tokenizer),
+                  frozen_fingerprint(model))
+
+
+def load_frozen_target(cfg: TargetConfig, dist: DistInfo | None = None) -> Target | None:
+    """The target with only its embedding, final norm and LM head read from the checkpoint, on this rank's
+    device; the decoder layers stay on the meta device. That is all training a head needs: a rank holds
+    2 × 128,256 × 8,192 bf16 values of Llama-3.1-70B (4.2 GB) instead of its 141 GB.
+
+    Returns None when the checkpoint is not in safetensors files that name those tensors as the model
+    does (the caller then loads the whole target).
+    """
+    dist = dist or DistInfo()
+    source, name = resolve_local_dir(cfg)
+    device = pick_device(cfg.device, dist)
+    dtype = pick_dtype(cfg.dtype, device)
+    tokenizer = load_tokenizer(cfg)
+    model = _skeleton(load_config(cfg, source), dtype, cfg)
+    tensors = _read_checkpoint_tensors(source, cfg, [param_name for param_name, _ in frozen_parameters(model)])
+    if tensors is None:
+        return None
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    with torch.no_grad():
+        for module in _frozen_modules(model):
+            module.to_empty(device=device)
+        for param_name, param in model.named_parameters():
+            if param_name in tensors:
+                param.copy_(tensors[param_name])
+        if tied:
+            model.get_output_embeddings().weight = model.get_input_embeddings().weight
+    model.eval().requires_grad_(False)
+    log.info("target %s: embedding, final norm and LM head (%s) on %s; decoder layers not loaded",
+             name, str(dtype).removeprefix("torch."), device)
+    return Target(model, tokenizer, name, None, tokenizer_fingerprint(tokenizer), frozen_fingerprint(model))
+
+
+def load_config(cfg: TargetConfig, source: str | None = None):
+    from transformers import AutoConfig
+
+    source = source or resolve_local_dir(cfg)[0]
+    try:
+        return AutoConfig.from_pretrained(source, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+    except OSError as exc:
+        raise TargetError(_load_hint(cfg.model, exc)) from exc
+
+
+def _skeleton(config, dtype: torch.dtype, cfg: TargetConfig) -> nn.Module:
+    """The model with every weight on the meta device: shapes and module tree, no memory."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
+
+
+def rank_devices(cfg: TargetConfig, dist: DistInfo) -> list[torch.device]:
+    """The devices this rank's copy of the target spans: `target.gpus_per_rank` consecutive GPUs on CUDA
+    (from local_rank × N, or from the index of an explicit `target.device`), else one device."""
+    first = pick_device(cfg.device, dist)
+    count = cfg.gpus_per_rank
+    if count == 1 or first.type != "cuda":
+        if count > 1:
+            log.info("target.gpus_per_rank=%d applies to CUDA only: the target loads whole on %s", count, first)
+        return [first]
+    start = dist.local_rank * count if cfg.device == "auto" else (first.index or 0)
+    visible = torch.cuda.device_count()
+    if start + count > visible:
+        raise TargetError(
+            f"local rank {dist.local_rank} needs GPUs {start}..{start + count - 1} for target.gpus_per_rank="
+            f"{count}, but {visible} are visible: run at most {visible // count} rank(s) per node "
+            f"(slurm.<stage>.tasks_per_node), or lower target.gpus_per_rank")
+    return [torch.device("cuda", start + i) for i in range(count)]
+
+
+def split_device_map(model: nn.Module, devices: list[torch.device]) -> dict[str, str]:
+    """A `device_map` that cuts the decoder layers into len(devices) contiguous runs of equal size.
+
+    The embedding and rotary embedding go with the first run, the final norm and the LM head with the
+    last (the LM head stays with the embedding when they are tied). Layers run one device after the
+    other; transformers moves each layer's inputs to its device.
+    """
+    names = {id(module): module_name for module_name, module in model.named_modules()}
+    decoder = model.get_decoder()
+    prefix = names[id(decoder)]
+    layers = decoder.layers
+    first, last = str(devices[0]), str(devices[-1])
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    mapping: dict[str, str] = {}
+    for child_name, child in decoder.named_children():
+        if child is layers:
+            for i in range(len(layers)):
+                mapping[f"{prefix}.layers.{i}"] = str(devices[i * len(devices) // len(layers)])
+        else:
+            mapping[f"{prefix}.{child_name}"] = last if child is decoder.norm else first
+    for child_name, child in model.named_children():
+        if child is not decoder:
+            mapping[child_name] = first if (tied and child is model.get_output_embeddings()) else last
+    return mapping
+
+
+def _frozen_modules(model: nn.Module) -> list[nn.Module]:
+    """The parts of the target a head uses: input embedding, final norm, LM head."""
+    return [model.get_input_embeddings(), model.get_decoder().norm, model.get_output_embeddings()]
+
+
+def frozen_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """(name, parameter) of the frozen parts, in the model's order, a tied weight once."""
+    ids = {id(p) for module in _frozen_modules(model) for p in module.parameters()}
+    return [(n, p) for n, p in model.named_parameters() if id(p) in ids]
+
+
+def _checkpoint_file(source: str, filename: str, cfg: TargetConfig) -> Path | None:
+    """A file of the checkpoint: from the model directory, or downloaded alone from the hub; None if absent."""
+    if Path(source).is_dir():
+        path = Path(source) / filename
+        return path if path.is_file() else None
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError
+
+    try:
+        return Path(hf_hub_download(source, filename, revision=cfg.revision))
+    except EntryNotFoundError:
+        return None
+    except Exception as exc:  # hub errors come in many classes
+        raise TargetError(_load_hint(cfg.model, exc)) from exc
+
+
+def _read_checkpoint_tensors(source: str, cfg: TargetConfig, names: list[str]) -> dict[str, torch.Tensor] | None:
+    """The named tensors from the checkpoint's safetensors files, reading only the files that hold them."""
+    from safetensors import safe_open
+
+    index = _checkpoint_file(source, "model.safetensors.index.json", cfg)
+    if index is not None:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    elif _checkpoint_file(source, "model.safetensors", cfg) is not None:
+        with safe_open(_checkpoint_file(source, "model.safetensors", cfg), framework="pt") as f:
+            weight_map = {key: "model.safetensors" for key in f.keys()}
+    else:
+        log.info("%s has no safetensors files: loading the whole target", cfg.model)
+        return None
+    missing = [n for n in names if n not in weight_map]
+    if missing:
+        log.warning("%s names no tensor %s in its safetensors files: loading the whole target", cfg.model,
+                    ", ".join(missing))
+        return None
+    tensors = {}
+    for filename in sorted({weight_map[n] for n in names}):
+        with safe_open(_checkpoint_file(source, filename, cfg), framework="pt") as f:
+            tensors.update({n: f.get_tensor(n) for n in names if weight_map[n] == filename})
+    return tensors
 
 
 def _load_hint(source: str, exc: Exception) -> str:
@@ -246,13 +409,15 @@ class LayerCapture:
     """Forward hooks that keep the outputs of chosen decoder layers ("output of layer i", 0-based) during
     a forward pass: precompute stores them, the engine hands them to drafters that read the target."""
 
-    def __init__(self, decoder_layers: nn.ModuleList, layers: list[int]):
+    def __init__(self, decoder_layers: nn.ModuleList, layers: list[int], device: torch.device | None = None):
         self.outputs: dict[int, torch.Tensor] = {}
+        self.device = device  # where the kept states go (a split target's layers sit on several GPUs)
         self._hooks = [decoder_layers[i].register_forward_hook(self._keeper(i)) for i in layers]
 
     def _keeper(self, layer: int):
         def keep(_module, _inputs, output):
-            self.outputs[layer] = output[0] if isinstance(output, tuple) else output
+            states = output[0] if isinstance(output, tuple) else output
+            self.outputs[layer] = states if self.device is None else states.to(self.device)
         return keep
 
     def take(self) -> dict[int, torch.Tensor]:
@@ -268,31 +433,47 @@ class LayerCapture:
 
 
 def identity_mismatch(stored: dict, given: dict) -> str | None:
-    """The first fingerprint that differs between two target identities, or None when they match."""
-    return next((k for k in ("fingerprint", "tokenizer_fingerprint") if stored.get(k) != given.get(k)), None)
+    """The first fingerprint that differs between two target identities, or None when they match.
+
+    A target loaded in part (`load_frozen_target`) is compared on its frozen parts: the embedding, final
+    norm and LM head, with the architecture config, are what a head trained on stored features uses.
+    """
+    weights = "fingerprint" if given.get("fingerprint") is not None else "frozen_fingerprint"
+    return next((k for k in (weights, "tokenizer_fingerprint") if stored.get(k) != given.get(k)), None)
 
 
 def config_fingerprint_dict(config) -> dict:
     return {k: v for k, v in sorted(config.to_dict().items()) if k not in _VOLATILE_CONFIG_KEYS}
 
 
-@torch.no_grad()
-def model_fingerprint(model: nn.Module) -> str:
-    """Digest of the architecture config and an evenly strided sample of every weight.
+def _digest_parameters(config, parameters) -> str:
+    """Digest of the architecture config and an evenly strided sample of each (name, tensor).
 
     Samples are rounded to bfloat16 first, so a float32 and a bfloat16 load of
     the same checkpoint share a fingerprint. Sampling keeps this cheap for
     70B targets while any retrained or swapped tensor still changes it.
     """
     digest = hashlib.sha256()
-    digest.update(json.dumps(config_fingerprint_dict(model.config), sort_keys=True, default=str).encode())
-    for name, param in sorted(model.named_parameters(), key=lambda item: item[0]):
+    digest.update(json.dumps(config_fingerprint_dict(config), sort_keys=True, default=str).encode())
+    for name, param in sorted(parameters, key=lambda item: item[0]):
         flat = param.detach().reshape(-1)
         step = max(1, flat.numel() // _SAMPLES_PER_TENSOR)
         sample = flat[::step].to("cpu", torch.bfloat16).view(torch.int16).numpy().tobytes()
         digest.update(f"{name}:{tuple(param.shape)}:".encode())
         digest.update(sample)
     return digest.hexdigest()[:32]
+
+
+@torch.no_grad()
+def model_fingerprint(model: nn.Module) -> str:
+    """The target's fingerprint: its config and a sample of every weight."""
+    return _digest_parameters(model.config, model.named_parameters())
+
+
+@torch.no_grad()
+def frozen_fingerprint(model: nn.Module) -> str:
+    """The fingerprint of what a head uses of the target: its config, embedding, final norm and LM head."""
+    return _digest_parameters(model.config, frozen_parameters(model))
 
 
 def tokenizer_fingerprint(tokenizer) -> str:

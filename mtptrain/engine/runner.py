@@ -19,7 +19,7 @@ class TargetRunner:
     def __init__(self, model, capture: list[int] = ()):
         self.model = model
         self.cache = DynamicCache()
-        self._capture = LayerCapture(model.get_decoder().layers, list(capture))
+        self._capture = LayerCapture(model.get_decoder().layers, list(capture), self.device)
 
     @property
     def hidden(self) -> dict[int, torch.Tensor]:
@@ -65,10 +65,11 @@ class TargetRunner:
         """Keep the first `length` cached tokens and, after them, the entries at length + r for r in rows
         (the accepted path of a verified tree), in that order."""
         if rows != list(range(len(rows))):  # move the path's entries next to the prefix (only those are copied)
-            index = (length + torch.tensor(rows, dtype=torch.long)).to(self.device)
-            for layer in self.cache.layers:
-                layer.keys[..., length : length + len(rows), :] = layer.keys.index_select(-2, index)
-                layer.values[..., length : length + len(rows), :] = layer.values.index_select(-2, index)
+            index = length + torch.tensor(rows, dtype=torch.long)
+            for layer in self.cache.layers:  # a split target keeps each layer's cache on that layer's GPU
+                here = index.to(layer.keys.device)
+                layer.keys[..., length : length + len(rows), :] = layer.keys.index_select(-2, here)
+                layer.values[..., length : length + len(rows), :] = layer.values.index_select(-2, here)
         self.rollback(length + len(rows))
 
     def rollback(self, length: int) -> None:

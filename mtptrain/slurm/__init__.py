@@ -38,12 +38,25 @@ def _job(recipe: Recipe, stage: str) -> dict:
     return job
 
 
+def check_gpus(recipe: Recipe, stage: str) -> None:
+    """Precompute and eval ranks each take target.gpus_per_rank GPUs: a node must have them all."""
+    res, per_rank = getattr(recipe.slurm, stage), recipe.target.gpus_per_rank
+    if stage == "train" or res.gpus_per_node == 0 or res.tasks_per_node * per_rank <= res.gpus_per_node:
+        return
+    raise SlurmError(
+        f"slurm.{stage}: {res.tasks_per_node} task(s) per node × target.gpus_per_rank {per_rank} = "
+        f"{res.tasks_per_node * per_rank} GPUs, but slurm.{stage}.gpus_per_node is {res.gpus_per_node}: set "
+        f"slurm.{stage}.tasks_per_node={max(1, res.gpus_per_node // per_rank)} (or gpus_per_node="
+        f"{res.tasks_per_node * per_rank})")
+
+
 def render(recipe: Recipe, stage: str, recipe_path: Path) -> str:
     """The sbatch script of `stage`, running the recipe at `recipe_path`."""
     import jinja2
 
     if stage not in STAGES:
         raise ValueError(f"unknown stage {stage!r}; stages: {', '.join(STAGES)} (or pipeline)")
+    check_gpus(recipe, stage)
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), undefined=jinja2.StrictUndefined,
                              keep_trailing_newline=True)
     cfg = recipe.slurm
@@ -52,7 +65,7 @@ def render(recipe: Recipe, stage: str, recipe_path: Path) -> str:
         partition=cfg.partition, account=cfg.account, sbatch_args=cfg.sbatch_args, setup=cfg.setup,
         python=sys.executable if cfg.python == "auto" else cfg.python, recipe_path=recipe_path,
         run_dir=Path(recipe.train.output_dir).absolute(), procs_per_node=cfg.train.tasks_per_node,
-        warning_seconds=cfg.warning_seconds)
+        warning_seconds=cfg.warning_seconds, gpus_per_rank=recipe.target.gpus_per_rank)
 
 
 def write_scripts(recipe: Recipe, stages: tuple[str, ...]) -> dict[str, Path]:

@@ -42,7 +42,7 @@ from mtptrain.heads import FrozenTarget
 from mtptrain.heads.checkpoint import HeadSpec, build_head, save_head
 from mtptrain.heads.eagle3 import DraftVocab
 from mtptrain.io import atomic_write_json
-from mtptrain.target import load_target
+from mtptrain.target import Target, load_frozen_target, load_target
 from mtptrain.train.data import BatchPlan, loader, steps_for
 from mtptrain.train.metrics import MetricsLog
 from mtptrain.train.objective import batch_objective, step_weights
@@ -152,6 +152,19 @@ def run_train(recipe: Recipe, wandb: str | None = None, show_progress: bool = Tr
     return Trainer(recipe, dist, device, wandb or recipe.train.wandb, show_progress and dist.is_main).run()
 
 
+def _load_frozen_parts(recipe: Recipe, manifest: dict, dist: DistInfo) -> Target:
+    """The target as training needs it: its embedding, final norm and LM head, the decoder layers unread.
+
+    Stores written before frozen-part fingerprints existed, and checkpoints that are not in safetensors, get the
+    whole target instead.
+    """
+    if manifest["target"].get("frozen_fingerprint"):
+        target = load_frozen_target(recipe.target, dist)
+        if target is not None:
+            return target
+    return load_target(recipe.target, dist)
+
+
 class Trainer:
     def __init__(self, recipe: Recipe, dist: DistInfo, device: torch.device, wandb_mode: str, show_progress: bool):
         self.recipe, self.cfg, self.dist, self.device = recipe, recipe.train, dist, device
@@ -160,7 +173,7 @@ class Trainer:
         self.ckpt_dir = self.run_dir / "checkpoints"
         manifest = load_manifest(Path(self.cfg.features))
         self.spec = head_spec(recipe.head, manifest)
-        self.target = load_target(recipe.target, dist)
+        self.target = _load_frozen_parts(recipe, manifest, dist)
         layers = sorted({self.spec.last_layer, *self.spec.feature_layers})
         # Refused here, before any training: a store of another target, or without the layers the head reads.
         self.train_store = FeatureStore(self.cfg.features, "train", target=self.target, layers=layers)
@@ -174,6 +187,9 @@ class Trainer:
         self.fingerprint = run_fingerprint(recipe, manifest, dist.world_size)
         self.precision = pick_precision(self.cfg.precision, device)
         self.stop_file = self.run_dir / STOP_FILE
+        # The store's check above compared the frozen parts of a partly loaded target; the features, and so the
+        # head, belong to the model the store names.
+        self.target_identity = {**self.target.identity(), "fingerprint": manifest["target"]["fingerprint"]}
 
     # ------------------------------------------------------------------ set-up
 
@@ -352,7 +368,7 @@ class Trainer:
     def _snapshot(self, head, step: int) -> None:
         """The head as it is at `step`, with the training tokens seen so far (exact, from the batch plan)."""
         tokens = self.plan.tokens_through(step)
-        save_head(self.run_dir / "snapshots" / f"step-{step:07d}", head, self.spec, self.target.identity(),
+        save_head(self.run_dir / "snapshots" / f"step-{step:07d}", head, self.spec, self.target_identity,
                   {"features": {"store": str(self.cfg.features), "layers": self.train_store.layers},
                    "train": {"steps": step, "tokens": tokens, "recipe": self.recipe.model_dump(mode="json")}})
 
@@ -363,7 +379,7 @@ class Trainer:
                    "checkpoint": last_checkpoint, "head": str(self.run_dir / "head")}
         if self.dist.is_main:
             summary.update(getattr(self, "last_validation", {}))
-            save_head(self.run_dir / "head", head, self.spec, self.target.identity(),
+            save_head(self.run_dir / "head", head, self.spec, self.target_identity,
                       {"features": {"store": str(self.cfg.features), "layers": self.train_store.layers},
                        "train": {"steps": step, "recipe": self.recipe.model_dump(mode="json")}},
                       dtype=getattr(torch, self.cfg.head_dtype))

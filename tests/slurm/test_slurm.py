@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from mtptrain.cli import app
 from mtptrain.config import load_recipe
-from mtptrain.slurm import render
+from mtptrain.slurm import SlurmError, render
 
 REPO = Path(__file__).resolve().parents[2]
 CPU_JOBS = ["slurm.precompute.tasks_per_node=2", "slurm.precompute.gpus_per_node=0",
@@ -74,6 +74,18 @@ def test_scripts_are_filled_from_the_recipe_with_nothing_of_a_cluster_baked_in(t
     dry = CliRunner().invoke(app, ["slurm", "pipeline", "--dry-run"])
     assert dry.exit_code == 0 and dry.output.count("#!/usr/bin/env bash") == 3
     assert CliRunner().invoke(app, ["slurm", "finetune"]).exit_code == 2
+
+
+def test_ranks_split_over_several_gpus_fit_their_nodes(tmp_path):
+    big = load_recipe(REPO / "recipes/llama-3.1-70b-eagle3.yaml")
+    scripts = {stage: render(big, stage, tmp_path / "r.yaml") for stage in ("precompute", "train", "eval")}
+    assert "#SBATCH --ntasks-per-node=4" in scripts["precompute"] and "#SBATCH --gpus-per-node=8" in scripts["precompute"]
+    assert "#SBATCH --gpus-per-node=2" in scripts["eval"] and "--nproc-per-node=8" in scripts["train"]
+    crowded = load_recipe(None, ["target.gpus_per_rank=2"])  # the default 8 precompute tasks on 8 GPUs
+    with pytest.raises(SlurmError, match=r"8 task\(s\) per node × target.gpus_per_rank 2 = 16 GPUs.*"
+                                         r"set slurm.precompute.tasks_per_node=4"):
+        render(crowded, "precompute", tmp_path / "r.yaml")
+    render(crowded, "train", tmp_path / "r.yaml")  # training ranks hold the frozen parts only: one GPU each
 
 
 @pytest.mark.real_model

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -57,7 +58,11 @@ def test_frozen_target_is_untouched_and_never_saved(tiny_target_dir, tiny_store,
     finally:
         trainer_module.Trainer.__init__ = original_init
     fresh = AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32).state_dict()
-    for name, tensor in seen["model"].state_dict().items():
+    # Training reads the frozen parts alone: the decoder layers were never loaded.
+    loaded = {name: t for name, t in seen["model"].state_dict().items() if t.device.type != "meta"}
+    assert set(loaded) == {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
+    assert all(t.device.type == "meta" for t in seen["model"].model.layers.state_dict().values())
+    for name, tensor in loaded.items():
         assert torch.equal(tensor, fresh[name]), name
     exported = load_file(tmp_path / "run" / "head" / "model.safetensors")
     assert exported and not any(VOCAB in t.shape and t.dim() == 2 for t in exported.values())
@@ -75,6 +80,28 @@ def test_a_store_of_another_target_is_refused_before_training(other_target_dir, 
     with pytest.raises(FeatureStoreError, match="same target.model"):
         run_train(train_recipe(other_target_dir, tiny_store, tmp_path / "run"), show_progress=False)
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_the_head_records_the_stores_target_whether_loaded_in_part_or_whole(tiny_target_dir, tiny_store, tmp_path,
+                                                                            monkeypatch):
+    import mtptrain.train.trainer as trainer_module
+
+    whole_loads = []
+    load_whole = trainer_module.load_target
+    monkeypatch.setattr(trainer_module, "load_target", lambda *a, **k: whole_loads.append(1) or load_whole(*a, **k))
+    manifest = json.loads((tiny_store / "manifest.json").read_text())
+    run_train(train_recipe(tiny_target_dir, tiny_store, tmp_path / "part", "train.max_steps=2"), show_progress=False)
+    assert json.loads((tmp_path / "part" / "head" / "config.json").read_text())["target"] == manifest["target"]
+    assert not whole_loads
+    # A store written before frozen-part fingerprints has none to check a partial load against: the whole
+    # target is loaded and checked instead.
+    old = tmp_path / "old-store"
+    shutil.copytree(tiny_store, old)
+    del manifest["target"]["frozen_fingerprint"]
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    run_train(train_recipe(tiny_target_dir, old, tmp_path / "whole", "train.max_steps=2"), show_progress=False)
+    recorded = json.loads((tmp_path / "whole" / "head" / "config.json").read_text())["target"]
+    assert recorded["fingerprint"] == manifest["target"]["fingerprint"] and whole_loads == [1]
 
 
 def test_layers_the_store_lacks_are_refused_before_training(tiny_target_dir, tiny_store, tmp_path):

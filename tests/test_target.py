@@ -1,0 +1,142 @@
+"""Loading the target in part (training) and split over several devices (precompute and eval of large targets)."""
+
+import json
+import logging
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from conftest import make_tiny_llama, make_tokenizer
+from mtptrain.config import TargetConfig, load_recipe
+from mtptrain.dist import DistInfo
+from mtptrain.target import (
+    _skeleton, frozen_parameters, identity_mismatch, load_frozen_target, load_target, model_fingerprint,
+    rank_devices, split_device_map,
+)
+
+# Llama-3.1-70B-Instruct's config.json, as Meta publishes it (the shapes the 70B recipe is sized for).
+LLAMA_31_70B = dict(
+    vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+    num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
+    tie_word_embeddings=False, bos_token_id=128000, eos_token_id=[128001, 128008, 128009],
+    rope_scaling={"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+)
+
+
+def _save(directory, tied=True, **save_kwargs):
+    tok = make_tokenizer()
+    model = make_tiny_llama(len(tok))
+    if not tied:
+        model.config.tie_word_embeddings = False
+        model.lm_head.weight = torch.nn.Parameter(torch.randn_like(model.lm_head.weight))
+    model.save_pretrained(directory, **save_kwargs)
+    tok.save_pretrained(directory)
+    return directory
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_frozen_parts_equal_the_full_load_and_nothing_else_is_read(tmp_path, tied):
+    # Shards of 20 kB put the embedding, the layers and the LM head in different files.
+    directory = _save(tmp_path / "t", tied=tied, max_shard_size="20KB")
+    weight_map = json.loads((directory / "model.safetensors.index.json").read_text())["weight_map"]
+    full = load_target(TargetConfig(model=str(directory)))
+    names = [name for name, _ in frozen_parameters(full.model)]
+    assert ("lm_head.weight" in names) is not tied
+    # Only the files holding the frozen tensors are needed: delete every other shard.
+    needed = {weight_map[name] for name in names}
+    removed = set(weight_map.values()) - needed
+    assert removed
+    for filename in removed:
+        (directory / filename).unlink()
+    part = load_frozen_target(TargetConfig(model=str(directory)))
+
+    assert part.partial and not full.partial
+    for get in (lambda m: m.get_input_embeddings().weight, lambda m: m.model.norm.weight,
+                lambda m: m.get_output_embeddings().weight):
+        assert torch.equal(get(part.model), get(full.model))
+    assert (part.model.lm_head.weight is part.model.model.embed_tokens.weight) is tied
+    assert all(p.device.type == "meta" for p in part.model.model.layers.parameters())
+    assert part.frozen_fingerprint == full.frozen_fingerprint
+    assert identity_mismatch(full.identity(), part.identity()) is None
+
+
+def test_a_partial_target_is_refused_for_a_store_of_another_target(tiny_target_dir, other_target_dir):
+    full = load_target(TargetConfig(model=str(tiny_target_dir)))
+    other = load_frozen_target(TargetConfig(model=str(other_target_dir)))
+    assert identity_mismatch(full.identity(), other.identity()) == "frozen_fingerprint"
+    # A store from before frozen fingerprints has none to compare: refused, not waved through.
+    old = {k: v for k, v in full.identity().items() if k != "frozen_fingerprint"}
+    assert identity_mismatch(old, load_frozen_target(TargetConfig(model=str(tiny_target_dir))).identity())
+
+
+def test_checkpoints_without_the_tensors_in_safetensors_fall_back_to_the_whole_target(tmp_path, caplog):
+    directory = _save(tmp_path / "t")
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(directory / "model.safetensors")
+    tensors["model.embed_tokens.renamed"] = tensors.pop("model.embed_tokens.weight")
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    with caplog.at_level(logging.WARNING):
+        assert load_frozen_target(TargetConfig(model=str(directory))) is None
+    assert "model.embed_tokens.weight" in caplog.text and "loading the whole target" in caplog.text
+    (directory / "model.safetensors").unlink()
+    assert load_frozen_target(TargetConfig(model=str(directory))) is None
+
+
+@pytest.mark.real_model
+def test_embedded_target_loads_in_part_with_the_same_frozen_fingerprint():
+    part, full = load_frozen_target(TargetConfig()), load_target(TargetConfig())
+    assert part.frozen_fingerprint == full.frozen_fingerprint
+    assert identity_mismatch(full.identity(), part.identity()) is None
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_split_device_map_covers_every_weight_in_contiguous_equal_runs(tmp_path, tied):
+    directory = _save(tmp_path / "t", tied=tied)
+    whole = load_target(TargetConfig(model=str(directory)))
+    skeleton = _skeleton(whole.config, torch.float32, TargetConfig())
+    mapping = split_device_map(skeleton, [torch.device("cuda", 0), torch.device("cuda", 1)])
+    assert [mapping[f"model.layers.{i}"] for i in range(4)] == ["cuda:0", "cuda:0", "cuda:1", "cuda:1"]
+    assert mapping["model.embed_tokens"] == "cuda:0" and mapping["model.norm"] == "cuda:1"
+    assert mapping["lm_head"] == ("cuda:0" if tied else "cuda:1")
+    for name, _ in skeleton.named_parameters():
+        assert any(name.startswith(prefix + ".") for prefix in mapping), name
+    # transformers accepts the map as a device_map (all on the CPU here), and the weights load unchanged.
+    on_cpu = {name: "cpu" for name in split_device_map(skeleton, [torch.device("cpu")] * 2)}
+    placed = AutoModelForCausalLM.from_pretrained(directory, device_map=on_cpu, dtype=torch.float32)
+    assert model_fingerprint(placed) == whole.fingerprint
+
+
+def test_rank_devices_on_cpu_ignore_gpus_per_rank():
+    cfg = TargetConfig(gpus_per_rank=2)
+    assert rank_devices(cfg, DistInfo(rank=1, world_size=2, local_rank=1)) == [torch.device("cpu")]
+
+
+def _70b_skeleton():
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(LlamaConfig(**LLAMA_31_70B), dtype=torch.bfloat16)
+
+
+def test_70b_recipe_fits_its_gpus():
+    """Each precompute rank splits Llama-3.1-70B over target.gpus_per_rank H100s (80 GB): the weights leave
+    room for activations, and the node runs gpus_per_node / gpus_per_rank ranks."""
+    recipe = load_recipe("recipes/llama-3.1-70b-eagle3.yaml")
+    per_rank = recipe.target.gpus_per_rank
+    model = _70b_skeleton()
+    assert sum(p.numel() for p in model.parameters()) == pytest.approx(70.55e9, rel=1e-3)
+    devices = [torch.device("cuda", i) for i in range(per_rank)]
+    mapping = split_device_map(model, devices)
+    held = dict.fromkeys(map(str, devices), 0)
+    for name, param in model.named_parameters():
+        prefix = max((p for p in mapping if name.startswith(p + ".")), key=len)
+        held[mapping[prefix]] += param.numel() * param.element_size()
+    assert max(held.values()) < 72e9, held  # at least 8 GB of each 80 GB GPU left for activations and cache
+    assert max(held.values()) / min(held.values()) < 1.01
+    for stage in ("precompute", "eval"):
+        res = getattr(recipe.slurm, stage)
+        assert res.tasks_per_node * per_rank == res.gpus_per_node
+    # Training reads only the frozen parts: the embedding and the LM head, 2.1 GB each in bf16.
+    frozen = sum(p.numel() * p.element_size() for _, p in frozen_parameters(model))
+    assert frozen == pytest.approx(4.2e9, rel=0.01)
