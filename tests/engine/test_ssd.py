@@ -1,0 +1,221 @@
+"""What speculative speculative decoding pre-drafts: outcome probabilities, fan-out, guesses, Saguaro sampling."""
+
+import pytest
+import torch
+from conftest import make_tiny_llama
+from law import engine_two_token_law, exact_two_token_law
+
+from mtptrain.engine.ssd import fan_out, guesses, outcome_probabilities, saguaro_distribution
+from mtptrain.engine.verify import Sampling, distribution
+
+
+def test_outcome_probabilities_sum_to_one_and_follow_the_rates():
+    probs = outcome_probabilities([0.8, 0.5, 0.25])
+    assert probs == pytest.approx([0.2, 0.4, 0.3, 0.1])
+    assert sum(outcome_probabilities([0.6] * 5)) == pytest.approx(1.0)
+
+
+def test_fan_out_is_the_capped_geometric_allocation():
+    # A constant acceptance rate a gives P(j) ∝ a^j for j < K, so F_j ∝ a^(j / (1 + r)): ratio 0.5 at a = 0.25, r = 1.
+    probs = outcome_probabilities([0.25] * 4)
+    fans = fan_out(31, probs, power=1.0)
+    assert sum(fans) == 31
+    assert fans[:4] == [16, 8, 4, 2] and fans[4] == 1  # the last outcome (all accepted) has P = a^K
+    # A larger r spreads the budget more evenly (the tail of the miss curve falls faster).
+    assert fan_out(31, probs, power=4.0)[0] < 16
+    # Caps: a position with few candidates keeps its cap, the rest goes to the others.
+    capped = fan_out(31, probs, power=1.0, caps=[3, 100, 100, 100, 100])
+    assert capped[0] == 3 and sum(capped) == 31 and capped[1] > capped[2] > capped[3]
+    assert fan_out(10, probs, caps=[1, 1, 1, 1, 1]) == [1, 1, 1, 1, 1]
+    assert fan_out(0, probs) == [0] * 5
+    with pytest.raises(ValueError):
+        fan_out(4, probs, power=0.0)
+
+
+def test_guesses_skip_the_rejected_draft_token_and_come_best_first():
+    scores = torch.tensor([[0.15, 0.5, 0.3, 0.05],   # after 0 drafts: the draft's own token 1 is skipped
+                           [0.4, 0.1, 0.2, 0.3],   # after 1 draft: draft token 0 is skipped
+                           [0.25, 0.15, 0.5, 0.1]])  # after the whole draft: the bonus, nothing skipped
+    assert guesses([1, 0], scores, [2, 1, 1]) == [(0, 2), (1, 3), (2, 2), (0, 0)]
+    assert guesses([1, 0], scores, [0, 0, 2]) == [(2, 2), (2, 0)]
+
+
+def test_saguaro_scales_the_top_tokens_and_renormalises():
+    q = torch.tensor([0.5, 0.3, 0.15, 0.05], dtype=torch.float64)
+    scaled = saguaro_distribution(q, 2, 0.5)
+    assert scaled.sum() == pytest.approx(1.0)
+    assert scaled.tolist() == pytest.approx([0.25 / 0.6, 0.15 / 0.6, 0.15 / 0.6, 0.05 / 0.6])
+    assert torch.equal(saguaro_distribution(q, 2, 1.0), q)
+    with pytest.raises(ValueError, match="in \\(0, 1\\]"):
+        saguaro_distribution(q, 2, 0.0)
+
+
+def test_saguaro_moves_the_residual_onto_the_cached_tokens():
+    """With q close to p, a rejection's token is drawn from max(0, p - q'): scaling q's top tokens down makes
+    them the residual's likely tokens, which are the ones a speculation cache holds."""
+    p = torch.tensor([0.4, 0.3, 0.2, 0.1], dtype=torch.float64)
+    q = torch.tensor([0.45, 0.35, 0.1, 0.1], dtype=torch.float64)
+
+    def residual_mass_on_top_2(q_used):
+        residual = (p - q_used).clamp_min(0)
+        return float(residual[:2].sum() / residual.sum())
+
+    assert residual_mass_on_top_2(q) == 0.0  # plain q: a rejection always emits token 2, never cached
+    assert residual_mass_on_top_2(saguaro_distribution(q, 2, 0.5)) == pytest.approx(0.5)
+    assert residual_mass_on_top_2(saguaro_distribution(q, 2, 0.2)) > 0.8
+
+
+class SaguaroDrafter:
+    """Drafts from q with its top-2 tokens scaled down by C, and reports that distribution to verification."""
+
+    def __init__(self, q: torch.Tensor, factor: float, seed: int):
+        self.q = saguaro_distribution(q, 2, factor)
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def propose(self, tokens, k):
+        return torch.multinomial(self.q, k, replacement=True, generator=self.generator).tolist(), self.q.expand(k, -1)
+
+
+def test_sampling_with_saguaro_drafts_stays_exact_in_law():
+    vocab = 12
+    model = make_tiny_llama(vocab, seed=4).double()
+    prompt = list(range(vocab)) * 2
+    sampling = Sampling(temperature=1.0)
+    exact = exact_two_token_law(model, prompt, sampling)
+    q = torch.softmax(torch.randn(vocab, generator=torch.Generator().manual_seed(9), dtype=torch.float64) * 2, -1)
+    trials = 3000
+    empirical, drafted, rejected = engine_two_token_law(model, prompt, sampling,
+                                                        lambda seed: SaguaroDrafter(q, 0.3, seed), trials, k=3)
+    assert drafted == trials and 0 < rejected < trials
+    # As in test_generate: an exact sampler's TV at 3000 samples is about 0.1.
+    assert 0.5 * (empirical - exact).abs().sum() < 0.15
+
+
+# --------------------------------------------------------------------------- the speculation cache and the worker
+
+
+def varied_model(layers: int = 4, vocab: int = 64):
+    """A tiny target whose greedy text varies (float64, so batched and single forwards agree exactly)."""
+    return make_tiny_llama(vocab, seed=3, layers=layers, initializer_range=0.3).double()
+
+
+def varied_draft(layers: int = 2):
+    """The worker's draft model: the varied target cut to its first layers (importable by the spawned worker)."""
+    from mtptrain.engine.draft_model import truncated_target
+
+    return truncated_target(varied_model(), layers)
+
+
+def test_every_cached_continuation_is_the_draft_the_drafter_would_make_from_scratch():
+    from mtptrain.engine.ssd import DraftLM, Speculator, SSDSettings
+
+    settings = SSDSettings(k=3, budget=6)
+    speculator = Speculator(DraftLM(varied_draft(), settings.sampling, 1.0, 0), settings, 64)
+    context = [5, 9, 13, 2, 40, 7]
+    first = speculator.next_draft(context, 3)
+    speculator.speculate(lambda: False)
+    # Before any outcome, each position's acceptance rate is 1/2: P(j) = 1/2, 1/4, 1/8, 1/8, fans ∝ sqrt(P(j)).
+    assert speculator.fans(3) == [2, 2, 1, 1]
+    assert len(speculator.cache) == 6 and speculator.stats.guesses == 6
+    assert sorted(j for j, _ in speculator.cache) == [0, 0, 1, 1, 2, 3]
+    for (j, token), cont in speculator.cache.items():
+        fresh = DraftLM(varied_draft(), settings.sampling, 1.0, 0).draft(context + first.tokens[:j] + [token], 3, [])
+        assert cont.tokens == fresh.tokens, (j, token)
+        assert torch.allclose(cont.scores, fresh.scores, atol=1e-9)
+    # The outcome is read from the text: j drafts accepted, then the guessed token. A hit returns the cached draft.
+    (j, token), cached = next(iter(speculator.cache.items()))
+    assert speculator.next_draft(context + first.tokens[:j] + [token], 3).tokens == cached.tokens
+    assert sum(speculator.stats.hits) == 1 and sum(speculator.stats.misses) == 0
+
+
+def test_cached_sampled_drafts_report_the_saguaro_distribution_they_were_drawn_from():
+    """Verification is exact only if each drafted token comes with the q' it was sampled from."""
+    from mtptrain.engine.ssd import DraftLM, Speculator, SSDSettings
+
+    settings = SSDSettings(k=3, budget=6, factor=0.3, sampling=Sampling(temperature=1.0))
+    speculator = Speculator(DraftLM(varied_draft(), settings.sampling, settings.factor, 0), settings, 64)
+    context = [5, 9, 13, 2, 40, 7]
+    first = speculator.next_draft(context, 3)
+    fans = speculator.fans(3)
+    speculator.speculate(lambda: False)
+    reference = DraftLM(varied_draft(), settings.sampling, settings.factor, 0)
+    for (j, token), cont in speculator.cache.items():
+        text = context + first.tokens[:j] + [token]
+        logits = reference.sync(text + cont.tokens, len(cont.tokens) + 1)
+        for i in range(len(cont.tokens)):
+            expected = saguaro_distribution(distribution(logits[i], settings.sampling), fans[i], 0.3)
+            assert torch.allclose(cont.probs[i], expected, atol=1e-9), (j, token, i)
+            assert cont.probs[i, cont.tokens[i]] > 0
+
+
+def test_ssd_decoding_is_the_targets_greedy_decoding_and_hits_its_cache():
+    from mtptrain.engine.generate import generate
+    from mtptrain.engine.runner import TargetRunner
+    from mtptrain.engine.ssd import SSDProposer, SSDSettings
+
+    target = varied_model()
+    # complete: every round's budget is spent before the next draft is handed out, so hits do not depend on
+    # how fast this machine verifies (a tiny target verifies before the drafter has guessed anything).
+    proposer = SSDProposer(varied_draft, SSDSettings(k=3, budget=8, complete=True))
+    try:
+        runner = TargetRunner(target)
+        for prompt in ([5, 9, 13, 2, 40, 7], [1, 2, 3, 4, 5, 6, 7, 8]):
+            plain = generate(runner, prompt, 40)
+            ssd = generate(runner, prompt, 40, proposer, k=3)
+            assert ssd.tokens == plain.tokens
+            assert ssd.stats.steps < plain.stats.steps
+        stats = proposer.stats()
+        assert sum(stats.hits) > 0 and stats.guesses > 0, stats
+    finally:
+        proposer.close()
+
+
+def law_draft():
+    """The law test's drafter: its 12-token target cut to one layer."""
+    from mtptrain.engine.draft_model import truncated_target
+
+    return truncated_target(make_tiny_llama(12, seed=4).double(), 1)
+
+
+@torch.no_grad()
+def exact_law_of_tokens_2_and_3(model, prompt: list[int], sampling) -> torch.Tensor:
+    """P(x2, x3) flattened to [V * V], x1 summed out: the target's own sampling law."""
+    vocab = model.config.vocab_size
+    p1 = distribution(model(torch.tensor([prompt])).logits[0, -1], sampling)
+    ones = torch.tensor([prompt + [a] for a in range(vocab)])
+    p2 = distribution(model(ones).logits[:, -1], sampling)  # [x1, x2]
+    twos = torch.tensor([prompt + [a, b] for a in range(vocab) for b in range(vocab)])
+    p3 = distribution(model(twos).logits[:, -1], sampling).reshape(vocab, vocab, vocab)  # [x1, x2, x3]
+    return (p1[:, None, None] * p2[:, :, None] * p3).sum(0).flatten()
+
+
+def test_ssd_sampling_stays_exact_in_law():
+    """Temperature 1, three tokens, drafts of 2: when the first round accepts nothing, the third token is
+    verified against a draft pre-drafted before that outcome was known (a cache hit), sampled from Saguaro's
+    q'. The law of tokens 2 and 3 is still the target's own."""
+    from mtptrain.engine.generate import generate
+    from mtptrain.engine.runner import TargetRunner
+    from mtptrain.engine.ssd import SSDProposer, SSDSettings
+
+    vocab = 12
+    model = make_tiny_llama(vocab, seed=4).double()
+    prompt = list(range(vocab)) * 2
+    sampling = Sampling(temperature=1.0)
+    exact = exact_law_of_tokens_2_and_3(model, prompt, sampling)
+    proposer = SSDProposer(law_draft, SSDSettings(k=2, budget=6, factor=0.3, sampling=sampling, complete=True))
+    runner = TargetRunner(model)
+    counts = torch.zeros(vocab * vocab, dtype=torch.float64)
+    trials = 2000
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the drafter's process has the other core
+    try:
+        for seed in range(trials):
+            tokens = generate(runner, prompt, 3, proposer, k=2, sampling=sampling, seed=seed).tokens
+            counts[tokens[1] * vocab + tokens[2]] += 1
+        stats = proposer.stats()
+    finally:
+        proposer.close()
+        torch.set_num_threads(threads)
+    assert sum(stats.hits) > 200, stats  # cached drafts were verified many times (first rounds draft afresh)
+    # An exact sampler's TV over 144 cells at 2000 samples is about 0.1.
+    assert 0.5 * (counts / trials - exact).abs().sum() < 0.15
