@@ -21,7 +21,8 @@ from mtptrain.dist import DistInfo, barrier, destroy_process_group, init_process
 from mtptrain.features.compute import RankResult, compute_shards
 from mtptrain.features.plan import ShardPlan, make_plan_id, plan_shards, resolve_layers
 from mtptrain.features.store import (
-    MANIFEST, SCHEMA_VERSION, SPLITS, FeatureStoreError, load_manifest, read_complete_record, write_manifest,
+    MANIFEST, SCHEMA_VERSION, SPLITS, FeatureStoreError, load_manifest, read_complete_record, record_path,
+    write_manifest,
 )
 from mtptrain.io import atomic_write_json
 from mtptrain.target import Target, load_target
@@ -136,10 +137,12 @@ def _existing_manifest(out_dir: Path) -> dict | None:
 
 
 def _remove_stale_temporaries(out_dir: Path, mine: list[ShardPlan]) -> None:
-    """Temporary files of this rank's shards left by a killed run (no other rank writes these shards)."""
+    """Temporary files of this rank's shards and their records left by a killed run (no other rank writes
+    these shards)."""
     for shard in mine:
-        for stale in out_dir.glob(f".{shard.name}.tmp-*"):
-            stale.unlink(missing_ok=True)
+        for name in (shard.name, record_path(out_dir / shard.name).name):
+            for stale in out_dir.glob(f".{name}.tmp-*"):
+                stale.unlink(missing_ok=True)
 
 
 def _finish(out_dir: Path, manifest: dict | None, result: RankResult, dist: DistInfo, min_bytes_per_token: int,

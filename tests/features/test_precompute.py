@@ -105,6 +105,22 @@ def test_rerun_skips_complete_shards_and_keeps_them(tiny_target_dir, tmp_path):
     assert second["complete"]
 
 
+def test_a_rerun_removes_the_temporaries_a_killed_run_left(tiny_target_dir, tmp_path):
+    """A kill between writing a shard's (or its record's) temporary file and renaming it leaves the file; the
+    rerun that redoes the shard removes both kinds."""
+    recipe = tiny_recipe(tiny_target_dir, write_sharegpt(tmp_path / "c.json", 30), tmp_path / "out", shard_mb=0.05)
+    run_precompute(recipe, show_progress=False)
+    out = tmp_path / "out"
+    (out / "manifest.json").unlink()
+    (out / "train-00000.json").unlink()  # the record's rename never happened
+    left = [out / ".train-00000.json.tmp-host-123-abcd", out / ".train-00000.safetensors.tmp-host-123-abcd"]
+    for path in left:
+        path.write_text("partial")
+    again = run_precompute(recipe, show_progress=False)
+    assert again["shards_written"] == 1 and again["complete"]
+    assert not list(out.glob(".*.tmp-*"))
+
+
 def test_another_recipe_into_the_same_directory_is_refused(tiny_target_dir, tmp_path):
     data = write_sharegpt(tmp_path / "c.json", 20)
     run_precompute(tiny_recipe(tiny_target_dir, data, tmp_path / "out"), show_progress=False)
