@@ -3,7 +3,6 @@
 import pytest
 import torch
 from conftest import make_tiny_llama
-from law import engine_two_token_law, exact_two_token_law
 
 from mtptrain.engine.ssd import fan_out, guesses, outcome_probabilities, saguaro_distribution
 from mtptrain.engine.verify import Sampling, distribution
@@ -63,32 +62,6 @@ def test_saguaro_moves_the_residual_onto_the_cached_tokens():
     assert residual_mass_on_top_2(q) == 0.0  # plain q: a rejection always emits token 2, never cached
     assert residual_mass_on_top_2(saguaro_distribution(q, 2, 0.5)) == pytest.approx(0.5)
     assert residual_mass_on_top_2(saguaro_distribution(q, 2, 0.2)) > 0.8
-
-
-class SaguaroDrafter:
-    """Drafts from q with its top-2 tokens scaled down by C, and reports that distribution to verification."""
-
-    def __init__(self, q: torch.Tensor, factor: float, seed: int):
-        self.q = saguaro_distribution(q, 2, factor)
-        self.generator = torch.Generator().manual_seed(seed)
-
-    def propose(self, tokens, k):
-        return torch.multinomial(self.q, k, replacement=True, generator=self.generator).tolist(), self.q.expand(k, -1)
-
-
-def test_sampling_with_saguaro_drafts_stays_exact_in_law():
-    vocab = 12
-    model = make_tiny_llama(vocab, seed=4).double()
-    prompt = list(range(vocab)) * 2
-    sampling = Sampling(temperature=1.0)
-    exact = exact_two_token_law(model, prompt, sampling)
-    q = torch.softmax(torch.randn(vocab, generator=torch.Generator().manual_seed(9), dtype=torch.float64) * 2, -1)
-    trials = 3000
-    empirical, drafted, rejected = engine_two_token_law(model, prompt, sampling,
-                                                        lambda seed: SaguaroDrafter(q, 0.3, seed), trials, k=3)
-    assert drafted == trials and 0 < rejected < trials
-    # As in test_generate: an exact sampler's TV at 3000 samples is about 0.1.
-    assert 0.5 * (empirical - exact).abs().sum() < 0.15
 
 
 # --------------------------------------------------------------------------- the speculation cache and the worker
