@@ -127,7 +127,7 @@ class Continuation:
 
     tokens: list[int]
     probs: torch.Tensor | None  # [K, V]
-    scores: torch.Tensor  # [K + 1, V]
+    scores: torch.Tensor | None  # [K + 1, V]; None for a prompt-lookup draft until the drafter has read it
 
 
 class DraftLM:
