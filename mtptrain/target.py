@@ -380,10 +380,11 @@ def _read_checkpoint_tensors(source: str, cfg: TargetConfig, names: list[str]) -
     from safetensors import safe_open
 
     index = _checkpoint_file(source, "model.safetensors.index.json", cfg)
+    single = None if index is not None else _checkpoint_file(source, "model.safetensors", cfg)
     if index is not None:
         weight_map = json.loads(index.read_text())["weight_map"]
-    elif _checkpoint_file(source, "model.safetensors", cfg) is not None:
-        with safe_open(_checkpoint_file(source, "model.safetensors", cfg), framework="pt") as f:
+    elif single is not None:
+        with safe_open(single, framework="pt") as f:
             weight_map = {key: "model.safetensors" for key in f.keys()}
     else:
         log.info("%s has no safetensors files: loading the whole target", cfg.model)

@@ -74,5 +74,10 @@ class TargetRunner:
 
     def rollback(self, length: int) -> None:
         """Keep the first `length` cached tokens: the accepted prefix after a verification."""
-        if length < self.length:
-            self.cache.crop(length - self.length)  # this transformers crops by a negative count
+        cut_cache(self.cache, length)
+
+
+def cut_cache(cache: DynamicCache, length: int) -> None:
+    """Keep the first `length` tokens of a KV cache (this transformers crops by a negative count)."""
+    if length < cache.get_seq_length():
+        cache.crop(length - cache.get_seq_length())

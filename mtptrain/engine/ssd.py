@@ -30,11 +30,13 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 from transformers import DynamicCache
 
 from mtptrain.engine.ngram import NgramProposer
+from mtptrain.engine.runner import cut_cache
 from mtptrain.engine.verify import Sampling, distribution
 
 
@@ -144,11 +146,7 @@ class DraftLM:
 
     @torch.inference_mode()
     def draft(self, tokens: list[int], k: int, fans: list[int]) -> Continuation:
-        common = 0
-        limit = min(len(self.cached), len(tokens) - 1)  # the newest token is always run, for its logits
-        while common < limit and self.cached[common] == tokens[common]:
-            common += 1
-        _cut(self.cache, common)
+        common = self._keep_shared_prefix(tokens, 1)  # the newest token is always run, for its logits
         logits = self._forward(self.cache, [tokens[common:]])[0]
         out, probs, scores = [], [], [logits]
         for step in range(k):
@@ -167,7 +165,7 @@ class DraftLM:
 
         Returns None when `stop()` turns true between forwards (the real outcome has arrived)."""
         cache = copy.deepcopy(self.cache)
-        _cut(cache, prefix_len)
+        cut_cache(cache, prefix_len)
         if len(firsts) > 1:
             cache.batch_repeat_interleave(len(firsts))
         logits = self._forward(cache, [[t] for t in firsts])
@@ -191,14 +189,19 @@ class DraftLM:
     def sync(self, tokens: list[int], rows: int) -> torch.Tensor:
         """Bring the cache up to `tokens` (after a cached or a backup draft); the scores [rows, V] for the token
         after each of the last `rows` tokens. At least `rows` tokens are run."""
-        common = 0
-        limit = min(len(self.cached), len(tokens) - rows)
-        while common < limit and self.cached[common] == tokens[common]:
-            common += 1
-        _cut(self.cache, common)
+        common = self._keep_shared_prefix(tokens, rows)
         logits = self.model(torch.tensor([tokens[common:]]), past_key_values=self.cache, use_cache=True).logits[0]
         self.cached = list(tokens)
         return logits[-rows:].float()
+
+    def _keep_shared_prefix(self, tokens: list[int], rerun: int) -> int:
+        """Cut the cache to the longest prefix it shares with `tokens`, leaving at least the last `rerun` tokens
+        to run; returns that prefix's length."""
+        common, limit = 0, min(len(self.cached), len(tokens) - rerun)
+        while common < limit and self.cached[common] == tokens[common]:
+            common += 1
+        cut_cache(self.cache, common)
+        return common
 
     def _forward(self, cache: DynamicCache, ids: list[list[int]]) -> torch.Tensor:
         """Logits [B, V] for the token after each row (rows of equal length), appended to `cache`."""
@@ -211,12 +214,6 @@ class DraftLM:
         return int(torch.multinomial(q, 1, generator=self.generator)), q
 
 
-def _cut(cache: DynamicCache, length: int) -> None:
-    """Keep the first `length` cached tokens (this transformers crops by a negative count)."""
-    if length < cache.get_seq_length():
-        cache.crop(length - cache.get_seq_length())
-
-
 # --------------------------------------------------------------------------- the speculation cache
 
 
@@ -226,13 +223,20 @@ class SSDSettings:
     budget: int = 8  # guesses pre-drafted per round, spread over the outcomes by `fan_out`
     power: float = 1.0  # r of the miss curve miss(F) ∝ F^-r
     factor: float = 1.0  # Saguaro's C: the drafter's top-F tokens are scaled by it when sampling (1 = off)
-    fallback: str = "draft"  # on a miss: "draft" (the drafter, from scratch) or "ngram" (prompt lookup first)
+    fallback: Literal["draft", "ngram"] = "draft"  # on a miss: the drafter afresh, or prompt lookup first
     threads: int = 1  # the drafter's CPU threads, apart from the target's
     # Spend the whole budget every round even when the outcome arrives first: the cache's quality measured
     # apart from timing (tests, hit rate against budget). Off, a round's speculation stops at the outcome.
     complete: bool = False
     sampling: Sampling = Sampling()
     seed: int = 0
+
+    def __post_init__(self):
+        if self.fallback not in ("draft", "ngram"):
+            raise ValueError(f"SSD fallback must be 'draft' or 'ngram', not {self.fallback!r}")
+        if self.k < 1 or self.budget < 0 or not 0.0 < self.factor <= 1.0:
+            raise ValueError(f"SSD needs k >= 1, budget >= 0 and 0 < factor <= 1; got {self.k}, {self.budget}, "
+                             f"{self.factor}")
 
 
 @dataclass

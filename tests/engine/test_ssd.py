@@ -192,3 +192,12 @@ def test_ssd_sampling_stays_exact_in_law():
     assert sum(stats.hits) > 200, stats  # cached drafts were verified many times (first rounds draft afresh)
     # An exact sampler's TV over 144 cells at 2000 samples is about 0.1.
     assert 0.5 * (counts / trials - exact).abs().sum() < 0.15
+
+
+def test_ssd_settings_refuse_an_unknown_fallback_and_bad_numbers():
+    from mtptrain.engine.ssd import SSDSettings
+
+    with pytest.raises(ValueError, match="'draft' or 'ngram'"):
+        SSDSettings(fallback="lookup")
+    with pytest.raises(ValueError, match="0 < factor <= 1"):
+        SSDSettings(factor=0.0)
