@@ -83,7 +83,7 @@ def test_every_cached_continuation_is_the_draft_the_drafter_would_make_from_scra
     from mtptrain.engine.ssd import DraftLM, Speculator, SSDSettings
 
     settings = SSDSettings(k=3, budget=6)
-    speculator = Speculator(DraftLM(varied_draft(), settings.sampling, 1.0, 0), settings, 64)
+    speculator = Speculator(DraftLM(varied_draft(), settings.sampling, 1.0, 0), settings)
     context = [5, 9, 13, 2, 40, 7]
     first = speculator.next_draft(context, 3)
     speculator.speculate(lambda: False)
@@ -106,7 +106,7 @@ def test_cached_sampled_drafts_report_the_saguaro_distribution_they_were_drawn_f
     from mtptrain.engine.ssd import DraftLM, Speculator, SSDSettings
 
     settings = SSDSettings(k=3, budget=6, factor=0.3, sampling=Sampling(temperature=1.0))
-    speculator = Speculator(DraftLM(varied_draft(), settings.sampling, settings.factor, 0), settings, 64)
+    speculator = Speculator(DraftLM(varied_draft(), settings.sampling, settings.factor, 0), settings)
     context = [5, 9, 13, 2, 40, 7]
     first = speculator.next_draft(context, 3)
     fans = speculator.fans(3)
@@ -201,3 +201,127 @@ def test_ssd_settings_refuse_an_unknown_fallback_and_bad_numbers():
         SSDSettings(fallback="lookup")
     with pytest.raises(ValueError, match="0 < factor <= 1"):
         SSDSettings(factor=0.0)
+
+
+# --------------------------------------------------------------------------- a head as the SSD drafter
+
+
+def head_parts():
+    """The worker's head: a tiny EAGLE-3 head over the varied target, with a 40-token draft vocabulary (the
+    mapping into the target's 64 tokens is exercised). Importable by the spawned worker; deterministic."""
+    from collections import Counter
+
+    from mtptrain.engine.ssd import HeadParts
+    from mtptrain.heads import FrozenTarget
+    from mtptrain.heads.checkpoint import HeadSpec, build_head
+    from mtptrain.heads.eagle3 import DraftVocab
+
+    spec = HeadSpec("eagle3", last_layer=3, feature_layers=[0, 1, 2], ttt_steps=2, draft_vocab_size=40)
+    model = varied_model()
+    torch.manual_seed(5)
+    vocab = DraftVocab.from_counts(Counter({t: 64 - t for t in range(64)}), 40, 64)
+    head = build_head(spec, FrozenTarget.of(model), vocab).double()
+    for param in head.parameters():  # random weights large enough that the head's choices vary
+        param.data.normal_(0, 0.3) if param.dim() > 1 else None
+    return HeadParts(head, spec, 64)
+
+
+@torch.no_grad()
+def head_scores_along(parts, base: list[int], path: list[int]) -> torch.Tensor:
+    """Reference: the head's scores over the target vocabulary for the token after base + path[:i], i = 0..len,
+    built step by step from the target's states for `base` and the head's own features after it."""
+    from transformers import DynamicCache
+
+    from mtptrain.engine.runner import TargetRunner
+
+    head, spec = parts.head, parts.spec
+    runner = TargetRunner(varied_model(), capture=spec.feature_layers)
+    runner.forward(base[:-1])
+    cache = DynamicCache()
+    feature = head.fuse([runner.hidden[layer][None] for layer in spec.feature_layers])
+    out = head(feature, torch.tensor([base[1:]]), cache=cache)[:, -1:]
+    rows = [head.logits(out)[0, -1]]
+    for token in path:
+        out = head(out, torch.tensor([[token]]), cache=cache)
+        rows.append(head.logits(out)[0, -1])
+    full = torch.full((len(rows), 64), float("-inf"))
+    full[:, head.draft_to_target] = torch.stack(rows).float()  # drafters score in float32
+    return full
+
+
+def observed_head_speculator(settings, base):
+    from mtptrain.engine.runner import TargetRunner
+    from mtptrain.engine.ssd import HeadDraft, Speculator
+
+    parts = head_parts()
+    drafter = HeadDraft(parts.head, parts.spec, settings.sampling, settings.factor, 0, parts.vocab_size)
+    speculator = Speculator(drafter, settings)
+    speculator.reset(base)
+    runner = TargetRunner(varied_model(), capture=parts.spec.feature_layers)
+    runner.forward(base[:-1])
+    drafter.observe(0, runner.hidden, base[1:])
+    return parts, speculator
+
+
+def test_a_heads_cached_continuations_read_its_own_features_for_the_guessed_drafts():
+    """Outcome (j, t*) is pre-drafted before the target's states for d_1 .. d_j exist: the head continues from
+    its own predicted features for them. Each cached draft equals that, built step by step without a batch,
+    a copied cache or a cut; the first draft equals the head chain's."""
+    from mtptrain.engine.head_chain import HeadChainProposer
+    from mtptrain.engine.runner import TargetRunner
+    from mtptrain.engine.ssd import SSDSettings
+
+    settings = SSDSettings(k=3, budget=8)
+    base = [5, 9, 13, 2, 30, 7, 11]
+    parts, speculator = observed_head_speculator(settings, base)
+    first = speculator.next_draft(base, 3)
+    chain = HeadChainProposer(parts.head, parts.spec)
+    chain.reset(base)
+    runner = TargetRunner(varied_model(), capture=parts.spec.feature_layers)
+    runner.forward(base[:-1])
+    chain.observe(0, runner.hidden, base[1:])
+    assert first.tokens == chain.propose(base, 3)[0]
+    assert all(t in parts.head.draft_to_target.tolist() for t in first.tokens)
+    speculator.speculate(lambda: False)
+    assert len(speculator.cache) == 8
+    for (j, token), cont in speculator.cache.items():
+        reference = head_scores_along(parts, base, first.tokens[:j] + [token] + cont.tokens)
+        assert torch.allclose(cont.scores, reference[j + 1:], atol=1e-6), (j, token)
+        assert cont.tokens == [int(row.argmax()) for row in reference[j + 1: -1]]
+
+
+def test_a_heads_cached_sampled_drafts_carry_their_saguaro_distributions():
+    from mtptrain.engine.ssd import SSDSettings
+
+    settings = SSDSettings(k=3, budget=8, factor=0.3, sampling=Sampling(temperature=1.0))
+    base = [5, 9, 13, 2, 30, 7, 11]
+    parts, speculator = observed_head_speculator(settings, base)
+    first = speculator.next_draft(base, 3)
+    fans = speculator.fans(3)
+    speculator.speculate(lambda: False)
+    for (j, token), cont in speculator.cache.items():
+        reference = head_scores_along(parts, base, first.tokens[:j] + [token] + cont.tokens)[j + 1:]
+        for i, drawn in enumerate(cont.tokens):
+            expected = saguaro_distribution(distribution(reference[i], settings.sampling), fans[i], 0.3)
+            assert torch.allclose(cont.probs[i], expected, atol=1e-9), (j, token, i)
+            assert cont.probs[i, drawn] > 0 and drawn in parts.head.draft_to_target.tolist()
+
+
+def test_ssd_with_a_head_is_the_targets_greedy_decoding_and_hits_its_cache():
+    """The head reads each verification's states in the worker; every output equals the target's own."""
+    from mtptrain.engine.generate import generate
+    from mtptrain.engine.runner import TargetRunner
+    from mtptrain.engine.ssd import SSDProposer, SSDSettings
+
+    target = varied_model()
+    proposer = SSDProposer(head_parts, SSDSettings(k=3, budget=16, complete=True), layers=[0, 1, 2])
+    try:
+        runner = TargetRunner(target, capture=[0, 1, 2])
+        for prompt in ([5, 9, 13, 2, 40, 7], [1, 2, 3, 4, 5, 6, 7, 8]):
+            plain = generate(TargetRunner(target), prompt, 40)
+            ssd = generate(runner, prompt, 40, proposer, k=3)
+            assert ssd.tokens == plain.tokens
+        stats = proposer.stats()
+        assert sum(stats.hits) > 0 and stats.guesses > 0, stats
+    finally:
+        proposer.close()
