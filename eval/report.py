@@ -110,6 +110,12 @@ def methods_table(results: dict) -> list[str]:
     return lines
 
 
+def ssd_hits_by_j(ssd: dict) -> str:
+    """'j=0 3/10, j=1 ...': hits out of rounds for each number of drafts accepted."""
+    return ", ".join(f"j={j} {h}/{h + n}" for j, (h, n) in enumerate(zip(ssd["hits_by_accepted"],
+                                                                          ssd["misses_by_accepted"])) if h + n)
+
+
 def markdown(results: dict) -> str:
     s, head = results["settings"], results["head"]
     lines = [f"# Eval report: {results['name']}", "", run_line(results)]
@@ -123,6 +129,18 @@ def markdown(results: dict) -> str:
     for method, label in results["best"].items():
         m = by_label[label]
         lines.append(f"- {method}: **{label}**, tau {m['tau']:.2f}, {m['speedup']:.2f}x")
+    ssd = [m for m in results["methods"] if "ssd" in m]
+    if ssd:
+        lines += ["", "## Speculation cache (ssd)", "",
+                  "While the target verifies a draft, the drafter's process pre-drafts continuations for the likely "
+                  "outcomes (drafts accepted j, next token). A hit means the next draft was ready when verification "
+                  "ended. Hits / rounds by j, then guesses pre-drafted and rounds whose speculation the outcome cut "
+                  "short.", "",
+                  "| method | hit rate | hits by j | guesses | rounds cut short | prompt-lookup drafts |",
+                  "|---|---|---|---|---|---|"]
+        for m in ssd:
+            lines.append(f"| {m['label']} | {m['ssd']['hit_rate']:.2f} | {ssd_hits_by_j(m['ssd'])} | "
+                         f"{m['ssd']['guesses']} | {m['ssd']['rounds_cut']} | {m['ssd']['backup_drafts']} |")
     divergences = [(m["label"], d, kind) for m in results["methods"] for kind in ("failures", "near_ties")
                    for d in m["exactness"][kind]]
     if divergences:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import platform
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -34,7 +35,7 @@ from mtptrain.io import atomic_write_json
 
 log = logging.getLogger(__name__)
 
-HEAD_METHODS = ("chain", "tree")
+HEAD_METHODS = ("chain", "tree", "ssd")
 
 # The head trained by recipes/reference.yaml on the embedded default, kept in the repository so that
 # `mtptrain eval` shows a real head before anything has been trained (its README is in that directory).
@@ -55,6 +56,8 @@ class Config:
     budget: int | None = None  # tree nodes
     make: Callable[[], object] | None = None  # a fresh proposer (None: the baseline)
     uses_head: bool = False
+    threads: int | None = None  # the target's CPU threads while this runs (ssd: the drafter has the others)
+    keeps_proposer: bool = False  # one proposer for warm-up and measurement (ssd: a worker process each)
 
 
 @dataclass
@@ -64,6 +67,7 @@ class Tally:
     seconds: float = 0.0
     stats: GenerationStats = field(default_factory=GenerationStats)
     categories: dict = field(default_factory=dict)  # category -> [emitted, steps]
+    ssd: dict | None = None  # ssd: the speculation cache's hits and misses over the measured requests
     checked: int = 0
     identical: int = 0
     near_ties: list = field(default_factory=list)
@@ -99,6 +103,7 @@ class Tally:
             "verify_ms_per_step": round(1000 * s.verify_seconds / s.steps, 3) if s.steps else 0.0,
             "verified_tokens_per_step": round(s.verified / s.steps, 3) if s.steps else 0.0,
             "tau_by_category": {k: round(e / n, 4) for k, (e, n) in sorted(self.categories.items()) if n},
+            **({"ssd": self.ssd} if self.ssd is not None else {}),
             "exactness": {"checked": self.checked, "identical": self.identical,
                           "near_ties": self.near_ties, "failures": self.failures},
         }
@@ -159,12 +164,56 @@ def build_configs(recipe: Recipe, target, sampling: Sampling) -> tuple[list[Conf
             for budget in ev.tree_budgets:
                 make = lambda b=budget: HeadTreeProposer(head, spec, ev.tree_branch, ev.tree_depth, b, sampling, seed)  # noqa: E731
                 configs.append(Config(f"tree N={budget}", "tree", ev.tree_depth, budget, make, uses_head=True))
+        elif method in ("ssd", "ssd-draft"):
+            configs.extend(_ssd_configs(method, recipe, target, spec, head_info, sampling, seed, notes))
         elif method == "draft":
             model = _draft_model(recipe, target)
             modules.append(model)
             for k in ev.k:
                 configs.append(Config(f"draft K={k}", "draft", k, make=lambda m=model: DraftModelProposer(m, sampling, seed)))
     return configs, head_info, notes, modules
+
+
+def _ssd_configs(method, recipe, target, spec, head_info, sampling, seed, notes) -> list[Config]:
+    """SSD for each K: a drafter process per configuration (the head, or the draft model), kept for the run."""
+    import functools
+
+    from mtptrain.engine.ssd import SSDProposer, SSDSettings, draft_lm, head_parts
+
+    ev = recipe.eval
+    device = ssd_device(ev.ssd_device, target.device)
+    if method == "ssd":
+        if spec.kind == "mtp":
+            notes.append("ssd: an MTP head drafts all its depths from one target state, so there is nothing to "
+                         "pre-draft per outcome; use an eagle or eagle3 head, or ssd-draft")
+            return []
+        make = functools.partial(head_parts, head_info["path"], recipe.target, target.identity(), device)
+        layers = spec.feature_layers if spec.kind == "eagle3" else [spec.last_layer]
+    else:
+        _check_draft_choice(ev)
+        if ev.draft_model is not None:
+            _check_draft_tokenizer(recipe, target)
+        make = functools.partial(draft_lm, recipe.target, ev.draft_model, ev.draft_layers, device)
+        layers = None
+    threads = max(1, torch.get_num_threads() - ev.ssd_threads) if target.device.type == "cpu" else None
+    configs = []
+    for k in ev.k:
+        settings = SSDSettings(k=k, budget=ev.ssd_budget, factor=ev.ssd_factor, fallback=ev.ssd_fallback,
+                               threads=ev.ssd_threads, sampling=sampling, seed=seed)
+        configs.append(Config(f"{method} K={k}", method, k, make=lambda s=settings: SSDProposer(
+            make, s, layers, target.device), uses_head=method == "ssd", threads=threads, keeps_proposer=True))
+    return configs
+
+
+def ssd_device(choice: str, target_device: torch.device) -> str:
+    """The SSD drafter's device: eval.ssd_device, or (auto) a GPU other than the target's when there is one."""
+    if choice != "auto":
+        return choice
+    if target_device.type != "cuda":
+        return "cpu"
+    count = torch.cuda.device_count()
+    index = target_device.index or 0
+    return f"cuda:{(index + 1) % count}" if count > 1 else f"cuda:{index}"
 
 
 def _chain_factory(head, spec, sampling, seed):
@@ -185,7 +234,7 @@ def _load_head(recipe: Recipe, target):
     if not (directory / "config.json").is_file():
         raise EvalError(f"no trained head at {directory} (eval.methods has {', '.join(HEAD_METHODS)}, which draft with "
                         "a head): run `mtptrain train` with this recipe first, point eval.head at a head "
-                        "directory, or drop chain/tree from eval.methods")
+                        "directory, or drop chain/tree/ssd from eval.methods")
     head, spec = load_head(directory, FrozenTarget.of(target.model), target.identity())
     head.to(dtype=next(target.model.parameters()).dtype)
     info = {"path": str(directory), "kind": spec.kind, "norms": spec.norms, "last_layer": spec.last_layer,
@@ -198,18 +247,29 @@ def _draft_model(recipe: Recipe, target):
     from mtptrain.engine.draft_model import truncated_target
     from mtptrain.target import load_target
 
+    _check_draft_choice(recipe.eval)
     ev = recipe.eval
-    if (ev.draft_model is None) == (ev.draft_layers is None):
-        raise EvalError("eval.methods has 'draft': set exactly one of eval.draft_model (a causal LM with the "
-                        "target's tokenizer) or eval.draft_layers (the target cut to its first N layers)")
     if ev.draft_layers is not None:
         return truncated_target(target.model, ev.draft_layers)
+    _check_draft_tokenizer(recipe, target)
     cfg = recipe.target.model_copy(update={"model": ev.draft_model, "gguf_file": None, "revision": None})
-    draft = load_target(TargetConfig(**cfg.model_dump()))
-    if draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():
+    return load_target(TargetConfig(**cfg.model_dump())).model
+
+
+def _check_draft_tokenizer(recipe: Recipe, target) -> None:
+    from mtptrain.target import load_tokenizer
+
+    ev = recipe.eval
+    cfg = recipe.target.model_copy(update={"model": ev.draft_model, "gguf_file": None, "revision": None})
+    if load_tokenizer(cfg).get_vocab() != target.tokenizer.get_vocab():
         raise EvalError(f"eval.draft_model {ev.draft_model} has another tokenizer than the target: a draft model must "
                         "share the target's vocabulary token for token")
-    return draft.model
+
+
+def _check_draft_choice(ev) -> None:
+    if (ev.draft_model is None) == (ev.draft_layers is None):
+        raise EvalError("eval.methods has 'draft' or 'ssd-draft': set exactly one of eval.draft_model (a causal LM "
+                        "with the target's tokenizer) or eval.draft_layers (the target cut to its first N layers)")
 
 
 @torch.inference_mode()
@@ -240,10 +300,21 @@ def run_eval(recipe: Recipe, wandb: str | None = None, show_progress: bool = Tru
     tallies = [Tally(c) for c in configs]
 
     skinny = ev.cpu_matmul == "skinny" and target.device.type == "cpu"
-    with skinny_linears(target.model, *modules, enabled=skinny):
-        _warm_up(configs, plain, reading, prompt_ids(target.tokenizer, [{"role": "user", "content": "Hello!"}]), ev,
-                 sampling, stops)
-        answers = _measure(requests, tallies, plain, reading, target, ev, sampling, stops, show_progress)
+    kept = {}  # ssd: a drafter process per configuration, started once, closed below
+    try:
+        for i, c in enumerate(configs):
+            if c.keeps_proposer:
+                try:
+                    kept[i] = c.make()
+                except RuntimeError as exc:
+                    raise EvalError(f"{c.label}: {exc}") from exc
+        with skinny_linears(target.model, *modules, enabled=skinny):
+            _warm_up(configs, kept, plain, reading, prompt_ids(target.tokenizer, [{"role": "user", "content": "Hello!"}]),
+                     ev, sampling, stops)
+            answers = _measure(requests, tallies, kept, plain, reading, target, ev, sampling, stops, show_progress)
+    finally:
+        for proposer in kept.values():
+            proposer.close()
     plain.close(), reading.close()
 
     baseline_tps = tallies[0].tokens / tallies[0].seconds if tallies[0].seconds else None
@@ -272,11 +343,13 @@ def run_eval(recipe: Recipe, wandb: str | None = None, show_progress: bool = Tru
     return results
 
 
-def _measure(requests, tallies, plain, reading, target, ev, sampling, stops, show_progress) -> dict[str, list[dict]]:
+def _measure(requests, tallies, kept, plain, reading, target, ev, sampling, stops,
+             show_progress) -> dict[str, list[dict]]:
     """Every configuration on every request, interleaved; returns the baseline's conversations."""
     from tqdm import tqdm
 
-    proposers = [t.config.make() if t.config.make else None for t in tallies]
+    proposers = [kept.get(i) or (t.config.make() if t.config.make else None) for i, t in enumerate(tallies)]
+    before = {i: proposer.stats() for i, proposer in kept.items()}  # warm-up excluded
     answers: dict[str, list[dict]] = {}
     bar = tqdm(total=len(requests) * len(tallies), desc="eval", unit="gen", disable=not show_progress)
     for index, (prompt, turn) in enumerate(requests):
@@ -286,10 +359,11 @@ def _measure(requests, tallies, plain, reading, target, ev, sampling, stops, sho
         for tally, proposer in zip(tallies, proposers):
             c = tally.config
             bar.set_postfix_str(c.label)
-            started = time.perf_counter()
-            result = generate(reading if c.uses_head else plain, ids, ev.max_new_tokens, proposer, k=c.k or 1,
-                              sampling=sampling, eos=stops, seed=ev.seed + index)
-            seconds = time.perf_counter() - started
+            with _threads(c.threads):
+                started = time.perf_counter()
+                result = generate(reading if c.uses_head else plain, ids, ev.max_new_tokens, proposer, k=c.k or 1,
+                                  sampling=sampling, eos=stops, seed=ev.seed + index)
+                seconds = time.perf_counter() - started
             tally.add(len(result.tokens), seconds, result.stats, prompt.category or "all")
             if reference is None:
                 reference = result.tokens
@@ -299,14 +373,32 @@ def _measure(requests, tallies, plain, reading, target, ev, sampling, stops, sho
         answer = target.tokenizer.decode(reference, skip_special_tokens=True)
         answers[prompt.id] = messages + [{"role": "assistant", "content": answer}]
     bar.close()
+    for i, proposer in kept.items():
+        tallies[i].ssd = proposer.stats().since(before[i]).summary()
     return answers
 
 
-def _warm_up(configs, plain, reading, ids, ev, sampling, stops) -> None:
-    """One short untimed generation per configuration (first-call allocations), with throwaway proposers."""
-    for c in configs:
-        generate(reading if c.uses_head else plain, ids, min(8, ev.max_new_tokens), c.make() if c.make else None,
-                 k=c.k or 1, sampling=sampling, eos=stops, seed=0)
+def _warm_up(configs, kept, plain, reading, ids, ev, sampling, stops) -> None:
+    """One short untimed generation per configuration (first-call allocations), with throwaway proposers
+    (an ssd configuration's worker is the one measured: its process is started once)."""
+    for i, c in enumerate(configs):
+        with _threads(c.threads):
+            generate(reading if c.uses_head else plain, ids, min(8, ev.max_new_tokens),
+                     kept.get(i) or (c.make() if c.make else None), k=c.k or 1, sampling=sampling, eos=stops, seed=0)
+
+
+@contextmanager
+def _threads(count: int | None):
+    """torch's CPU threads set to `count` within the block (None: unchanged)."""
+    if count is None:
+        yield
+        return
+    previous = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 def _check_exact(tally: Tally, model, prompt: list[int], reference: list[int], tokens: list[int], bound: float,
@@ -363,6 +455,12 @@ def format_results(results: dict) -> str:
             f"{label} (tau {by_label[label]['tau']:.2f}, {by_label[label]['speedup']:.2f}x)" for label in best.values()))
     if any(m["exactness"]["near_ties"] for m in results["methods"]):
         lines.append("* some outputs diverge from the baseline at float near-ties (see report.md)")
+    for m in results["methods"]:
+        if "ssd" in m:
+            from eval.report import ssd_hits_by_j
+
+            lines.append(f"{m['label']}: speculation cache hit rate {m['ssd']['hit_rate']:.2f} "
+                         f"({ssd_hits_by_j(m['ssd'])})")
     for note in results["notes"]:
         lines.append(f"note: {note}")
     return "\n".join(lines)

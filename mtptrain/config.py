@@ -216,11 +216,14 @@ class EvalConfig(_Truncation):
     max_new_tokens: int = Field(256, ge=1, description="New tokens per turn.")
     temperature: float = Field(0.0, ge=0, description="0 = greedy (checked for exactness against the baseline).")
     seed: int = Field(0, description="Seed of the sampling streams.")
-    methods: list[Literal["ngram", "suffix", "chain", "tree", "draft"]] = Field(
+    methods: list[Literal["ngram", "suffix", "chain", "tree", "draft", "ssd", "ssd-draft"]] = Field(
         ["ngram", "suffix", "chain", "tree"],
         description="Drafting methods, each measured against the autoregressive baseline: ngram (prompt lookup), "
         "suffix (index over past outputs), chain (the head, drafting K tokens), tree (EAGLE-2 trees from an "
-        "eagle/eagle3 head), draft (a draft model: eval.draft_model or eval.draft_layers).")
+        "eagle/eagle3 head), draft (a draft model: eval.draft_model or eval.draft_layers), ssd (speculative "
+        "speculative decoding: the eagle/eagle3 head drafts in its own process, or on its own GPU, and pre-drafts "
+        "for the likely verification outcomes while the target verifies), ssd-draft (the same with the draft "
+        "model).")
     k: list[int] = Field([1, 2, 3, 4, 5], description="Draft lengths K swept for chain-style methods.")
     head: str | None = Field(None, description="Trained head directory (default: <train.output_dir>/head; on the "
                              "embedded default, the head shipped in pretrained/ until one is trained).")
@@ -231,6 +234,19 @@ class EvalConfig(_Truncation):
     ngram_max: int = Field(3, ge=1, description="ngram: longest suffix matched.")
     draft_model: str | None = Field(None, description="draft: a causal LM with the target's tokenizer (hub id, dir).")
     draft_layers: int | None = Field(None, ge=1, description="draft: use the target cut to its first N layers.")
+    ssd_budget: int = Field(8, ge=0, description="ssd: continuations pre-drafted per verification, spread over the "
+                            "outcomes (drafts accepted, next token) by the measured acceptance rates.")
+    ssd_factor: float = Field(1.0, gt=0, le=1, description="ssd: Saguaro's C. When sampling, the drafter's top "
+                              "tokens are scaled by C, which steers a rejection's token onto the guessed ones "
+                              "(1 = plain sampling; no effect at temperature 0).")
+    ssd_fallback: Literal["draft", "ngram"] = Field(
+        "draft", description="ssd: on a cache miss, draft afresh, or take a prompt-lookup draft first when there is "
+        "one (no drafter latency).")
+    ssd_threads: int = Field(1, ge=1, description="ssd on CPU: the drafter process's threads; the target keeps the "
+                             "rest of this process's threads while ssd runs.")
+    ssd_device: str = Field("auto", description="ssd: the drafter's device. auto = the second GPU when the target "
+                            "is on a GPU and there is one (one GPU: shared with the target, so the overlap is only "
+                            "what the GPU interleaves), cpu otherwise.")
     near_tie: float = Field(1e-3, ge=0, description="At temperature 0 a divergence from the baseline is accepted "
                             "only where the baseline's top-2 logit gap is below this (a float near-tie).")
     cpu_matmul: Literal["skinny", "stock"] = Field(

@@ -83,6 +83,28 @@ def test_eval_measures_every_method_on_the_same_prompts_and_writes_the_report(ti
     assert "best per method" in result.output and "tree N=" in result.output
 
 
+def test_eval_measures_ssd_with_the_head_and_with_a_draft_model(tiny_target_dir, eagle3_head, tmp_path):
+    """Both SSD drafters run in their own processes; outputs equal the baseline's; the cache's hits and misses
+    count every round that followed another (warm-up excluded)."""
+    out = tmp_path / "eval"
+    args = eval_args(tiny_target_dir, eagle3_head, write_prompts(tmp_path / "p.jsonl", 2), out,
+                     "eval.methods=[chain,ssd,ssd-draft]", "eval.draft_layers=2", "eval.k=[3]", "eval.ssd_budget=4")
+    result = CliRunner().invoke(app, [*args, "--no-wandb"])
+    assert result.exit_code == 0, result.output
+    results = json.loads((out / "results.json").read_text())
+    assert [m["label"] for m in results["methods"]] == ["baseline", "chain K=3", "ssd K=3", "ssd-draft K=3"]
+    for m in results["methods"][1:]:
+        assert m["exactness"] == {"checked": 4, "identical": 4, "near_ties": [], "failures": []}, m["label"]
+    for m in results["methods"][2:]:
+        cache = m["ssd"]
+        # each request's first draft has no earlier outcome to look up: 4 requests
+        assert sum(cache["hits_by_accepted"]) + sum(cache["misses_by_accepted"]) == m["steps"] - 4, m
+        assert 0.0 <= cache["hit_rate"] <= 1.0
+    assert "ssd K=3: speculation cache hit rate" in result.output
+    assert "## Speculation cache (ssd)" in (out / "report.md").read_text()
+    assert set(results["best"]) == {"chain", "ssd", "ssd-draft"}
+
+
 def test_eval_logs_the_table_and_figures_to_wandb_offline(tiny_target_dir, eagle3_head, tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.delenv("WANDB_MODE", raising=False)
@@ -147,11 +169,11 @@ def test_sampled_eval_runs_every_method_and_skips_the_exactness_check(tiny_targe
     assert all(m["steps"] > 0 for m in results["methods"])
 
 
-def test_an_mtp_head_drafts_chains_up_to_its_depths_and_no_trees(tiny_target_dir, tmp_path):
+def test_an_mtp_head_drafts_chains_up_to_its_depths_and_no_trees_or_ssd(tiny_target_dir, tmp_path):
     head = save_random_head(tiny_target_dir, tmp_path / "mtp", HeadSpec("mtp", last_layer=3, mtp_depths=2))
     out = tmp_path / "eval"
     args = eval_args(tiny_target_dir, head, write_prompts(tmp_path / "p.jsonl", 2), out,
-                     "eval.methods=[chain,tree]", "eval.k=[1,2,3]", "eval.max_turns=1")
+                     "eval.methods=[chain,tree,ssd]", "eval.k=[1,2,3]", "eval.max_turns=1")
     result = CliRunner().invoke(app, [*args, "--no-wandb"])
     assert result.exit_code == 0, result.output
     results = json.loads((out / "results.json").read_text())
@@ -159,6 +181,7 @@ def test_an_mtp_head_drafts_chains_up_to_its_depths_and_no_trees(tiny_target_dir
     assert all(m["exactness"]["identical"] == 2 for m in results["methods"][1:])
     assert any("at most 2 tokens" in n for n in results["notes"]) and any("chains only" in n for n in results["notes"])
     assert "note: tree: MTP heads draft chains only" in result.output
+    assert "note: ssd: an MTP head drafts all its depths from one target state" in result.output
 
 
 def test_eval_errors_name_the_missing_piece(tiny_target_dir, other_target_dir, eagle3_head, tmp_path):
@@ -178,3 +201,12 @@ def test_eval_errors_name_the_missing_piece(tiny_target_dir, other_target_dir, e
     unknown = CliRunner().invoke(app, eval_args(tiny_target_dir, eagle3_head, prompts, tmp_path / "e",
                                                 "eval.methods=[medusa]"))
     assert unknown.exit_code == 2 and "eval.methods" in unknown.output
+
+
+def test_the_ssd_drafter_goes_to_a_second_gpu_only_when_there_is_one():
+    from eval.run import ssd_device
+
+    assert ssd_device("auto", torch.device("cpu")) == "cpu"
+    assert ssd_device("cuda:3", torch.device("cpu")) == "cuda:3"
+    expected = "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
+    assert ssd_device("auto", torch.device("cuda:0")) == expected
