@@ -21,6 +21,15 @@ from transformers import DynamicCache
 from mtptrain.engine.verify import Sampling, distribution
 
 
+def head_features(head, spec, hidden: dict[int, torch.Tensor]) -> torch.Tensor:
+    """The head's input features [1, n, H] from the target's states (layer -> [n, H]): EAGLE-3 fuses its
+    feature layers, EAGLE reads the last layer."""
+    parameter = next(head.parameters())
+    if spec.kind == "eagle3":
+        return head.fuse([hidden[layer][None].to(parameter.device, parameter.dtype) for layer in spec.feature_layers])
+    return head.features(hidden[spec.last_layer][None].to(parameter.device, parameter.dtype))
+
+
 class HeadChainProposer:
     name = "head-chain"
 
@@ -36,10 +45,7 @@ class HeadChainProposer:
         self.last_feature = self.last_logits = None
 
     def _features(self, hidden: dict[int, torch.Tensor]) -> torch.Tensor:
-        dtype = next(self.head.parameters()).dtype
-        if self.spec.kind == "eagle3":
-            return self.head.fuse([hidden[layer][None].to(dtype) for layer in self.spec.feature_layers])
-        return self.head.features(hidden[self.spec.last_layer][None].to(dtype))
+        return head_features(self.head, self.spec, hidden)
 
     @torch.inference_mode()
     def observe(self, true_length: int, hidden: dict[int, torch.Tensor], next_tokens: list[int]) -> None:

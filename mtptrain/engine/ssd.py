@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 from transformers import DynamicCache
 
+from mtptrain.engine.head_chain import head_features
 from mtptrain.engine.ngram import NgramProposer
 from mtptrain.engine.runner import cut_cache
 from mtptrain.engine.verify import Sampling, distribution
@@ -250,8 +251,7 @@ class HeadDraft(_Drafter):
         super().__init__(sampling, factor, seed)
         self.head, self.spec, self.vocab_size = head.eval(), spec, vocab_size
         self.to_target = getattr(head, "draft_to_target", None)
-        parameter = next(head.parameters())
-        self.device, self.dtype = parameter.device, parameter.dtype
+        self.device = next(head.parameters()).device
         self.reset()
 
     def reset(self, prompt: list[int] | None = None) -> None:
@@ -265,11 +265,7 @@ class HeadDraft(_Drafter):
         """The target's states [n, H] at positions true_length .. +n-1, and the n tokens that follow them."""
         cut_cache(self.cache, true_length)
         self.base = self.base[: true_length + 1] + list(next_tokens)
-        if self.spec.kind == "eagle3":
-            states = [hidden[layer][None].to(self.device, self.dtype) for layer in self.spec.feature_layers]
-            features = self.head.fuse(states)
-        else:
-            features = self.head.features(hidden[self.spec.last_layer][None].to(self.device, self.dtype))
+        features = head_features(self.head, self.spec, hidden)
         ids = torch.tensor([next_tokens], device=self.device)
         self.outs = [self.head(features, ids, cache=self.cache)[:, -1:]]
         self.cached = list(self.base)
