@@ -187,13 +187,13 @@ def _ssd_configs(method, recipe, target, spec, head_info, sampling, seed, notes)
             notes.append("ssd: an MTP head drafts all its depths from one target state, so there is nothing to "
                          "pre-draft per outcome; use an eagle or eagle3 head, or ssd-draft")
             return []
-        make = functools.partial(head_parts, head_info["path"], recipe.target, target.identity(), device)
+        make_drafter = functools.partial(head_parts, head_info["path"], recipe.target, target.identity(), device)
         layers = spec.feature_layers if spec.kind == "eagle3" else [spec.last_layer]
     else:
         _check_draft_choice(ev)
         if ev.draft_model is not None:
             _check_draft_tokenizer(recipe, target)
-        make = functools.partial(draft_lm, recipe.target, ev.draft_model, ev.draft_layers, device)
+        make_drafter = functools.partial(draft_lm, recipe.target, ev.draft_model, ev.draft_layers, device)
         layers = None
     threads = max(1, torch.get_num_threads() - ev.ssd_threads) if target.device.type == "cpu" else None
     configs = []
@@ -201,7 +201,7 @@ def _ssd_configs(method, recipe, target, spec, head_info, sampling, seed, notes)
         settings = SSDSettings(k=k, budget=ev.ssd_budget, factor=ev.ssd_factor, fallback=ev.ssd_fallback,
                                threads=ev.ssd_threads, sampling=sampling, seed=seed)
         configs.append(Config(f"{method} K={k}", method, k, make=lambda s=settings: SSDProposer(
-            make, s, layers, target.device), uses_head=method == "ssd", threads=threads, keeps_proposer=True))
+            make_drafter, s, layers, target.device), uses_head=method == "ssd", threads=threads, keeps_proposer=True))
     return configs
 
 
