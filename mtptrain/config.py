@@ -372,13 +372,15 @@ def load_recipe(path: str | Path | None = None, overrides: list[str] | None = No
         if loaded is not None and not isinstance(loaded, dict):
             raise RecipeError(f"recipe {path} must be a mapping at the top level")
         raw = loaded or {}
+    applied = {}
     for item in overrides or []:
-        apply_override(raw, item)
-    return validate_recipe(raw, where)
+        applied[apply_override(raw, item)] = item
+    return validate_recipe(raw, where, applied)
 
 
-def apply_override(raw: dict[str, Any], item: str) -> None:
-    """Set `a.b.c=value` in a nested mapping; the value is parsed as YAML (so 3, true, [1,2] work)."""
+def apply_override(raw: dict[str, Any], item: str) -> tuple[str, ...]:
+    """Set `a.b.c=value` in a nested mapping; the value is parsed as YAML (so 3, true, [1,2] work). Returns the
+    key path set."""
     if "=" not in item:
         raise RecipeError(f"override {item!r} must look like section.key=value")
     dotted, value_text = item.split("=", 1)
@@ -398,25 +400,40 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
             raise RecipeError(f"override {item!r}: {key!r} is a value, not a section")
         node = child
     node[keys[-1]] = value
+    return tuple(keys)
 
 
-def validate_recipe(raw: dict[str, Any], where: str = "recipe") -> Recipe:
+def validate_recipe(raw: dict[str, Any], where: str = "recipe",
+                    overrides: dict[tuple[str, ...], str] | None = None) -> Recipe:
+    """`overrides` maps the key paths that --set wrote to the --set text, so an error there is blamed on it."""
     try:
         return Recipe.model_validate(raw)
     except ValidationError as exc:
-        raise RecipeError(_explain(exc, where)) from None
+        raise RecipeError(_explain(exc, where, overrides or {})) from None
 
 
-def _explain(exc: ValidationError, where: str) -> str:
-    lines = [f"{where}: invalid recipe"]
+def _explain(exc: ValidationError, where: str, overrides: dict[tuple[str, ...], str]) -> str:
+    lines, from_file = [], False
     for err in exc.errors():
         loc = ".".join(str(p) for p in err["loc"])
+        item = _override_of(tuple(str(p) for p in err["loc"]), overrides)
+        source = f" (from --set {item})" if item else ""
+        from_file |= item is None
         if err["type"] == "extra_forbidden":
             hint = _closest_key(err["loc"])
-            lines.append(f"  unknown key '{loc}'" + (f" (did you mean '{hint}'?)" if hint else ""))
+            lines.append(f"  unknown key '{loc}'{source}" + (f" (did you mean '{hint}'?)" if hint else ""))
         else:
-            lines.append(f"  {loc}: {err['msg']} (got {err.get('input')!r})")
-    return "\n".join(lines)
+            lines.append(f"  {loc}: {err['msg']} (got {err.get('input')!r}){source}")
+    return "\n".join([f"{where}: invalid recipe" if from_file else "invalid --set override", *lines])
+
+
+def _override_of(loc: tuple[str, ...], overrides: dict[tuple[str, ...], str]) -> str | None:
+    """The --set that wrote `loc` (or a section holding it, or a new section under which it wrote a key)."""
+    for keys, item in reversed(overrides.items()):  # the last --set of a key is the one in force
+        shared = min(len(keys), len(loc))
+        if keys[:shared] == loc[:shared]:
+            return item
+    return None
 
 
 def _closest_key(loc: tuple[Any, ...]) -> str | None:

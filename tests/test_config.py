@@ -71,3 +71,24 @@ def test_zero_stage_3_is_refused_with_the_reason():
     assert load_recipe(None, ["train.zero_stage=2"]).train.zero_stage == 2
     with pytest.raises(RecipeError, match="stage 3 partitions the parameters"):
         load_recipe(None, ["train.zero_stage=3"])
+
+
+def test_an_error_in_a_set_override_is_blamed_on_the_override_not_the_recipe_file():
+    quickstart = next(p for p in RECIPES if p.name == "quickstart.yaml")
+    with pytest.raises(RecipeError) as err:
+        load_recipe(quickstart, ["train.epoch=3"])
+    message = str(err.value)
+    assert "--set train.epoch=3" in message and "unknown key 'train.epoch'" in message
+    assert "did you mean 'train.epochs'" in message
+    assert f"{quickstart}: invalid recipe" not in message
+    with pytest.raises(RecipeError) as err:
+        load_recipe(quickstart, ["data.max_length=lots"])
+    assert "--set data.max_length=lots" in str(err.value)
+
+
+def test_an_error_in_the_recipe_file_is_still_blamed_on_the_file(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text("train:\n  epoch: 3\n")
+    with pytest.raises(RecipeError) as err:
+        load_recipe(path, ["data.max_length=20"])
+    assert f"{path}: invalid recipe" in str(err.value) and "--set" not in str(err.value)
