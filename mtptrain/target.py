@@ -20,12 +20,15 @@ tokens and the chat template.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
 import logging
 import os
 import shutil
+import socket
+import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -131,6 +134,9 @@ def resolve_local_dir(cfg: TargetConfig) -> tuple[str, str]:
     if cfg.gguf_file:
         if model_path.is_dir():
             return str(converted_gguf_dir(model_path / cfg.gguf_file)), cfg.gguf_file
+        cached = hub_source(cfg.model, cfg.revision, cfg.gguf_file)
+        if cached != cfg.model:
+            return str(converted_gguf_dir(Path(cached) / cfg.gguf_file)), cfg.gguf_file
         from huggingface_hub import hf_hub_download
 
         try:
@@ -142,7 +148,60 @@ def resolve_local_dir(cfg: TargetConfig) -> tuple[str, str]:
         if not (model_path / "config.json").is_file():
             raise TargetError(f"{model_path} is a directory but holds no config.json: not a model directory")
         return str(model_path), model_path.name
-    return cfg.model, cfg.model
+    return hub_source(cfg.model, cfg.revision), cfg.model
+
+
+def hub_source(model: str, revision: str | None = None, marker: str = "config.json") -> str:
+    """What to load for a target.model that is no local directory: the hub id itself, or its snapshot in the hub
+    cache when the hub cannot answer. A name that cannot be a hub id, or a hub the client could only retry for
+    about 50 s, is refused at once as the missing directory it most likely is."""
+    if not _could_be_hub_id(model):
+        raise TargetError(f"target.model {model}: no such directory ({Path(model).expanduser().resolve()}); "
+                          "give an existing local model directory, a .gguf file, or a hub id (org/name)")
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        why = "HF_HUB_OFFLINE is set"
+    else:
+        endpoint = os.environ.get("HF_ENDPOINT") or _hub_endpoint()
+        why = None if _reachable(endpoint) else f"the hub ({endpoint}) is unreachable"
+    if why is None:
+        return model
+    cached = _cached_snapshot(model, revision, marker)
+    if cached is not None:
+        log.info("target.model %s: %s; loading its copy in the hub cache, %s", model, why, cached)
+        return cached
+    raise TargetError(f"target.model {model}: no such directory ({Path(model).resolve()}), and as a hub id it cannot "
+                      f"be loaded: {why} and the hub cache holds no copy. Give the path of a local model directory.")
+
+
+def _could_be_hub_id(name: str) -> bool:
+    """Hub ids are 'name' or 'org/name'; './x', '../x', '/x', '~/x', 'a/b/c' and Windows paths are paths."""
+    return not (name.startswith((".", "/", "~")) or "\\" in name or name.count("/") > 1 or name.endswith("/"))
+
+
+def _hub_endpoint() -> str:
+    from huggingface_hub import constants
+
+    return constants.ENDPOINT
+
+
+@functools.lru_cache(maxsize=8)
+def _reachable(endpoint: str, timeout: float = 3.0) -> bool:
+    """Whether a TCP connection to the hub's host opens within `timeout` (name resolution included)."""
+    url = urllib.parse.urlparse(endpoint)
+    try:
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout).close()
+    except OSError:
+        return False
+    return True
+
+
+def _cached_snapshot(model: str, revision: str | None, marker: str) -> str | None:
+    """The snapshot directory holding `model`'s file `marker` in the hub cache (HF_HUB_CACHE, read now), or None."""
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    cache = os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE
+    found = try_to_load_from_cache(model, marker, cache_dir=cache, revision=revision)
+    return str(Path(found).parent) if isinstance(found, str) else None
 
 
 def converted_gguf_dir(gguf_path: Path) -> Path:

@@ -140,3 +140,63 @@ def test_70b_recipe_fits_its_gpus():
     # Training reads only the frozen parts: the embedding and the LM head, 2.1 GB each in bf16.
     frozen = sum(p.numel() * p.element_size() for _, p in frozen_parameters(model))
     assert frozen == pytest.approx(4.2e9, rel=0.01)
+
+
+@pytest.mark.parametrize("model", ["./models/llama-3-8b", "../llama", "/nonexistent/llama", "~/no-such-model",
+                                   "runs/models/llama"])
+def test_a_local_path_that_does_not_exist_is_named_at_once(model, tmp_path, monkeypatch):
+    import time
+
+    from mtptrain.target import TargetError, load_tokenizer
+
+    monkeypatch.chdir(tmp_path)
+    started = time.perf_counter()
+    with pytest.raises(TargetError, match="no such directory") as err:
+        load_tokenizer(TargetConfig(model=model))
+    assert time.perf_counter() - started < 5
+    assert model.lstrip("~./") in str(err.value)
+
+
+@pytest.mark.parametrize("offline", [True, False], ids=["HF_HUB_OFFLINE", "hub-unreachable"])
+def test_a_name_that_could_be_a_hub_id_is_a_missing_directory_when_the_hub_cannot_answer(offline, tmp_path,
+                                                                                         monkeypatch):
+    """'models/llama' is a directory or a hub id; with the hub out of reach and nothing in its cache, say so now
+    (instead of the hub client's retries, 49 s)."""
+    import socket
+    import time
+
+    from mtptrain.target import TargetError, load_tokenizer
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub-cache"))
+    if offline:
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    else:
+        with socket.socket() as sock:  # a loopback port nobody listens on
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+    started = time.perf_counter()
+    with pytest.raises(TargetError, match="no such directory") as err:
+        load_tokenizer(TargetConfig(model="models/llama"))
+    assert time.perf_counter() - started < 5
+    assert ("HF_HUB_OFFLINE" if offline else f"127.0.0.1:{port}") in str(err.value)
+
+
+def test_a_hub_id_found_in_the_hub_cache_loads_with_the_hub_out_of_reach(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    from mtptrain.target import load_tokenizer
+
+    cache = tmp_path / "hub-cache"
+    snapshot = cache / "models--org--tiny" / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    (cache / "models--org--tiny" / "refs").mkdir()
+    (cache / "models--org--tiny" / "refs" / "main").write_text("0" * 40)
+    make_tokenizer().save_pretrained(snapshot)
+    make_tiny_llama(len(make_tokenizer())).config.save_pretrained(snapshot)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    assert len(load_tokenizer(TargetConfig(model="org/tiny"))) == len(make_tokenizer())
