@@ -15,6 +15,24 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+@app.callback()
+def main(log_level: Annotated[str, typer.Option(
+        help=f"What this project's packages log ({', '.join(LOG_LEVELS)}); other libraries log warnings.")] = "info"
+         ) -> None:
+    """The one logging set-up of every command."""
+    import logging
+
+    from mtptrain.dist import DistInfo, setup_logging
+
+    if log_level.lower() not in LOG_LEVELS:
+        typer.echo(f"error: --log-level {log_level!r}: use one of {', '.join(LOG_LEVELS)}", err=True)
+        raise typer.Exit(2)
+    setup_logging(DistInfo.from_env(), getattr(logging, log_level.upper()))
+
+
 RecipeOpt = Annotated[Optional[Path], typer.Option("--recipe", "-r", help="YAML recipe; defaults apply when omitted.")]
 SetOpt = Annotated[Optional[list[str]], typer.Option("--set", "-s", help="Override, e.g. --set data.max_conversations=50 (repeatable).")]
 

@@ -4,6 +4,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import write_sharegpt
 from typer.testing import CliRunner
 
@@ -76,3 +77,29 @@ def test_a_batch_script_itself_is_one_process_not_rank_0_of_many():
     assert DistInfo.from_env({"SLURM_STEP_NUM_TASKS": "4", "SLURM_PROCID": "3", "SLURM_LOCALID": "1"}) == \
         DistInfo(rank=3, world_size=4, local_rank=1)
     assert DistInfo.from_env({"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}) == DistInfo(1, 2, 1)
+
+
+def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mtptrain.cli", *args], capture_output=True, text=True, timeout=600,
+                          cwd=Path(__file__).resolve().parents[1], env={**os.environ, **(env or {})})
+
+
+def test_every_command_shows_the_library_info_lines(tmp_path, tiny_target_dir):
+    """Logging is configured once, by the CLI: a command without a set-up of its own (regenerate) shows them too."""
+    data = write_sharegpt(tmp_path / "c.json", 4)
+    done = _cli("regenerate", "--no-progress", "--set", f"target.model={tiny_target_dir}",
+                "--set", f"data.source={data}", "--set", f"data.regenerated={tmp_path / 'r.jsonl'}",
+                "--set", "regenerate.max_new_tokens=4")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"INFO mtptrain.target: target {tiny_target_dir.name}" in done.stderr
+    assert "INFO data_prep.regenerate: regenerate:" in done.stderr
+    assert not any(" INFO " in line for line in done.stderr.splitlines() if "httpx" in line or "urllib3" in line)
+
+
+@pytest.mark.real_model
+def test_the_fallback_to_the_shipped_head_is_logged(tmp_path):
+    done = _cli("export", "--set", f"train.output_dir={tmp_path / 'none'}",
+                "--set", f"export.output_dir={tmp_path / 'export'}")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "INFO" in done.stderr and "using the shipped head" in done.stderr
+    assert (tmp_path / "export" / "config.json").is_file()

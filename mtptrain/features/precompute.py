@@ -17,7 +17,7 @@ import torch
 
 from data_prep.prepare import RowStats, prepare_samples
 from mtptrain.config import Recipe, dump_recipe
-from mtptrain.dist import DistInfo, barrier, destroy_process_group, init_process_group, setup_logging
+from mtptrain.dist import DistInfo, barrier, destroy_process_group, init_process_group
 from mtptrain.features.compute import RankResult, compute_shards
 from mtptrain.features.plan import ShardPlan, make_plan_id, plan_shards, resolve_layers
 from mtptrain.features.store import (
@@ -56,7 +56,6 @@ def build_manifest(out_dir: Path, plan: list[ShardPlan], plan_id: str, target: T
 
 def run_precompute(recipe: Recipe, show_progress: bool = True, wandb: str | None = None) -> dict:
     dist = DistInfo.from_env()
-    setup_logging(dist)
     grouped = init_process_group(dist)
     try:
         summary = _precompute(recipe, dist, grouped, show_progress and dist.is_main)

@@ -36,7 +36,7 @@ import torch.distributed as torch_dist
 from tqdm import tqdm
 
 from mtptrain.config import HeadConfig, Recipe, TrainConfig, dump_recipe
-from mtptrain.dist import DistInfo, destroy_process_group, pick_device, setup_logging, slurm_rendezvous
+from mtptrain.dist import DistInfo, destroy_process_group, pick_device, slurm_rendezvous
 from mtptrain.features.store import FeatureStore, load_manifest
 from mtptrain.heads import FrozenTarget
 from mtptrain.heads.checkpoint import HeadSpec, build_head, save_head
@@ -139,7 +139,6 @@ def _launcher_env(dist: DistInfo) -> None:
 
 def run_train(recipe: Recipe, wandb: str | None = None, show_progress: bool = True) -> dict:
     dist = DistInfo.from_env()
-    setup_logging(dist)
     _launcher_env(dist)
     import deepspeed
 
