@@ -252,12 +252,14 @@ def _guarded(run, *extra: type[Exception]):
     from mtptrain.heads.checkpoint import HeadCheckpointError
     from mtptrain.features.store import FeatureStoreError
     from mtptrain.target import TargetError
+    from mtptrain.tracking import TrackingError
     from mtptrain.train.trainer import RunMismatch, TrainingDiverged
 
     try:
         return run()
     except (NoUsableData, DataSourceError, RegenerateError, EmbeddedAssetError, FeatureStoreError, TargetError,
-            RunMismatch, TrainingDiverged, PromptSetError, HeadCheckpointError, ValueError, *extra) as exc:
+            RunMismatch, TrainingDiverged, PromptSetError, HeadCheckpointError, TrackingError, ValueError,
+            *extra) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None
 

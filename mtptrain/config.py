@@ -127,7 +127,9 @@ class PrecomputeConfig(_Section):
     max_batch_size: int = Field(64, ge=1, description="Upper bound on sequences per forward batch.")
     shard_mb: float = Field(256.0, gt=0, description="Target shard size in MiB.")
     wandb: Literal["auto", "offline", "online", "disabled"] = Field(
-        "auto", description="auto = online when W&B credentials are configured, offline otherwise.")
+        "auto", description="auto = online when W&B credentials are configured, offline otherwise, and offline "
+        "with one warning when the online start fails (bad key, no network; it waits at most WANDB_INIT_TIMEOUT "
+        "seconds, 20 by default). online = that failure stops the command with an error.")
     wandb_project: str = Field("mtptrain", description="W&B project.")
     write_queue: int = Field(
         2, ge=1, description="Batches waiting to be written while the next ones compute."
@@ -193,7 +195,9 @@ class TrainConfig(_Section):
         False, description="Also write the head alone at every checkpoint, to output_dir/snapshots/step-N, each "
         "loadable by eval (for learning curves: tau against training tokens).")
     wandb: Literal["auto", "offline", "online", "disabled"] = Field(
-        "auto", description="auto = online when W&B credentials are configured, offline otherwise.")
+        "auto", description="auto = online when W&B credentials are configured, offline otherwise, and offline "
+        "with one warning when the online start fails (bad key, no network; it waits at most WANDB_INIT_TIMEOUT "
+        "seconds, 20 by default). online = that failure stops the command with an error.")
     wandb_project: str = Field("mtptrain", description="W&B project.")
 
     @field_validator("zero_stage")
@@ -254,7 +258,9 @@ class EvalConfig(_Truncation):
         "2-3x faster there than torch's stock GEMM path (see mtptrain/engine/cpu_matmul.py); stock = torch's path.")
     output_dir: str = Field("runs/quickstart/eval", description="Where results.json, report.md and plots go.")
     wandb: Literal["auto", "offline", "online", "disabled"] = Field(
-        "auto", description="auto = online when W&B credentials are configured, offline otherwise.")
+        "auto", description="auto = online when W&B credentials are configured, offline otherwise, and offline "
+        "with one warning when the online start fails (bad key, no network; it waits at most WANDB_INIT_TIMEOUT "
+        "seconds, 20 by default). online = that failure stops the command with an error.")
     wandb_project: str = Field("mtptrain", description="W&B project.")
 
     @field_validator("k", "tree_budgets")
