@@ -53,6 +53,28 @@ def atomic_write_json(path: Path, obj: Any) -> None:
     atomic_write_text(Path(path), json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
 
+class UnsafePathError(ValueError):
+    """A file names a path that leaves the directory it belongs to."""
+
+
+def contained(directory: Path, name: object, listed_in: Path, entry: str, error: type[Exception] = UnsafePathError,
+              fix: str = "") -> Path:
+    """`directory / name` for a `name` read from the file `listed_in` (at `entry`), refused with `error` unless it
+    is a relative path that stays inside `directory` once every symlink is resolved.
+
+    Files such as manifests can be edited by anyone: followed blindly, '/etc/passwd', '../x' or a symlink would
+    make the project read, and its error messages point at, files that are not its own.
+    """
+    if isinstance(name, str) and name and not Path(name).is_absolute() and ".." not in Path(name).parts:
+        path = Path(directory) / name
+        root = Path(directory).resolve()
+        if path.resolve() != root and path.resolve().is_relative_to(root):
+            return path
+    raise error(f"{listed_in}: {entry} names {name!r}, which is outside {directory}: a corrupt or hostile "
+                f"{Path(listed_in).name}. Nothing was read from that path. "
+                + (fix or f"Write {Path(listed_in).name} again with the tool that made it."))
+
+
 def sha256_file(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as fh:

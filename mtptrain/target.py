@@ -38,7 +38,7 @@ from torch import nn
 from mtptrain.config import EMBEDDED_TARGET, TargetConfig
 from mtptrain.dist import DistInfo, pick_device
 from mtptrain.embedded import wheel_file
-from mtptrain.io import tmp_name
+from mtptrain.io import contained, tmp_name
 
 log = logging.getLogger(__name__)
 
@@ -441,7 +441,7 @@ def _read_checkpoint_tensors(source: str, cfg: TargetConfig, names: list[str]) -
     index = _checkpoint_file(source, "model.safetensors.index.json", cfg)
     single = None if index is not None else _checkpoint_file(source, "model.safetensors", cfg)
     if index is not None:
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = read_weight_map(index)
     elif single is not None:
         with safe_open(single, framework="pt") as f:
             weight_map = {key: "model.safetensors" for key in f.keys()}
@@ -458,6 +458,14 @@ def _read_checkpoint_tensors(source: str, cfg: TargetConfig, names: list[str]) -
         with safe_open(_checkpoint_file(source, filename, cfg), framework="pt") as f:
             tensors.update({n: f.get_tensor(n) for n in names if weight_map[n] == filename})
     return tensors
+
+
+def read_weight_map(index: Path, error: type[Exception] = TargetError) -> dict[str, str]:
+    """Tensor name -> file of a checkpoint's model.safetensors.index.json; every file must lie in its directory."""
+    weight_map = json.loads(Path(index).read_text())["weight_map"]
+    for file in sorted(set(weight_map.values())):
+        contained(Path(index).parent, file, index, "weight_map", error)
+    return weight_map
 
 
 def _load_hint(source: str, exc: Exception) -> str:

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from mtptrain.config import ExportConfig, Recipe
 from mtptrain.export.formats import FORMATS, Format, Written
-from mtptrain.export.source import ExportError, HeadSource, open_head
+from mtptrain.export.source import ExportError, HeadSource, open_head, sidecar_weights
 from mtptrain.heads.checkpoint import EXPORT_SIDECAR
 from mtptrain.io import tmp_name
 
@@ -153,12 +153,7 @@ def read_export(directory: Path) -> tuple[dict, dict[str, torch.Tensor]]:
         raise ExportError(f"{path}: format {sidecar.get('format')!r} / {sidecar.get('export_format')!r} is not an "
                           f"{EXPORT_FORMAT} sidecar of a known export format")
     form: Format = FORMATS[sidecar["export_format"]]
-    tensors = _load_weights(directory, sidecar["weights"])
-    return sidecar["head_config"], form.to_head(tensors, sidecar)
-
-
-def _load_weights(directory: Path, name: str) -> dict[str, torch.Tensor]:
-    path = directory / name
+    path = sidecar_weights(directory, sidecar)
     if not path.is_file():
         raise ExportError(f"{path} is missing: the export directory is incomplete; export again")
-    return load_file(str(path))
+    return sidecar["head_config"], form.to_head(load_file(str(path)), sidecar)

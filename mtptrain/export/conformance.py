@@ -16,6 +16,7 @@ import torch
 import yaml
 from safetensors import safe_open
 
+from mtptrain.export.source import sidecar_weights
 from mtptrain.heads.checkpoint import EXPORT_SIDECAR
 
 SPECS = Path(__file__).with_name("specs")
@@ -67,7 +68,7 @@ def check_export(directory: Path, target_config: dict, target_layer: dict[str, t
     fmt = sidecar["export_format"]
     table = load_table(fmt)
     config = json.loads((directory / "config.json").read_text())
-    with safe_open(str(directory / sidecar["weights"]), framework="pt") as fh:
+    with safe_open(str(sidecar_weights(directory, sidecar)), framework="pt") as fh:
         tensors = {name: fh.get_tensor(name) for name in fh.keys()}
     env = {"__builtins__": {}, **symbols(sidecar, target_config)}
     modules = config.get("num_nextn_predict_layers", 1)

@@ -18,6 +18,8 @@ from safetensors.torch import load_file
 
 from mtptrain.config import TargetConfig
 from mtptrain.heads.checkpoint import EXPORT_SIDECAR, HeadSpec, read_head_config
+from mtptrain.io import contained
+from mtptrain.target import read_weight_map
 
 # The hub model the embedded GGUF (a Q4_1 quantisation) was made from: what a server loads as the target.
 EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -81,7 +83,7 @@ class HeadSource:
 
             directory = Path(snapshot_download(self.target_source, allow_patterns=["*.json", "*.safetensors"]))
         index = directory / "model.safetensors.index.json"
-        files = (json.loads(index.read_text())["weight_map"] if index.is_file()
+        files = (read_weight_map(index, ExportError) if index.is_file()
                  else {k: "model.safetensors" for k in _keys(directory / "model.safetensors")})
         return directory, files
 
@@ -109,6 +111,11 @@ class HeadSource:
                 with safe_open(str(directory / file), framework="pt") as fh:
                     shapes[name[len(prefix):]] = tuple(fh.get_slice(name).get_shape())
         return shapes
+
+
+def sidecar_weights(directory: Path, sidecar: dict) -> Path:
+    """The weights file an export's sidecar names, which must lie in the export directory."""
+    return contained(Path(directory), sidecar.get("weights"), Path(directory) / EXPORT_SIDECAR, "weights", ExportError)
 
 
 def _keys(path: Path) -> list[str]:

@@ -19,6 +19,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from mtptrain.export import SIDECAR, ExportError
+from mtptrain.export.source import sidecar_weights
+from mtptrain.target import read_weight_map
 from mtptrain.io import tmp_name
 
 MTP_FILE = "model-mtp.safetensors"
@@ -52,7 +54,7 @@ def stitch_mtp(export_dir: Path, target_dir: Path, out: Path) -> dict:
                           "(num_nextn_predict_layers): stitch into a checkpoint without them")
     _verify_target(target_dir, sidecar["head_config"]["target"])
     files = _weight_map(target_dir)
-    mtp = load_file(str(export_dir / sidecar["weights"]))
+    mtp = load_file(str(sidecar_weights(export_dir, sidecar)))
     clash = sorted(set(mtp) & set(files))
     if clash:
         raise ExportError(f"{target_dir} already holds {clash[0]} (and {len(clash) - 1} more MTP-layer tensors)")
@@ -109,7 +111,7 @@ def _verify_target(directory: Path, identity: dict) -> None:
 def _weight_map(directory: Path) -> dict[str, str]:
     index = directory / INDEX
     if index.is_file():
-        return json.loads(index.read_text())["weight_map"]
+        return read_weight_map(index, ExportError)
     single = directory / "model.safetensors"
     if not single.is_file():
         raise ExportError(f"{directory} holds neither {INDEX} nor model.safetensors: stitch needs a safetensors "

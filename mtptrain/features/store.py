@@ -25,6 +25,7 @@ in the project; exports convert to each engine's own numbering.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,9 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from mtptrain.io import atomic_write, atomic_write_json, sha256_file
+from mtptrain.io import atomic_write, atomic_write_json, contained, sha256_file
+
+log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
@@ -132,6 +135,10 @@ def read_complete_record(path: Path, plan_id: str) -> ShardRecord | None:
         record = ShardRecord(**json.loads(rec_path.read_text()))
     except (json.JSONDecodeError, TypeError):
         return None
+    if record.file != path.name:
+        log.warning("%s describes %r, not %s: a corrupt or hostile record, ignored (the shard is computed again)",
+                    rec_path, record.file, path.name)
+        return None
     if record.plan_id != plan_id:
         raise FeatureStoreError(
             f"{rec_path} was written by another recipe (other data, target, layers or dtype). "
@@ -181,20 +188,35 @@ class FeatureStore:
         self._index: list[tuple[int, int, int]] = []  # (shard, start row, end row) per sample
         self.keys: list[str] = []
         for shard_no, shard in enumerate(self.shards):
-            path = self.directory / shard["file"]
+            path = self._path(shard_no)
             verify_shard(path, shard, verify)
             handle = self._handle(shard_no)
+            metadata = handle.metadata() or {}
+            if metadata.get("plan_id") != self.manifest["plan_id"]:
+                raise FeatureStoreError(
+                    f"{self.directory / MANIFEST}: shard {self._entry(shard_no)} is {path.name}, a shard written for "
+                    f"another store (plan {metadata.get('plan_id')!r}, this store's is {self.manifest['plan_id']!r}): "
+                    "a corrupt or hostile manifest. Precompute again into a new directory.")
             offsets = handle.get_tensor("offsets").tolist()
-            keys = json.loads(handle.metadata()["keys"])
+            keys = json.loads(metadata["keys"])
             if len(keys) != shard["samples"] or len(offsets) != shard["samples"] + 1:
                 raise FeatureStoreError(f"{path}: holds {len(keys)} samples, manifest says {shard['samples']}; "
                                         "the shard is corrupted: delete it and its .json, then rerun precompute")
             self._index.extend((shard_no, offsets[i], offsets[i + 1]) for i in range(len(keys)))
             self.keys.extend(keys)
 
+    def _entry(self, shard_no: int) -> int:
+        """The shard's index in the manifest's list (shards of both splits)."""
+        return self.manifest["shards"].index(self.shards[shard_no])
+
+    def _path(self, shard_no: int) -> Path:
+        return contained(self.directory, self.shards[shard_no].get("file"), self.directory / MANIFEST,
+                         f"shard {self._entry(shard_no)}", FeatureStoreError,
+                         "Precompute again into a new directory, or restore the manifest from the run that wrote it.")
+
     def _handle(self, shard_no: int):
         if shard_no not in self._handles:
-            path = self.directory / self.shards[shard_no]["file"]
+            path = self._path(shard_no)
             try:
                 self._handles[shard_no] = safe_open(str(path), framework="pt")
             except Exception as exc:

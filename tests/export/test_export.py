@@ -333,3 +333,19 @@ def test_the_shipped_head_drafts_the_same_tokens_from_its_exports(tmp_path):
                                         (p.stat().st_mode & 0o777 for p in (tmp_path / fmt).iterdir()))
         exported, exported_spec = load_head(tmp_path / fmt, frozen, target.identity())
         assert drafts(target.model, exported.float(), exported_spec, list(prompt)) == ours, fmt
+
+
+def test_an_export_sidecar_naming_weights_outside_the_export_is_refused(target_dir, tmp_path):
+    import shutil
+
+    from mtptrain.export import read_export
+
+    out = tmp_path / "export"
+    export_head(save_trained_like_head(target_dir, tmp_path / "head", EAGLE3), out, ExportConfig(format="eagle3"))
+    sidecar = json.loads((out / "mtptrain.json").read_text())
+    outside = shutil.copy(out / "model.safetensors", tmp_path / "elsewhere.safetensors")
+    for name in (str(outside), "../elsewhere.safetensors"):
+        (out / "mtptrain.json").write_text(json.dumps({**sidecar, "weights": name}))
+        with pytest.raises(ExportError, match="outside") as err:
+            read_export(out)
+        assert "mtptrain.json" in str(err.value) and "hostile" in str(err.value)
