@@ -9,6 +9,7 @@ and moves on.
 
 from __future__ import annotations
 
+import codecs
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,20 +53,35 @@ def read_rows(source: str, *, split: str = "train", config: str | None = None,
 
 
 def read_jsonl(path: Path) -> Iterator[RawRow]:
+    """One row per line. A UTF-8 byte-order mark is dropped where a line starts with one: editors write it
+    at the start of a file, and files joined with cat keep it at the start of a later line; JSON never
+    starts with it, so dropping it only saves the row."""
     with open(path, "rb") as fh:
-        for lineno, raw in enumerate(fh, start=1):
+        lineno = 0
+        for raw in fh:  # not enumerate(fh): its reused result tuple would keep each line's bytes alive
+            lineno += 1
             ref = f"{path.name}:{lineno}"
-            if not raw.strip():
+            mark = len(codecs.BOM_UTF8) if raw.startswith(codecs.BOM_UTF8) else 0
+            if mark:
+                raw = raw[mark:]
+            if not raw or raw.isspace():  # isspace, unlike strip, copies nothing of a long line
                 continue
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
-                yield RawRow(ref, problem=("non-UTF-8 text", f"byte {exc.start}: {raw[exc.start:exc.start + 4]!r}"))
+                detail = f"byte {exc.start + mark}: {raw[exc.start:exc.start + 4]!r}"  # counted as in the file
+                yield RawRow(ref, problem=("non-UTF-8 text", detail))
                 continue
+            # A line can be hundreds of MB: its bytes and text go once parsed, so that only the parsed row
+            # is held while it is processed, not three copies of it.
+            raw = None
             try:
-                yield RawRow(ref, json.loads(text))
+                value, problem = json.loads(text), None
             except json.JSONDecodeError as exc:
-                yield RawRow(ref, problem=("malformed JSON", str(exc)))
+                value, problem = None, ("malformed JSON", str(exc))
+            text = None
+            yield RawRow(ref, value, problem)
+            value = None
 
 
 def read_json_array(path: Path) -> Iterator[RawRow]:

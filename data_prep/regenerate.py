@@ -110,7 +110,10 @@ def read_jobs(recipe: Recipe, tokenizer, stats: RowStats) -> list[tuple[Job, int
             stats.skip(row.ref, "no user turn", "nothing to answer")
             continue
         job = Job(key, row.ref, system, questions)
-        jobs.append((job, len(prompt_ids(tokenizer, system + [{"role": "user", "content": questions[0]}]))))
+        # A first prompt too long in characters to fit max_length is not tokenized whole: its length counts
+        # as max_length + 1, which sorts it after every prompt that fits (all of it is skipped as over-long).
+        first = prompt_ids(tokenizer, system + [{"role": "user", "content": questions[0]}], limit=d.max_length)
+        jobs.append((job, len(first)))
     return jobs
 
 
@@ -203,7 +206,7 @@ def regenerate_jobs(model, tokenizer, batch: list[Job], recipe: Recipe, stops: s
             if job.stopped or turn >= len(job.questions):
                 continue
             asked = job.system + job.messages + [{"role": "user", "content": job.questions[turn]}]
-            prompt = prompt_ids(tokenizer, asked)
+            prompt = prompt_ids(tokenizer, asked, limit=max_length)  # a huge question: only enough to see it is over
             room = max_length - len(prompt) - 1  # the end-of-turn token after the answer
             if room < r.min_answer_tokens:
                 job.stopped = "context full"

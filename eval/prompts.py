@@ -38,6 +38,8 @@ def load_prompts(source: str, limit: int | None = None) -> list[Prompt]:
     seen: dict[str, int] = {}
     with open(path, encoding="utf-8") as fh:
         for lineno, line in enumerate(fh, start=1):
+            # A byte-order mark (from an editor, or a file joined with cat) is not part of the JSON.
+            line = line.removeprefix("\ufeff")
             if not line.strip():
                 continue
             try:

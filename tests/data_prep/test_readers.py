@@ -1,3 +1,4 @@
+import codecs
 import json
 
 import pytest
@@ -103,3 +104,18 @@ def test_datasets_directory_source(tmp_path):
     with pytest.raises(DataSourceError, match="not 'train'"):
         list(read_rows(f"datasets:{tmp_path / 'dd'}"))
     assert len(list(read_rows(f"datasets:{tmp_path / 'dd'}", split="test"))) == 4
+
+
+def test_a_byte_order_mark_does_not_cost_the_first_jsonl_row(tmp_path):
+    rows = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a"}]}
+            for i in range(3)]
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(codecs.BOM_UTF8 + "\n".join(json.dumps(r) for r in rows).encode() + b"\n")
+    read = list(read_rows(str(path)))
+    assert [(r.ref, r.problem, r.value) for r in read] == [(f"bom.jsonl:{i + 1}", None, r) for i, r in enumerate(rows)]
+    # Files joined with cat keep each part's mark at the start of a later line; a mark alone is an empty line.
+    path.write_bytes(codecs.BOM_UTF8 + b"\n" + json.dumps(rows[0]).encode() + b"\n" + codecs.BOM_UTF8
+                     + json.dumps(rows[1]).encode() + b"\n" + codecs.BOM_UTF8 + b'{"messages": "\xff"}\n')
+    read = list(read_rows(str(path)))
+    assert [(r.ref, r.value) for r in read[:2]] == [("bom.jsonl:2", rows[0]), ("bom.jsonl:3", rows[1])]
+    assert read[2].problem == ("non-UTF-8 text", "byte 17: b'\\xff\"}\\n'")
