@@ -83,6 +83,13 @@ def barrier() -> None:
         torch_dist.barrier()
 
 
+def all_reduce_sum(value: float) -> float:
+    """`value` summed over the ranks of the process group (a CPU tensor: precompute's group is gloo)."""
+    tensor = torch.tensor([float(value)])
+    torch_dist.all_reduce(tensor)
+    return float(tensor.item())
+
+
 def destroy_process_group() -> None:
     if torch_dist.is_available() and torch_dist.is_initialized():
         torch_dist.destroy_process_group()

@@ -17,14 +17,14 @@ import torch
 
 from data_prep.prepare import RowStats, prepare_samples
 from mtptrain.config import Recipe, dump_recipe
-from mtptrain.dist import DistInfo, barrier, destroy_process_group, init_process_group
+from mtptrain.dist import DistInfo, all_reduce_sum, barrier, destroy_process_group, init_process_group
 from mtptrain.features.compute import RankResult, compute_shards
 from mtptrain.features.plan import ShardPlan, make_plan_id, plan_shards, resolve_layers
 from mtptrain.features.store import (
     MANIFEST, SCHEMA_VERSION, SPLITS, FeatureStoreError, load_manifest, read_complete_record, record_path,
     write_manifest,
 )
-from mtptrain.io import atomic_write_json
+from mtptrain.io import atomic_write_json, sha256_file
 from mtptrain.target import Target, load_target
 
 log = logging.getLogger(__name__)
@@ -98,17 +98,20 @@ def _precompute(recipe: Recipe, dist: DistInfo, grouped: bool, show_progress: bo
     if existing is not None and existing["plan_id"] != plan_id:
         raise FeatureStoreError(f"{out_dir / MANIFEST} belongs to a store made by another recipe (other data, "
                                 "target, layers or dtype). Use a new precompute.output_dir, or delete this one.")
-    if existing is not None and all(complete):
-        log.info("%s is already complete; nothing to compute", out_dir)
+    mine = plan[dist.rank :: dist.world_size]
+    damaged = _drop_damaged(out_dir, mine, plan_id)
+    if grouped:  # every rank takes the same branch below, or the others would wait at a barrier forever
+        damaged = int(all_reduce_sum(damaged))
+    if existing is not None and all(complete) and not damaged:
+        log.info("%s is already complete (shards verified); nothing to compute", out_dir)
         return _finish(out_dir, existing, RankResult(shards_skipped=len(plan)), dist, bytes_per_token, False)
-    if existing is not None and dist.is_main:
+    if existing is not None and (dist.is_main or damaged):
         log.warning("%s lists shards that are missing or damaged: recomputing them", out_dir / MANIFEST)
         (out_dir / MANIFEST).unlink(missing_ok=True)  # rewritten once every shard is back
     if dist.is_main:
         dump_recipe(recipe, out_dir / "recipe.yaml")
     log.info("plan: %d samples, %d tokens, layers %s, %d shards over %d rank(s)", len(samples),
              sum(len(s) for s in samples), layers, len(plan), dist.world_size)
-    mine = plan[dist.rank :: dist.world_size]
     _remove_stale_temporaries(out_dir, mine)
     result = compute_shards(target, mine, layers, recipe, out_dir, plan_id, dist.rank, show_progress)
     if grouped:
@@ -133,6 +136,20 @@ def _existing_manifest(out_dir: Path) -> dict | None:
     except FeatureStoreError as exc:
         log.warning("ignoring the manifest in %s (%s); it will be rewritten", out_dir, exc)
         return None
+
+
+def _drop_damaged(out_dir: Path, mine: list[ShardPlan], plan_id: str) -> int:
+    """Check this rank's complete shards against their records (sha256) and drop the record of each one that does
+    not match, so that it is computed again; returns how many. A rerun skips only what it has verified."""
+    damaged = 0
+    for shard in mine:
+        record = read_complete_record(out_dir / shard.name, plan_id)
+        if record is not None and sha256_file(out_dir / shard.name) != record.sha256:
+            log.warning("%s does not match its record (sha256): the shard is damaged; computing it again",
+                        out_dir / shard.name)
+            record_path(out_dir / shard.name).unlink()
+            damaged += 1
+    return damaged
 
 
 def _remove_stale_temporaries(out_dir: Path, mine: list[ShardPlan]) -> None:

@@ -153,6 +153,28 @@ def test_a_deleted_shard_or_a_broken_manifest_is_rebuilt_by_a_rerun(tiny_target_
     assert len(FeatureStore(out)) > 0
 
 
+@pytest.mark.parametrize("with_manifest", [True, False], ids=["store complete", "killed before the manifest"])
+def test_a_rerun_verifies_what_it_skips_and_recomputes_a_corrupted_shard(tiny_target_dir, tmp_path, caplog,
+                                                                         with_manifest):
+    recipe = tiny_recipe(tiny_target_dir, write_sharegpt(tmp_path / "c.json", 30), tmp_path / "out", shard_mb=0.05)
+    first = run_precompute(recipe, show_progress=False)
+    out = tmp_path / "out"
+    victim = out / json.loads((out / "manifest.json").read_text())["shards"][1]["file"]
+    original = victim.read_bytes()
+    damaged = bytearray(original)
+    damaged[-50] ^= 0xFF  # same size: only the sha256 sees it
+    victim.write_bytes(bytes(damaged))
+    if not with_manifest:
+        (out / "manifest.json").unlink()
+    again = run_precompute(recipe, show_progress=False)
+    assert again["complete"] and again["shards_written"] == 1
+    assert again["shards_skipped"] == first["shards_written"] - 1
+    assert victim.read_bytes() == original
+    assert any(victim.name in r.getMessage() and "sha256" in r.getMessage() for r in caplog.records
+               if r.levelname == "WARNING")
+    assert len(FeatureStore(out)) > 0  # verified with sha256 against the rewritten manifest
+
+
 def _precompute_cmd(recipe_path: Path, *overrides: str) -> list[str]:
     return [sys.executable, "-m", "mtptrain.cli", "precompute", "--no-progress", "-r", str(recipe_path),
             *[a for o in overrides for a in ("--set", o)]]
