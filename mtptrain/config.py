@@ -194,6 +194,13 @@ class TrainConfig(_Section):
     head_snapshots: bool = Field(
         False, description="Also write the head alone at every checkpoint, to output_dir/snapshots/step-N, each "
         "loadable by eval (for learning curves: tau against training tokens).")
+    target_check: Literal["full", "frozen"] = Field(
+        "full", description="How the target is checked against the identity the store records before training. "
+        "full = every field, the fingerprint of all its weights included, computed from its safetensors files "
+        "one tensor at a time (reads the whole checkpoint once; a checkpoint that names its tensors otherwise is "
+        "loaded whole instead). frozen = the frozen parts training reads (embedding, final norm, LM head), the "
+        "tokenizer and the architecture only; the head then records the store's fingerprint unchecked, and says "
+        "so in its config (target_checked).")
     wandb: Literal["auto", "offline", "online", "disabled"] = Field(
         "auto", description="auto = online when W&B credentials are configured, offline otherwise, and offline "
         "with one warning when the online start fails (bad key, no network; it waits at most WANDB_INIT_TIMEOUT "

@@ -31,6 +31,7 @@ import socket
 import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
@@ -438,14 +439,8 @@ def _read_checkpoint_tensors(source: str, cfg: TargetConfig, names: list[str]) -
     """The named tensors from the checkpoint's safetensors files, reading only the files that hold them."""
     from safetensors import safe_open
 
-    index = _checkpoint_file(source, "model.safetensors.index.json", cfg)
-    single = None if index is not None else _checkpoint_file(source, "model.safetensors", cfg)
-    if index is not None:
-        weight_map = read_weight_map(index)
-    elif single is not None:
-        with safe_open(single, framework="pt") as f:
-            weight_map = {key: "model.safetensors" for key in f.keys()}
-    else:
+    weight_map = _checkpoint_weight_map(source, cfg)
+    if weight_map is None:
         log.info("%s has no safetensors files: loading the whole target", cfg.model)
         return None
     missing = [n for n in names if n not in weight_map]
@@ -458,6 +453,20 @@ def _read_checkpoint_tensors(source: str, cfg: TargetConfig, names: list[str]) -
         with safe_open(_checkpoint_file(source, filename, cfg), framework="pt") as f:
             tensors.update({n: f.get_tensor(n) for n in names if weight_map[n] == filename})
     return tensors
+
+
+def _checkpoint_weight_map(source: str, cfg: TargetConfig) -> dict[str, str] | None:
+    """Tensor name -> safetensors file of the checkpoint (an index, or a single file); None without one."""
+    from safetensors import safe_open
+
+    index = _checkpoint_file(source, "model.safetensors.index.json", cfg)
+    if index is not None:
+        return read_weight_map(index)
+    single = _checkpoint_file(source, "model.safetensors", cfg)
+    if single is None:
+        return None
+    with safe_open(single, framework="pt") as f:
+        return {key: "model.safetensors" for key in f.keys()}
 
 
 def read_weight_map(index: Path, error: type[Exception] = TargetError) -> dict[str, str]:
@@ -500,30 +509,48 @@ class LayerCapture:
 # --------------------------------------------------------------------------- fingerprints
 
 
+ARCHITECTURE_FIELDS = ("model_type", "hidden_size", "vocab_size", "num_layers")
+
+
+def compared_fields(given: dict) -> list[str]:
+    """The identity fields two targets are compared on: the whole-weights fingerprint when `given` has one, else
+    the frozen parts' (a target loaded in part); the tokenizer's; the architecture's."""
+    weights = "fingerprint" if given.get("fingerprint") is not None else "frozen_fingerprint"
+    return [weights, "tokenizer_fingerprint", *ARCHITECTURE_FIELDS]
+
+
 def identity_mismatch(stored: dict, given: dict) -> str | None:
-    """The first fingerprint that differs between two target identities, or None when they match.
+    """The first identity field that differs between two target identities, or None when they match.
 
     A target loaded in part (`load_frozen_target`) is compared on its frozen parts: the embedding, final
-    norm and LM head, with the architecture config, are what a head trained on stored features uses.
+    norm and LM head, with the architecture config, are what a head trained on stored features uses. The
+    architecture fields are compared where both identities record them.
     """
-    weights = "fingerprint" if given.get("fingerprint") is not None else "frozen_fingerprint"
-    return next((k for k in (weights, "tokenizer_fingerprint") if stored.get(k) != given.get(k)), None)
+    for key in compared_fields(given):
+        if key in ARCHITECTURE_FIELDS and (key not in stored or key not in given):
+            continue
+        if stored.get(key) != given.get(key):
+            return key
+    return None
 
 
 def config_fingerprint_dict(config) -> dict:
     return {k: v for k, v in sorted(config.to_dict().items()) if k not in _VOLATILE_CONFIG_KEYS}
 
 
-def _digest_parameters(config, parameters) -> str:
-    """Digest of the architecture config and an evenly strided sample of each (name, tensor).
+def _digest_parameters(config, names: list[str], tensor: Callable[[str], torch.Tensor]) -> str:
+    """Digest of the architecture config and an evenly strided sample of each named tensor.
 
     Samples are rounded to bfloat16 first, so a float32 and a bfloat16 load of
     the same checkpoint share a fingerprint. Sampling keeps this cheap for
     70B targets while any retrained or swapped tensor still changes it.
+    `tensor(name)` is called once per name, in sorted order, so a caller can
+    read the tensors one at a time.
     """
     digest = hashlib.sha256()
     digest.update(json.dumps(config_fingerprint_dict(config), sort_keys=True, default=str).encode())
-    for name, param in sorted(parameters, key=lambda item: item[0]):
+    for name in sorted(names):
+        param = tensor(name)
         flat = param.detach().reshape(-1)
         step = max(1, flat.numel() // _SAMPLES_PER_TENSOR)
         sample = flat[::step].to("cpu", torch.bfloat16).view(torch.int16).numpy().tobytes()
@@ -532,16 +559,47 @@ def _digest_parameters(config, parameters) -> str:
     return digest.hexdigest()[:32]
 
 
+def _digest_modules(config, parameters) -> str:
+    named = dict(parameters)
+    return _digest_parameters(config, list(named), named.__getitem__)
+
+
 @torch.no_grad()
 def model_fingerprint(model: nn.Module) -> str:
     """The target's fingerprint: its config and a sample of every weight."""
-    return _digest_parameters(model.config, model.named_parameters())
+    return _digest_modules(model.config, model.named_parameters())
 
 
 @torch.no_grad()
 def frozen_fingerprint(model: nn.Module) -> str:
     """The fingerprint of what a head uses of the target: its config, embedding, final norm and LM head."""
-    return _digest_parameters(model.config, frozen_parameters(model))
+    return _digest_modules(model.config, frozen_parameters(model))
+
+
+def checkpoint_fingerprint(cfg: TargetConfig) -> str | None:
+    """`model_fingerprint` of the target, read from its safetensors files one tensor at a time instead of
+    building the model: what a partly loaded target (`load_frozen_target`) checks a recorded fingerprint
+    with. None when the files do not name every parameter as the model does (then only a whole load tells).
+    """
+    from safetensors import safe_open
+
+    source, _ = resolve_local_dir(cfg)
+    config = load_config(cfg, source)
+    names = [name for name, _ in _skeleton(config, torch.float32, cfg).named_parameters()]
+    weight_map = _checkpoint_weight_map(source, cfg)
+    if weight_map is None or any(name not in weight_map for name in names):
+        return None
+    handles = {}
+    try:
+        def tensor(name: str) -> torch.Tensor:
+            file = weight_map[name]
+            if file not in handles:
+                handles[file] = safe_open(_checkpoint_file(source, file, cfg), framework="pt")
+            return handles[file].get_tensor(name)
+
+        return _digest_parameters(config, names, tensor)
+    finally:
+        handles.clear()
 
 
 def tokenizer_fingerprint(tokenizer) -> str:

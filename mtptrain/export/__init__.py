@@ -46,8 +46,9 @@ def export_head(head_dir: Path, out: Path, cfg: ExportConfig, check_target: bool
 
     The files are written to a staging directory and checked against the format's table. Only then does the
     staging directory take `out`'s place (an earlier export there is moved aside first and removed last), so
-    an error leaves `out` as it was. check_target=False skips loading the target to compare fingerprints (the
-    trainer, which has just trained on it).
+    an error leaves `out` as it was. The target's fingerprint is checked against the head's record first;
+    check_target=False skips that only for a caller that has just checked it (the trainer, when
+    train.target_check was full).
     """
     head_dir, out = Path(head_dir), Path(out)
     _check_out(out, head_dir)
@@ -57,8 +58,8 @@ def export_head(head_dir: Path, out: Path, cfg: ExportConfig, check_target: bool
         src.state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in src.state.items()}
     form = FORMATS[cfg.format]
     form.check(src, cfg)
-    if check_target and (cfg.format in TARGET_TENSORS or cfg.target is not None):
-        src.verify_target()  # its weights go into the export, or it is not the recorded one: same fingerprint?
+    if check_target:  # an export never carries a fingerprint that no check has seen
+        src.verify_target()
     written = form.write(src, cfg)
     sidecar = {"format": EXPORT_FORMAT, "export_format": cfg.format, "weights": "model.safetensors",
                "num_hidden_layers": src.target_config["num_hidden_layers"], "sglang_ids": cfg.sglang_ids,

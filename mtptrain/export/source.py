@@ -44,10 +44,15 @@ class HeadSource:
         return self.target_cfg.model
 
     def verify_target(self) -> None:
-        """Load the target once (bfloat16, CPU) and refuse it unless its fingerprint is the head's."""
-        from mtptrain.target import identity_mismatch, load_target
+        """Refuse the target unless its identity is the head's: the fingerprint of every weight (read from the
+        safetensors files one tensor at a time, or from a whole load on CPU), the tokenizer's and the
+        architecture's."""
+        from mtptrain.target import checkpoint_fingerprint, identity_mismatch, load_frozen_target, load_target
 
-        loaded = load_target(self.target_cfg.model_copy(update={"dtype": "bfloat16", "device": "cpu"})).identity()
+        cfg = self.target_cfg.model_copy(update={"dtype": "bfloat16", "device": "cpu"})
+        frozen = load_frozen_target(cfg)
+        fingerprint = checkpoint_fingerprint(cfg) if frozen is not None else None
+        loaded = load_target(cfg).identity() if fingerprint is None else {**frozen.identity(), "fingerprint": fingerprint}
         key = identity_mismatch(self.identity, loaded)
         if key is not None:
             raise ExportError(f"target '{self.target_model}' has {key} {loaded.get(key)}, but the head was trained "

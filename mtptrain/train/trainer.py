@@ -42,7 +42,9 @@ from mtptrain.heads import FrozenTarget
 from mtptrain.heads.checkpoint import HeadSpec, build_head, save_head
 from mtptrain.heads.eagle3 import DraftVocab
 from mtptrain.io import atomic_write_json
-from mtptrain.target import Target, load_frozen_target, load_target
+from mtptrain.target import (
+    ARCHITECTURE_FIELDS, Target, checkpoint_fingerprint, compared_fields, load_frozen_target, load_target,
+)
 from mtptrain.train.data import BatchPlan, loader, steps_for
 from mtptrain.train.metrics import MetricsLog
 from mtptrain.train.objective import batch_objective, step_weights
@@ -115,7 +117,7 @@ def run_fingerprint(recipe: Recipe, manifest: dict, world_size: int) -> str:
     """What a checkpoint must share with the run resuming it (not logging or checkpoint cadence)."""
     train = recipe.train.model_dump(exclude={"output_dir", "log_every", "eval_every", "checkpoint_every",
                                               "wandb", "wandb_project", "num_workers", "head_dtype",
-                                              "head_snapshots"})
+                                              "head_snapshots", "target_check"})
     blob = json.dumps({"head": recipe.head.model_dump(mode="json"), "train": train, "store": manifest["plan_id"],
                        "world_size": world_size}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
@@ -164,6 +166,30 @@ def _load_frozen_parts(recipe: Recipe, manifest: dict, dist: DistInfo) -> Target
     return load_target(recipe.target, dist)
 
 
+def _identity_to_check(recipe: Recipe, target: Target) -> dict:
+    """The target's identity as the store's is checked against: with the fingerprint of all its weights unless
+    train.target_check is frozen (a target loaded in part has only its frozen parts' own)."""
+    identity = target.identity()
+    if target.partial and recipe.train.target_check == "full":
+        identity["fingerprint"] = checkpoint_fingerprint(recipe.target)
+        if identity["fingerprint"] is None:  # tensors named otherwise than the model's parameters: load it whole
+            identity["fingerprint"] = load_target(recipe.target.model_copy(update={"device": "cpu"})).fingerprint
+    return identity
+
+
+def _log_checked(identity: dict, manifest: dict, store: Path, target_check: str) -> list[str]:
+    """Say which recorded fields the store's target was checked on (the check itself has passed); returns them."""
+    checked = [k for k in compared_fields(identity) if k not in ARCHITECTURE_FIELDS or k in manifest["target"]]
+    described = {"fingerprint": "fingerprint (every weight)",
+                 "frozen_fingerprint": "frozen_fingerprint (embedding, final norm, LM head)"}
+    line = ", ".join(described.get(k, k) for k in checked)
+    if "fingerprint" not in checked:
+        line += (f"; not checked: fingerprint (train.target_check={target_check}; the head records the store's "
+                 "value)")
+    log.info("target identity checked against %s: %s", store / "manifest.json", line)
+    return checked
+
+
 class Trainer:
     def __init__(self, recipe: Recipe, dist: DistInfo, device: torch.device, wandb_mode: str, show_progress: bool):
         self.recipe, self.cfg, self.dist, self.device = recipe, recipe.train, dist, device
@@ -174,8 +200,10 @@ class Trainer:
         self.spec = head_spec(recipe.head, manifest)
         self.target = _load_frozen_parts(recipe, manifest, dist)
         layers = sorted({self.spec.last_layer, *self.spec.feature_layers})
+        identity = _identity_to_check(recipe, self.target)
         # Refused here, before any training: a store of another target, or without the layers the head reads.
-        self.train_store = FeatureStore(self.cfg.features, "train", target=self.target, layers=layers)
+        self.train_store = FeatureStore(self.cfg.features, "train", target=identity, layers=layers)
+        self.target_checked = _log_checked(identity, manifest, Path(self.cfg.features), self.cfg.target_check)
         self.val_store = FeatureStore(self.cfg.features, "validation", target=self.target, layers=layers,
                                       verify="size")
         self.weights = step_weights(recipe.head.step_weights, self.spec.draft_positions)
@@ -368,7 +396,8 @@ class Trainer:
         """The head as it is at `step`, with the training tokens seen so far (exact, from the batch plan)."""
         tokens = self.plan.tokens_through(step)
         save_head(self.run_dir / "snapshots" / f"step-{step:07d}", head, self.spec, self.target_identity,
-                  {"features": {"store": str(self.cfg.features), "layers": self.train_store.layers},
+                  {"target_checked": self.target_checked,
+                   "features": {"store": str(self.cfg.features), "layers": self.train_store.layers},
                    "train": {"steps": step, "tokens": tokens, "recipe": self.recipe.model_dump(mode="json")}})
 
     def _finish(self, head, step: int, totals: dict, last_checkpoint: str | None) -> dict:
@@ -379,7 +408,8 @@ class Trainer:
         if self.dist.is_main:
             summary.update(getattr(self, "last_validation", {}))
             save_head(self.run_dir / "head", head, self.spec, self.target_identity,
-                      {"features": {"store": str(self.cfg.features), "layers": self.train_store.layers},
+                      {"target_checked": self.target_checked,
+                       "features": {"store": str(self.cfg.features), "layers": self.train_store.layers},
                        "train": {"steps": step, "recipe": self.recipe.model_dump(mode="json")}},
                       dtype=getattr(torch, self.cfg.head_dtype))
             atomic_write_json(self.run_dir / "summary.json", summary)
@@ -395,7 +425,8 @@ def log_head_artifact(run, recipe: Recipe, head_dir: Path, summary: dict) -> Non
 
     from mtptrain.export import FORMATS, ExportError, export_head
 
-    spec = json.loads((head_dir / "config.json").read_text())["head"]
+    config = json.loads((head_dir / "config.json").read_text())
+    spec, checked = config["head"], config.get("target_checked", [])
     artifact = wandb.Artifact(f"{recipe.name}-head", type="model", metadata={"head": spec, "steps": summary["steps"]})
     artifact.add_dir(str(head_dir), name="head")
     fmt = recipe.export.format
@@ -403,7 +434,8 @@ def log_head_artifact(run, recipe: Recipe, head_dir: Path, summary: dict) -> Non
         fmt = next((f.name for f in FORMATS.values() if spec["kind"] in f.kinds), None)
     try:
         out = head_dir.parent / "export" / fmt
-        export_head(head_dir, out, recipe.export.model_copy(update={"format": fmt}), check_target=False)
+        export_head(head_dir, out, recipe.export.model_copy(update={"format": fmt}),
+                    check_target="fingerprint" not in checked)
         artifact.add_dir(str(out), name=f"export-{fmt}")
     except ExportError as exc:  # e.g. an eagle head with restored norms: no format holds it
         log.warning("the W&B artifact holds the head without an export: %s", exc)

@@ -349,3 +349,16 @@ def test_an_export_sidecar_naming_weights_outside_the_export_is_refused(target_d
         with pytest.raises(ExportError, match="outside") as err:
             read_export(out)
         assert "mtptrain.json" in str(err.value) and "hostile" in str(err.value)
+
+
+@pytest.mark.parametrize("fmt", ["eagle3", "eagle"])
+def test_every_export_checks_the_recorded_target_without_export_target(fmt, target_dir, tmp_path):
+    """Formats that copy no target weights were exported with no check: an export must never carry a fingerprint
+    that no check has seen."""
+    head_dir = save_trained_like_head(target_dir, tmp_path / "head", SPECS[fmt])
+    config = json.loads((head_dir / "config.json").read_text())
+    config["target"]["fingerprint"] = "f" * 32
+    (head_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ExportError, match="has fingerprint .* but the head was trained for") as err:
+        export_head(head_dir, tmp_path / "out", ExportConfig(format=fmt))
+    assert "f" * 32 in str(err.value) and not (tmp_path / "out").exists()
