@@ -1,7 +1,8 @@
 """The eval report: report.md and three plots next to results.json.
 
-acceptance.png   acceptance rate per draft position, best configuration of each method
-speedup.png      tokens/s against the baseline, best configuration of each method
+acceptance.png   acceptance rate per draft position (cumulative), best configuration of each method
+speedup.png      tokens/s against the baseline (median, whiskers over the repeats), best configuration of each
+                 method
 tau_vs_k.png     tau and speedup against K (and against the node budget for trees)
 """
 
@@ -11,40 +12,74 @@ from pathlib import Path
 
 from mtptrain.io import atomic_write_text
 
+# GenerationStats.acceptance(): at position i, the share of steps that drafted i whose drafts 1..i were all
+# accepted, not the share of those that reached i.
+ACCEPTANCE_KIND = "cumulative"
+
 
 def write_report(results: dict, out_dir: Path) -> list[str]:
     """Writes report.md and the PNG plots; returns the file names written."""
     import matplotlib
 
     matplotlib.use("Agg")
+    files = [_save(acceptance_figure(results), out_dir, "acceptance.png"),
+             _save(speedup_figure(results), out_dir, "speedup.png"),
+             _save(tau_vs_k_figure(results), out_dir, "tau_vs_k.png")]
+    atomic_write_text(out_dir / "report.md", markdown(results))
+    return ["report.md", *files]
+
+
+def _best(results: dict) -> list[dict]:
+    by_label = {m["label"]: m for m in results["methods"]}
+    return [by_label[label] for label in results["best"].values()]
+
+
+def acceptance_figure(results: dict):
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
-    methods = results["methods"]
-    by_label = {m["label"]: m for m in methods}
-    best = [by_label[label] for label in results["best"].values()]
-    files = []
-
-    fig, ax = plt.subplots(figsize=(6, 4))
+    best = _best(results)
+    fig, ax = plt.subplots(figsize=(7, 4))
     for m in best:
         if m["acceptance"]:
             ax.plot(range(1, len(m["acceptance"]) + 1), m["acceptance"], marker="o", label=m["label"])
-    ax.set(xlabel="draft position", ylabel="acceptance rate", ylim=(0, 1), title="Acceptance per draft position")
+    ax.set(xlabel="draft position i", ylim=(0, 1), title="Acceptance per draft position")
+    ax.set_ylabel(f"acceptance rate, {ACCEPTANCE_KIND}\n(steps with drafts 1..i all accepted)", fontsize=9)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
     if best:
-        ax.legend()
-    files.append(_save(fig, out_dir, "acceptance.png"))
+        _legend_outside(ax)
+    return fig
+
+
+def speedup_figure(results: dict):
+    """Bars at the median speedup, whiskers from the slowest to the fastest repeat."""
+    import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    shown = [methods[0]] + best
-    bars = ax.bar([m["label"] for m in shown], [m["speedup"] or 0 for m in shown], color="tab:blue")
-    for bar, m in zip(bars, shown):
-        ax.annotate(f"{m['speedup']:.2f}x\ntau {m['tau']:.2f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                    ha="center", va="bottom", fontsize=8)
+    shown = [results["methods"][0]] + _best(results)
+    heights = [m["speedup"] or 0 for m in shown]
+    tops = [max(h, m.get("speedup_max") or 0) for h, m in zip(heights, shown)]
+    errors = [[h - (m.get("speedup_min") or h) for h, m in zip(heights, shown)],
+              [top - h for h, top in zip(heights, tops)]]
+    bars = ax.bar([m["label"] for m in shown], heights, yerr=errors, capsize=3, color="tab:blue")
+    for bar, m, top in zip(bars, shown, tops):
+        ax.annotate(f"{m['speedup']:.2f}x\ntau {m['tau']:.2f}", (bar.get_x() + bar.get_width() / 2, top),
+                    xytext=(0, 2), textcoords="offset points", ha="center", va="bottom", fontsize=8)
     ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set(ylabel="speedup vs autoregressive", title="Speedup per method (best configuration)")
+    # Headroom for the two-line labels above the tallest bar: without it they run into the title.
+    ax.set_ylim(0, max(tops + [1.0]) * 1.3)
+    repeated = any(m.get("speedup_spread") is not None for m in shown)
+    ax.set(ylabel="speedup vs autoregressive" + ("\n(median; whiskers: slowest to fastest repeat)" if repeated else ""),
+           title="Speedup per method (best configuration)")
     ax.tick_params(axis="x", rotation=20)
-    files.append(_save(fig, out_dir, "speedup.png"))
+    return fig
 
+
+def tau_vs_k_figure(results: dict):
+    import matplotlib.pyplot as plt
+
+    methods = results["methods"]
     trees = [m for m in methods if m["method"] == "tree"]
     fig, axes = plt.subplots(1, 3 if trees else 2, figsize=(15 if trees else 10, 4))
     left, right = axes[0], axes[1]
@@ -65,12 +100,14 @@ def write_report(results: dict, out_dir: Path) -> list[str]:
     for ax in axes:
         ax.grid(alpha=0.3)
         if ax.lines:
-            ax.legend(loc="upper left")
+            _legend_outside(ax)
     right.axhline(1.0, color="grey", lw=0.8)
-    files.append(_save(fig, out_dir, "tau_vs_k.png"))
+    return fig
 
-    atomic_write_text(out_dir / "report.md", markdown(results))
-    return ["report.md", *files]
+
+def _legend_outside(ax) -> None:
+    """Right of the axes: any corner inside them can hold a data point."""
+    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0, fontsize=8)
 
 
 def _save(fig, out_dir: Path, name: str) -> str:
@@ -85,28 +122,77 @@ def _save(fig, out_dir: Path, name: str) -> str:
 
 
 def run_line(results: dict) -> str:
-    """One sentence: target, machine, prompts and sampling of an eval run."""
+    """Two sentences: target and machine (the CPU named with its extensions), then prompts and sampling."""
     s, machine = results["settings"], results["machine"]
     sampling = "greedy" if s["temperature"] == 0 else f"temperature {s['temperature']}, top-k {s['top_k']}, top-p {s['top_p']}"
-    return (f"Target `{results['target']}` on {machine['device']} ({machine['dtype']}, {machine['threads']} threads). "
-            f"Prompts: `{s['prompts']}`, {s['prompt_count']} prompts, {s['requests']} requests, up to "
-            f"{s['max_new_tokens']} new tokens each, {sampling}, batch size 1.")
+    gpu = f"{machine['gpu']}, " if machine.get("gpu") else ""
+    return (f"Target `{results['target']}` on {machine['device']} ({gpu}{machine['dtype']}, {machine['threads']} "
+            f"threads), CPU {cpu_text(machine)}. Prompts: `{s['prompts']}`, {s['prompt_count']} prompts, "
+            f"{s['requests']} requests, up to {s['max_new_tokens']} new tokens each, {sampling}, batch size 1.")
+
+
+def cpu_text(machine: dict) -> str:
+    """'AMD EPYC (2 logical cores; torch kernels AVX512; avx2 avx512f)'; results written before the CPU was
+    described carry only platform.processor()."""
+    details = []
+    if machine.get("logical_cores"):
+        details.append(f"{machine['logical_cores']} logical cores")
+    if machine.get("cpu_capability"):
+        details.append(f"torch kernels {machine['cpu_capability']}")
+    if "cpu_extensions" in machine:
+        extensions = machine["cpu_extensions"]
+        details.append("extensions unknown" if extensions is None else
+                       " ".join(extensions) if extensions else "none of AVX2/AVX-512/AMX/NEON/SVE")
+    return machine["cpu"] + (f" ({'; '.join(details)})" if details else "")
+
+
+def spread_cell(m: dict, markdown: bool = False) -> str:
+    """'0.95-1.02' (markdown: '0.95-1.02x (7%)'), '!' appended where the speedup is unreliable; '-' for a single
+    timing and for results written before timings were repeated."""
+    if m.get("speedup_spread") is None:
+        cell = "-"
+    elif markdown:
+        cell = f"{m['speedup_min']:.2f}-{m['speedup_max']:.2f}x ({m['speedup_spread']:.0%})"
+    else:
+        cell = f"{m['speedup_min']:.2f}-{m['speedup_max']:.2f}"
+    if m.get("unreliable"):
+        cell += " **!**" if markdown else " !"
+    return cell
+
+
+def timing_lines(results: dict) -> list[str]:
+    """How the timings were taken and how busy the machine was (nothing for results that predate repeats)."""
+    s, machine = results["settings"], results["machine"]
+    lines = []
+    if "repeats" in s:
+        lines.append(f"tokens/s and speedup: median of {s['repeats']} repeats, each repeat's speedup against that "
+                     "repeat's baseline; spread: the slowest and the fastest repeat's speedup; ! marks a speedup "
+                     f"whose spread exceeds {s['max_spread']:.0%} of its median (eval.max_spread) or a run where "
+                     f"other processes used more than {s['max_other_load']:g} CPU cores (eval.max_other_load)")
+    if "other_load" in machine:
+        load = machine["other_load"]
+        lines.append("the machine's load was not measured (no /proc/stat): a busy machine would go unnoticed"
+                     if load is None else
+                     f"other processes used {load:.2f} CPU cores on average during the "
+                     f"{machine['measured_seconds']:.0f} s measured")
+    return lines
 
 
 def methods_table(results: dict) -> list[str]:
     """The per-configuration table of an eval run, as markdown lines."""
-    lines = ["| method | tau | tokens/s | speedup | draft ms/step | verify ms/step | verified tokens/step | exact | "
-             "acceptance per position |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| method | tau | tokens/s | speedup | speedup spread | draft ms/step | verify ms/step | "
+             f"verified tokens/step | exact | acceptance per position ({ACCEPTANCE_KIND}) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for m in results["methods"]:
         ex = m["exactness"]
-        exact = "-" if not ex["checked"] else (f"**{len(ex['failures'])} failures**" if ex["failures"] else
-                                               f"{ex['identical']}/{ex['checked']} identical")
+        exact = (f"**{len(ex['failures'])} failures**" if ex["failures"] else
+                 "-" if not ex["checked"] else f"{ex['identical']}/{ex['checked']} identical")
         if ex["near_ties"]:
             exact += f", {len(ex['near_ties'])} near-ties"
         lines.append(f"| {m['label']} | {m['tau']:.2f} | {m['tokens_per_second']:.1f} | {m['speedup']:.2f}x | "
-                     f"{m['draft_ms_per_step']:.1f} | {m['verify_ms_per_step']:.1f} | {m['verified_tokens_per_step']:.1f} | "
-                     f"{exact} | {' '.join(f'{a:.2f}' for a in m['acceptance'])} |")
+                     f"{spread_cell(m, markdown=True)} | {m['draft_ms_per_step']:.1f} | {m['verify_ms_per_step']:.1f} | "
+                     f"{m['verified_tokens_per_step']:.1f} | {exact} | "
+                     f"{' '.join(f'{a:.2f}' for a in m['acceptance'])} |")
     return lines
 
 
@@ -117,50 +203,111 @@ def ssd_hits_by_j(ssd: dict) -> str:
 
 
 def markdown(results: dict) -> str:
-    s, head = results["settings"], results["head"]
+    head = results["head"]
     lines = [f"# Eval report: {results['name']}", "", run_line(results)]
     if head:
         lines.append(f"Head: `{head['path']}` ({head['kind']}, norms {head['norms']}, {head['parameters']:,} parameters).")
+    if results.get("warnings"):
+        lines += ["", "**Warning: unreliable timings.** These speedups say more about the machine than about the "
+                  "methods; rerun on a quiet machine or with more eval.repeats.", ""]
+        lines += [f"- {warning}" for warning in results["warnings"]]
     lines += ["", "tau counts tokens per target forward, bonus included; speedup is tokens/s against the baseline "
-              "measured in the same run on the same prompts.", ""]
-    lines += methods_table(results)
-    lines += ["", "## Best configuration per method", ""]
+              "measured in the same run on the same prompts. Acceptance per position is cumulative: at position i, "
+              "the share of the steps that drafted position i in which drafts 1..i were all accepted (not the share "
+              "of the steps that got as far as position i).", ""]
+    lines += [f"{line[0].upper()}{line[1:]}." for line in timing_lines(results)]
+    lines += ["", *methods_table(results), "", "## Best configuration per method", ""]
     by_label = {m["label"]: m for m in results["methods"]}
     for method, label in results["best"].items():
         m = by_label[label]
-        lines.append(f"- {method}: **{label}**, tau {m['tau']:.2f}, {m['speedup']:.2f}x")
-    ssd = [m for m in results["methods"] if "ssd" in m]
-    if ssd:
-        lines += ["", "## Speculation cache (ssd)", "",
-                  "While the target verifies a draft, the drafter's process pre-drafts continuations for the likely "
-                  "outcomes (drafts accepted j, next token). A hit means the next draft was ready when verification "
-                  "ended. Hits / rounds by j, then guesses pre-drafted and rounds whose speculation the outcome cut "
-                  "short.", "",
-                  "| method | hit rate | hits by j | guesses | rounds cut short | prompt-lookup drafts |",
-                  "|---|---|---|---|---|---|"]
-        for m in ssd:
-            lines.append(f"| {m['label']} | {m['ssd']['hit_rate']:.2f} | {ssd_hits_by_j(m['ssd'])} | "
-                         f"{m['ssd']['guesses']} | {m['ssd']['rounds_cut']} | {m['ssd']['backup_drafts']} |")
-    divergences = [(m["label"], d, kind) for m in results["methods"] for kind in ("failures", "near_ties")
-                   for d in m["exactness"][kind]]
-    if divergences:
-        lines += ["", "## Divergences from the baseline", "",
-                  f"At temperature 0 every method must reproduce the baseline. A divergence is tolerated only where the "
-                  f"baseline's top-2 logit gap is below {s['near_tie']:g} (batched and one-token forwards round "
-                  "differently and can break a near-tie either way).", ""]
-        for label, d, kind in divergences:
-            verdict = "FAILURE" if kind == "failures" else "near-tie"
-            lines.append(f"- {label}, request {d['request']}, token {d['position']}: top-2 gap {d['top2_gap']:.2e} "
-                         f"({verdict})")
-    categories = sorted({c for m in results["methods"] for c in m["tau_by_category"]})
-    if len(categories) > 1:
-        drafted = [m for m in results["methods"] if m["label"] in results["best"].values()]
-        lines += ["", "## tau by category (best configurations)", "",
-                  "| category | " + " | ".join(m["label"] for m in drafted) + " |",
-                  "|---|" + "---|" * len(drafted)]
-        for c in categories:
-            lines.append(f"| {c} | " + " | ".join(f"{m['tau_by_category'].get(c, 0):.2f}" for m in drafted) + " |")
+        spread = f", spread {spread_cell(m, markdown=True)}" if m.get("speedup_spread") is not None else ""
+        lines.append(f"- {method}: **{label}**, tau {m['tau']:.2f}, {m['speedup']:.2f}x{spread}")
+    lines += _ssd_section(results) + _divergence_section(results) + _category_section(results)
     for note in results["notes"]:
         lines += ["", f"Note: {note}"]
     lines += ["", "![acceptance](acceptance.png)", "", "![speedup](speedup.png)", "", "![tau vs K](tau_vs_k.png)", ""]
     return "\n".join(lines)
+
+
+def _ssd_section(results: dict) -> list[str]:
+    ssd = [m for m in results["methods"] if "ssd" in m]
+    if not ssd:
+        return []
+    lines = ["", "## Speculation cache (ssd)", "",
+             "While the target verifies a draft, the drafter's process pre-drafts continuations for the likely "
+             "outcomes (drafts accepted j, next token). A hit means the next draft was ready when verification "
+             "ended. Hits / rounds by j, then guesses pre-drafted and rounds whose speculation the outcome cut "
+             "short (first repeat).", "",
+             "| method | hit rate | hits by j | guesses | rounds cut short | prompt-lookup drafts |",
+             "|---|---|---|---|---|---|"]
+    for m in ssd:
+        lines.append(f"| {m['label']} | {m['ssd']['hit_rate']:.2f} | {ssd_hits_by_j(m['ssd'])} | "
+                     f"{m['ssd']['guesses']} | {m['ssd']['rounds_cut']} | {m['ssd']['backup_drafts']} |")
+    return lines
+
+
+def _divergence_section(results: dict) -> list[str]:
+    divergences = [(m["label"], d, kind) for m in results["methods"] for kind in ("failures", "near_ties")
+                   for d in m["exactness"][kind]]
+    if not divergences:
+        return []
+    lines = ["", "## Divergences from the baseline", "",
+             "At temperature 0 every method must reproduce the baseline, and every later repeat its first one. A "
+             "divergence is tolerated only where the baseline's top-2 logit gap is below "
+             f"{results['settings']['near_tie']:g} (batched and one-token forwards round differently and can break "
+             "a near-tie either way).", ""]
+    for label, d, kind in divergences:
+        verdict = "FAILURE" if kind == "failures" else "near-tie"
+        repeat = f" (repeat {d['repeat']} against the first)" if "repeat" in d else ""
+        lines.append(f"- {label}, request {d['request']}{repeat}, token {d['position']}: top-2 gap "
+                     f"{d['top2_gap']:.2e} ({verdict})")
+    return lines
+
+
+def _category_section(results: dict) -> list[str]:
+    categories = sorted({c for m in results["methods"] for c in m["tau_by_category"]})
+    if len(categories) <= 1:
+        return []
+    drafted = [m for m in results["methods"] if m["label"] in results["best"].values()]
+    lines = ["", "## tau by category (best configurations)", "",
+             "| category | " + " | ".join(m["label"] for m in drafted) + " |", "|---|" + "---|" * len(drafted)]
+    for c in categories:
+        lines.append(f"| {c} | " + " | ".join(f"{m['tau_by_category'].get(c, 0):.2f}" for m in drafted) + " |")
+    return lines
+
+
+def format_results(results: dict) -> str:
+    """The CLI's summary: the table (a ! on unreliable speedups), the best configurations, and what the marks,
+    the repeats and the machine's load mean."""
+    rows = [f"{'method':<14}{'tau':>7}{'tok/s':>9}{'speedup':>9}  {'spread':<12}{'exact':<10}"
+            f"acceptance per position ({ACCEPTANCE_KIND})"]
+    for m in results["methods"]:
+        accept = " ".join(f"{a:.2f}" for a in m["acceptance"])
+        rows.append(f"{m['label']:<14}{m['tau']:>7.2f}{m['tokens_per_second']:>9.1f}{m['speedup']:>8.2f}x  "
+                    f"{spread_cell(m):<12}{_exact_cell(m['exactness']):<10}{accept}")
+    best = results["best"]
+    lines = ["\n".join(rows)]
+    if best:
+        by_label = {m["label"]: m for m in results["methods"]}
+        lines.append("best per method: " + ", ".join(
+            f"{label} (tau {by_label[label]['tau']:.2f}, {by_label[label]['speedup']:.2f}x"
+            f"{' !' if by_label[label].get('unreliable') else ''})" for label in best.values()))
+    if any(m["exactness"]["near_ties"] for m in results["methods"]):
+        lines.append("* some outputs diverge from the baseline at float near-ties (see report.md)")
+    lines += timing_lines(results) + [f"CPU: {cpu_text(results['machine'])}"]
+    lines += [f"! {warning}" for warning in results.get("warnings", [])]
+    for m in results["methods"]:
+        if "ssd" in m:
+            lines.append(f"{m['label']}: speculation cache hit rate {m['ssd']['hit_rate']:.2f} "
+                         f"({ssd_hits_by_j(m['ssd'])})")
+    for note in results["notes"]:
+        lines.append(f"note: {note}")
+    return "\n".join(lines)
+
+
+def _exact_cell(ex: dict) -> str:
+    if ex["failures"]:
+        return "FAIL"
+    if not ex["checked"]:
+        return "-"
+    return f"{ex['identical']}/{ex['checked']}" + ("*" if ex["near_ties"] else "")

@@ -258,6 +258,15 @@ class EvalConfig(_Truncation):
     ssd_device: str = Field("auto", description="ssd: the drafter's device. auto = the second GPU when the target "
                             "is on a GPU and there is one (one GPU: shared with the target, so the overlap is only "
                             "what the GPU interleaves), cpu otherwise.")
+    repeats: int = Field(3, ge=1, description="Times every configuration generates every request, in an order "
+                         "that changes from one repeat to the next; tokens/s and speedup are the medians over the "
+                         "repeats, reported with their spread (tau, acceptance and the exactness checks come from "
+                         "the first: decoding is deterministic, and later repeats must reproduce it).")
+    max_spread: float = Field(0.10, ge=0, description="Warn that a speedup is unreliable when it varied over the "
+                              "repeats by more than this fraction of its median ((fastest - slowest) / median).")
+    max_other_load: float = Field(0.25, ge=0, description="Warn that every timing is unreliable when other "
+                                  "processes kept more than this many CPU cores busy on average while eval measured "
+                                  "(read from /proc/stat; unknown elsewhere, which the report says).")
     near_tie: float = Field(1e-3, ge=0, description="At temperature 0 a divergence from the baseline is accepted "
                             "only where the baseline's top-2 logit gap is below this (a float near-tie).")
     cpu_matmul: Literal["skinny", "stock"] = Field(

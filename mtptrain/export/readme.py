@@ -54,7 +54,7 @@ def export_readme(form: Format, src: HeadSource, written: Written, sidecar: dict
         from eval.report import run_line
 
         lines += [f"From `{measured['_path']}`. " + run_line(measured), "",
-                  "| method | tau | speedup | acceptance per position |", "|---|---|---|---|"]
+                  "| method | tau | speedup | acceptance per position (cumulative) |", "|---|---|---|---|"]
         for m in measured["methods"]:
             if m["method"] in ("chain", "tree"):
                 lines.append(f"| {m['label']} | {m['tau']:.2f} | {m['speedup']:.2f}x | "

@@ -35,7 +35,7 @@ def write_prompts(path: Path, n: int = 3) -> Path:
 def eval_args(target_dir, head, prompts, out, *overrides):
     settings = [f"target.model={target_dir}", f"eval.head={head}", f"eval.prompts={prompts}", f"eval.output_dir={out}",
                 "eval.max_new_tokens=20", "eval.k=[1,3]", "eval.tree_budgets=[4,8]", "eval.tree_depth=3",
-                "eval.tree_branch=2", *overrides]
+                "eval.tree_branch=2", "eval.repeats=1", *overrides]  # repeated timings: test_repeats.py
     return ["eval", "--no-progress", *[a for s in settings for a in ("--set", s)]]
 
 

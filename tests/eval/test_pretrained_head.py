@@ -52,7 +52,7 @@ def test_eval_falls_back_to_the_shipped_head_only_on_the_embedded_default(tmp_pa
 @pytest.mark.real_model
 def test_eval_on_the_embedded_default_measures_the_shipped_head(tmp_path):
     recipe = load_recipe(None, [f"train.output_dir={tmp_path / 'none'}", "eval.methods=[chain]", "eval.k=[3]",
-                                "eval.max_prompts=3", "eval.max_turns=1", "eval.max_new_tokens=48",
+                                "eval.max_prompts=3", "eval.max_turns=1", "eval.max_new_tokens=48", "eval.repeats=1",
                                 f"eval.output_dir={tmp_path / 'eval'}", "eval.wandb=disabled"])
     results = run_eval(recipe, show_progress=False)
     assert results["head"]["path"] == str(PRETRAINED_HEAD)
