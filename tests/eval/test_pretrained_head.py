@@ -15,7 +15,7 @@ TRAINING_SECTIONS = ("target", "data", "regenerate", "precompute", "head")
 # Recipe fields added after the shipped head was trained, none of which changes its weights.
 ADDED_SINCE = {"head": {"mtp_input"}, "precompute": {"wandb", "wandb_project"}, "target": {"gpus_per_rank"}}
 TRAIN_KEYS_IGNORED = {"features", "output_dir", "head_dtype", "head_snapshots", "log_every", "eval_every",
-                      "checkpoint_every", "wandb", "wandb_project"}
+                      "checkpoint_every", "wandb", "wandb_project", "target_check"}
 
 
 def shipped_config() -> dict:
