@@ -30,11 +30,10 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
-from mtptrain.config import load_recipe  # noqa: E402
-from mtptrain.features.store import FeatureStore  # noqa: E402
-from mtptrain.train.data import BatchPlan  # noqa: E402
+from mtptrain.config import load_recipe
+from mtptrain.features.store import FeatureStore
+from mtptrain.train.data import BatchPlan
 
 ARMS = {
     "eagle3": [],

@@ -30,8 +30,8 @@ from pathlib import Path
 
 import torch
 
-from data_prep.chat import prompt_ids, stop_tokens
-from eval.prompts import load_prompts
+from mtptrain.data.chat import prompt_ids, stop_tokens
+from mtptrain.eval.prompts import load_prompts
 from mtptrain.config import TargetConfig
 from mtptrain.engine.cpu_matmul import skinny_linears
 from mtptrain.engine.generate import generate
@@ -113,9 +113,9 @@ def main() -> None:
         from mtptrain.engine.head_tree import HeadTreeProposer
         from mtptrain.engine.mtp_chain import MTPChainProposer
         from mtptrain.heads import FrozenTarget
-        from mtptrain.heads.checkpoint import load_head
+        from mtptrain.export.source import load_head_directory
 
-        head, spec = load_head(head_dir, FrozenTarget.of(model), target.identity())
+        head, spec = load_head_directory(head_dir, FrozenTarget.of(model), target.identity())
         reading = TargetRunner(model, capture=sorted({spec.last_layer, *spec.feature_layers}))
         chain = MTPChainProposer if spec.kind == "mtp" else HeadChainProposer
         methods.append(Method(f"chain K={args.k}", engine(reading, lambda: chain(head, spec), args.k)))

@@ -16,22 +16,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from mtptrain.config import load_recipe  # noqa: E402
-from mtptrain.features.precompute import run_precompute  # noqa: E402
-from mtptrain.features.store import FeatureStore  # noqa: E402
-from mtptrain.heads import FrozenTarget  # noqa: E402
-from mtptrain.heads.checkpoint import load_head  # noqa: E402
-from mtptrain.target import load_target  # noqa: E402
-from mtptrain.train.objective import step_weights  # noqa: E402
-from mtptrain.train.trainer import score_store  # noqa: E402
+from mtptrain.config import load_recipe
+from mtptrain.features.precompute import run_precompute
+from mtptrain.features.store import FeatureStore
+from mtptrain.heads import FrozenTarget
+from mtptrain.export.source import load_head_directory
+from mtptrain.target import load_target
+from mtptrain.train.objective import step_weights
+from mtptrain.train.trainer import score_store
 
 
 def eval_conversations(results: Path, out: Path) -> None:
@@ -70,7 +66,7 @@ def main() -> None:
     run_precompute(answers, show_progress=False)
 
     target = load_target(recipe.target)
-    head, spec = load_head(Path(args.head), FrozenTarget.of(target.model), target.identity())
+    head, spec = load_head_directory(Path(args.head), FrozenTarget.of(target.model), target.identity())
     head.float().eval()
     layers = sorted({spec.last_layer, *spec.feature_layers})
     stores = {"held-out ShareGPT (training's validation split)":

@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from data_prep.prepare import prepare_samples
+from mtptrain.data.prepare import prepare_samples
 from mtptrain.config import load_recipe
 from mtptrain.features.plan import make_batches, plan_shards, resolve_layers
 from mtptrain.features.precompute import run_precompute

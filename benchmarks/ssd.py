@@ -33,19 +33,20 @@ from pathlib import Path
 
 import torch
 
-from data_prep.chat import prompt_ids, stop_tokens
-from eval.prompts import load_prompts
-from eval.run import PRETRAINED_HEAD
+from mtptrain.data.chat import prompt_ids, stop_tokens
+from mtptrain.eval.prompts import load_prompts
+from mtptrain.heads.checkpoint import PRETRAINED_HEAD
 from mtptrain.config import TargetConfig
 from mtptrain.engine.cpu_matmul import skinny_linears
 from mtptrain.engine.draft_model import DraftModelProposer, truncated_target
 from mtptrain.engine.generate import generate
 from mtptrain.engine.head_chain import HeadChainProposer
 from mtptrain.engine.runner import TargetRunner
-from mtptrain.engine.ssd import SSDProposer, SSDSettings, draft_lm, head_parts
+from mtptrain.engine.ssd import SSDProposer, SSDSettings
+from mtptrain.eval.drafters import draft_lm, head_parts
 from mtptrain.engine.verify import Sampling
 from mtptrain.heads import FrozenTarget
-from mtptrain.heads.checkpoint import load_head
+from mtptrain.export.source import load_head_directory
 from mtptrain.target import load_target
 
 
@@ -113,7 +114,7 @@ def main() -> None:
     stops = stop_tokens(target.tokenizer, target.model)
     prompts = [prompt_ids(target.tokenizer, [{"role": "user", "content": p.turns[0]}])
                for p in load_prompts("mtbench", args.prompts)]
-    head, spec = load_head(Path(args.head), FrozenTarget.of(target.model), target.identity())
+    head, spec = load_head_directory(Path(args.head), FrozenTarget.of(target.model), target.identity())
     head.float()
     plain, reading = TargetRunner(target.model), TargetRunner(target.model, capture=spec.feature_layers)
     makers = {  # per drafter: the runner, an in-process proposer, the SSD worker's `make` and the layers it reads

@@ -58,7 +58,7 @@ def regenerate(recipe: RecipeOpt = None, overrides: SetOpt = None,
     (JSONL, same ids as the source); precompute then reads it in place of the original answers. Rerunning the
     same command resumes after the last finished batch.
     """
-    from data_prep.regenerate import format_summary, run_regenerate
+    from mtptrain.data.regenerate import format_summary, run_regenerate
 
     cfg = _recipe(recipe, overrides)
     typer.echo(format_summary(_guarded(lambda: run_regenerate(cfg, show_progress=progress))))
@@ -127,11 +127,11 @@ def evaluate(recipe: RecipeOpt = None, overrides: SetOpt = None,
     every output is checked against the baseline token for token; a divergence that is not a float near-tie
     fails the command (exit code 3). Writes results.json, report.md and PNG plots to eval.output_dir.
     """
-    from eval.run import EvalError, exactness_failures, format_results, run_eval
+    from mtptrain.eval.report import format_results
+    from mtptrain.eval.run import exactness_failures, run_eval
 
     cfg = _recipe(recipe, overrides)
-    results = _guarded(lambda: run_eval(cfg, wandb="disabled" if no_wandb else None, show_progress=progress),
-                       EvalError)
+    results = _guarded(lambda: run_eval(cfg, wandb="disabled" if no_wandb else None, show_progress=progress))
     typer.echo(format_results(results))
     typer.echo(f"report: {Path(cfg.eval.output_dir) / 'report.md'}")
     failures = exactness_failures(results)
@@ -178,10 +178,10 @@ def export(recipe: RecipeOpt = None, overrides: SetOpt = None) -> None:
     eval.head=<export>` drafts with it exactly as with the head. Example:
     mtptrain export --set export.head=runs/x/train/head --set export.format=speculators
     """
-    from mtptrain.export import ExportError, run_export
+    from mtptrain.export.run import run_export
 
     cfg = _recipe(recipe, overrides)
-    summary = _guarded(lambda: run_export(cfg), ExportError)
+    summary = _guarded(lambda: run_export(cfg))
     typer.echo(f"exported as {summary['format']} to {summary['out']}: {summary['tensors']} tensors, "
                f"{summary['bytes'] / 2**20:.1f} MiB; checked against mtptrain/export/specs/{summary['format']}.yaml")
     for note in summary["notes"]:
@@ -200,10 +200,9 @@ def stitch(export_dir: Annotated[Path, typer.Argument(help="A deepseek-mtp expor
     model.safetensors.index.json, and config.json gains num_nextn_predict_layers. The target's weight files are
     hard-linked where possible, never changed.
     """
-    from mtptrain.export import ExportError
     from mtptrain.export.stitch import stitch_mtp
 
-    summary = _guarded(lambda: stitch_mtp(export_dir, target, out), ExportError)
+    summary = _guarded(lambda: stitch_mtp(export_dir, target, out))
     typer.echo(f"stitched {summary['mtp_layers']} MTP layer(s) ({summary['mtp_tensors']} tensors) into a copy of "
                f"{target} ({summary['target_tensors']} tensors): {summary['out']}")
 
@@ -219,7 +218,7 @@ def slurm(stage: Annotated[str, typer.Argument(help="precompute, train, eval, or
     train job asks Slurm for a warning signal slurm.warning_seconds before its time limit, checkpoints on it,
     requeues itself and resumes; precompute resumes by keeping complete shards.
     """
-    from mtptrain.slurm import STAGES, SlurmError, render, slurm_dir, submit
+    from mtptrain.slurm import STAGES, render, slurm_dir, submit
 
     if stage not in (*STAGES, "pipeline"):
         typer.echo(f"error: unknown stage {stage!r}: use {', '.join(STAGES)} or pipeline", err=True)
@@ -229,7 +228,7 @@ def slurm(stage: Annotated[str, typer.Argument(help="precompute, train, eval, or
         for name in STAGES if stage == "pipeline" else (stage,):
             typer.echo(f"# ---- {name}.sbatch\n" + render(cfg, name, slurm_dir(cfg) / "recipe.yaml"))
         return
-    for name, job, script in _guarded(lambda: submit(cfg, stage), SlurmError):
+    for name, job, script in _guarded(lambda: submit(cfg, stage)):
         typer.echo(f"submitted {name} as job {job}: {script}")
     typer.echo(f"logs: {slurm_dir(cfg) / 'logs'}")
 
@@ -242,24 +241,14 @@ def show_recipe(recipe: RecipeOpt = None, overrides: SetOpt = None) -> None:
     typer.echo(yaml.safe_dump(_recipe(recipe, overrides).model_dump(mode="json"), sort_keys=False), nl=False)
 
 
-def _guarded(run, *extra: type[Exception]):
-    """Known failures end with their message and exit code 1, not a traceback."""
-    from data_prep.prepare import NoUsableData
-    from data_prep.readers import DataSourceError
-    from data_prep.regenerate import RegenerateError
-    from eval.prompts import PromptSetError
-    from mtptrain.embedded import EmbeddedAssetError
-    from mtptrain.heads.checkpoint import HeadCheckpointError
-    from mtptrain.features.store import FeatureStoreError
-    from mtptrain.target import TargetError
-    from mtptrain.tracking import TrackingError
-    from mtptrain.train.trainer import RunMismatch, TrainingDiverged
+def _guarded(run):
+    """The project's own errors (the input's fault, with the fix in the message) end with the message and exit
+    code 1; anything else is a bug and keeps its traceback."""
+    from mtptrain.errors import MtptrainError
 
     try:
         return run()
-    except (NoUsableData, DataSourceError, RegenerateError, EmbeddedAssetError, FeatureStoreError, TargetError,
-            RunMismatch, TrainingDiverged, PromptSetError, HeadCheckpointError, TrackingError, ValueError,
-            *extra) as exc:
+    except MtptrainError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None
 

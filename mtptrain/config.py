@@ -14,11 +14,13 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from mtptrain.errors import MtptrainError
+
 EMBEDDED_TARGET = "embedded:smollm2-135m-instruct"
 EMBEDDED_DATA = "embedded:sharegpt"
 
 
-class RecipeError(ValueError):
+class RecipeError(MtptrainError, ValueError):
     """A recipe that cannot be used; the message says where and how to fix it."""
 
 

@@ -103,16 +103,15 @@ def pick_device(requested: str, dist: DistInfo) -> torch.device:
     return torch.device("cpu")
 
 
-# The packages whose INFO lines a command shows; other libraries (transformers, DeepSpeed, httpx) log warnings only.
-LOGGED_PACKAGES = ("mtptrain", "data_prep", "eval")
+# The package whose INFO lines a command shows; other libraries (transformers, DeepSpeed, httpx) log warnings only.
+LOGGED_PACKAGE = "mtptrain"
 
 
 def setup_logging(dist: DistInfo, level: int = logging.INFO) -> None:
-    """One logging set-up for a whole command (the CLI calls it): this project's packages log at `level` on
+    """One logging set-up for a whole command (the CLI calls it): this project's package logs at `level` on
     rank 0, other ranks log warnings tagged with their rank, every other library logs warnings."""
     fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
     if dist.world_size > 1:
         fmt = f"[rank {dist.rank}] " + fmt
     logging.basicConfig(level=logging.WARNING, format=fmt, datefmt="%H:%M:%S", force=True)
-    for package in LOGGED_PACKAGES:
-        logging.getLogger(package).setLevel(level if dist.is_main else logging.WARNING)
+    logging.getLogger(LOGGED_PACKAGE).setLevel(level if dist.is_main else logging.WARNING)

@@ -10,8 +10,10 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+from mtptrain.errors import MtptrainError
 
-class EmbeddedAssetError(RuntimeError):
+
+class EmbeddedAssetError(MtptrainError, RuntimeError):
     """A wheel of the embedded default is missing; the message says how to install it."""
 
 

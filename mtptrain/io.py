@@ -11,8 +11,11 @@ import json
 import os
 import secrets
 import socket
+
 from pathlib import Path
 from typing import Any, Callable
+
+from mtptrain.errors import MtptrainError
 
 _CHUNK = 8 << 20
 
@@ -53,7 +56,7 @@ def atomic_write_json(path: Path, obj: Any) -> None:
     atomic_write_text(Path(path), json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
 
-class UnsafePathError(ValueError):
+class UnsafePathError(MtptrainError, ValueError):
     """A file names a path that leaves the directory it belongs to."""
 
 

@@ -39,6 +39,7 @@ from torch import nn
 from mtptrain.config import EMBEDDED_TARGET, TargetConfig
 from mtptrain.dist import DistInfo, pick_device
 from mtptrain.embedded import wheel_file
+from mtptrain.errors import MtptrainError
 from mtptrain.io import contained, tmp_name
 
 log = logging.getLogger(__name__)
@@ -52,7 +53,7 @@ _VOLATILE_CONFIG_KEYS = {
 _SAMPLES_PER_TENSOR = 4096
 
 
-class TargetError(RuntimeError):
+class TargetError(MtptrainError, RuntimeError):
     """The target cannot be loaded; the message names the source and the fix."""
 
 

@@ -13,7 +13,6 @@ The group is recipe.wandb_group, or the recipe's name; `mtptrain pipeline` and
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -21,6 +20,7 @@ from datetime import datetime
 from pathlib import Path
 
 from mtptrain.config import Recipe
+from mtptrain.errors import MtptrainError
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 DEFAULT_INIT_TIMEOUT_S = 20.0
 
 
-class TrackingError(RuntimeError):
+class TrackingError(MtptrainError, RuntimeError):
     """W&B was asked for explicitly and could not start, or its settings are unusable."""
 
 
@@ -130,61 +130,3 @@ def _reset_wandb(wandb) -> None:
         wandb.teardown()
     except (Exception, SystemExit):  # teardown exits with the service's status when that is not 0
         log.debug("wandb.teardown() after a failed start", exc_info=True)
-
-
-def read_offline_run(run_file: Path) -> dict:
-    """What an offline W&B run file (`run-<id>.wandb`) holds: its group, job type, config, history rows,
-    summary and logged artifacts, and whether it has its exit record (`finished`), for checks and local
-    inspection.
-
-    wandb ships no reader for these files. Layout: a 7-byte header, then 32 KiB
-    blocks of length-prefixed chunks (4-byte checksum, 2-byte length, 1-byte
-    type: 1 full, 2 first, 3 middle, 4 last); chunks join into protobuf
-    `Record`s from wandb.proto.wandb_internal_pb2.
-    """
-    import struct
-
-    from wandb.proto import wandb_internal_pb2
-
-    data = Path(run_file).read_bytes()
-    header, block = 7, 32 * 1024
-    pos, pending = header, b""
-    run = {"group": None, "job_type": None, "config": {}, "history": [], "summary": {}, "artifacts": [],
-           "finished": False}
-    while pos + 7 <= len(data):
-        block_end = header + ((pos - header) // block + 1) * block
-        if block_end - pos < 7:  # the tail of a block too short for a chunk header is padding
-            pos = block_end
-            continue
-        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
-        if kind == 0:
-            pos = block_end
-            continue
-        pending += data[pos + 7 : pos + 7 + length]
-        pos += 7 + length
-        if kind in (1, 4):
-            record = wandb_internal_pb2.Record()
-            record.ParseFromString(pending)
-            pending = b""
-            _take(run, record)
-    return run
-
-
-def _take(run: dict, record) -> None:
-    kind = record.WhichOneof("record_type")
-    if kind == "run":
-        run["group"], run["job_type"] = record.run.run_group, record.run.job_type
-        run["config"].update({item.key: json.loads(item.value_json) for item in record.run.config.update})
-    elif kind == "config":
-        run["config"].update({item.key: json.loads(item.value_json) for item in record.config.update})
-    elif kind == "history":
-        run["history"].append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                               for item in record.history.item})
-    elif kind == "summary":
-        run["summary"].update({item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                               for item in record.summary.update})
-    elif kind == "exit":  # written by run.finish(): the file is complete
-        run["finished"] = True
-    elif kind == "artifact":
-        run["artifacts"].append({"name": record.artifact.name, "type": record.artifact.type,
-                                 "files": sorted(e.path for e in record.artifact.manifest.contents)})

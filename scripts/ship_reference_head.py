@@ -12,14 +12,10 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from eval.report import methods_table, run_line  # noqa: E402
-from eval.run import PRETRAINED_HEAD  # noqa: E402
+from mtptrain.eval.report import methods_table, run_line
+from mtptrain.heads.checkpoint import PRETRAINED_HEAD
 
 EVALS = {"eval": "temperature 0", "eval-t1": "temperature 1"}
 

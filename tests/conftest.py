@@ -139,7 +139,7 @@ def read_offline_wandb_run(run_file: Path, timeout: float = 60) -> dict:
     with it."""
     import time
 
-    from mtptrain.tracking import read_offline_run
+    from wandb_files import read_offline_run
 
     deadline = time.time() + timeout
     while True:

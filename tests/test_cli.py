@@ -92,7 +92,7 @@ def test_every_command_shows_the_library_info_lines(tmp_path, tiny_target_dir):
                 "--set", "regenerate.max_new_tokens=4")
     assert done.returncode == 0, done.stderr[-2000:]
     assert f"INFO mtptrain.target: target {tiny_target_dir.name}" in done.stderr
-    assert "INFO data_prep.regenerate: regenerate:" in done.stderr
+    assert "INFO mtptrain.data.regenerate: regenerate:" in done.stderr
     assert not any(" INFO " in line for line in done.stderr.splitlines() if "httpx" in line or "urllib3" in line)
 
 
@@ -103,3 +103,23 @@ def test_the_fallback_to_the_shipped_head_is_logged(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert "INFO" in done.stderr and "using the shipped head" in done.stderr
     assert (tmp_path / "export" / "config.json").is_file()
+
+
+def test_only_the_projects_own_errors_are_printed_without_a_traceback(monkeypatch):
+    """An error of the input (a project error) is a message and exit code 1; any other exception is a bug and
+    keeps its traceback."""
+    import mtptrain.export.run as export_run
+    from mtptrain.export.sidecar import ExportError
+
+    def failing(exc):
+        def run(_recipe):
+            raise exc
+        return run
+
+    monkeypatch.setattr(export_run, "run_export", failing(ExportError("the head is not there")))
+    result = runner.invoke(app, ["export"])
+    assert result.exit_code == 1 and "error: the head is not there" in result.output
+    assert not isinstance(result.exception, ExportError)  # turned into typer's exit
+    monkeypatch.setattr(export_run, "run_export", failing(ValueError("a bug")))
+    result = runner.invoke(app, ["export"])
+    assert isinstance(result.exception, ValueError) and "error: a bug" not in result.output

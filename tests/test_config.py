@@ -1,20 +1,39 @@
+import re
 from pathlib import Path
 
 import pytest
 import yaml
 
-from mtptrain.config import Recipe, RecipeError, dump_recipe, load_recipe
+from mtptrain.config import RecipeError, dump_recipe, load_recipe
 
 RECIPES = sorted(Path(__file__).resolve().parents[1].joinpath("recipes").glob("*.yaml"))
 
 
+def _leaves(tree: dict, prefix: tuple = ()):
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            yield from _leaves(value, prefix + (key,))
+        else:
+            yield prefix + (key,), value
+
+
 @pytest.mark.parametrize("path", RECIPES, ids=[p.name for p in RECIPES])
-def test_every_shipped_recipe_validates(path):
-    assert isinstance(load_recipe(path), Recipe)
+def test_every_shipped_recipe_validates_and_keeps_every_value_it_writes(path):
+    """Validation must not coerce or drop what a recipe says (a layer list turned into a string, a float
+    rounded into an int): every value written in the file is the resolved recipe's."""
+    resolved = load_recipe(path).model_dump(mode="json")
+    for keys, value in _leaves(yaml.safe_load(path.read_text())):
+        held = resolved
+        for key in keys:
+            held = held[key]
+        assert held == value, f"{path.name}: {'.'.join(keys)} is {value!r} in the file, {held!r} once resolved"
 
 
-def test_shipped_recipes_exist():
-    assert any(p.name == "quickstart.yaml" for p in RECIPES)
+def test_every_recipe_the_makefile_and_readme_name_is_shipped():
+    repo = Path(__file__).resolve().parents[1]
+    named = set(re.findall(r"recipes/([\w.-]+\.yaml)", (repo / "Makefile").read_text() + (repo / "README.md").read_text()))
+    assert {"quickstart.yaml", "reference.yaml"} <= named
+    assert named <= {p.name for p in RECIPES}, named - {p.name for p in RECIPES}
 
 
 def test_unknown_key_names_it_and_suggests_the_closest(tmp_path):

@@ -46,7 +46,7 @@ def test_pipeline_runs_every_stage_and_resumes_without_redoing_them(varied_targe
     steps = json.loads((run / "train" / "summary.json").read_text())["steps"]
     head = (run / "train" / "head" / "model.safetensors").read_bytes()
     # W&B (offline): the three jobs of one group, each with what the run printed
-    from mtptrain.tracking import read_offline_run
+    from wandb_files import read_offline_run
 
     logged = {r["job_type"]: r for r in map(read_offline_run, run.rglob("wandb/offline-run-*/run-*.wandb"))}
     assert sorted(logged) == ["eval", "precompute", "train"] and all(r["finished"] for r in logged.values())

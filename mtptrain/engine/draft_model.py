@@ -13,11 +13,12 @@ import copy
 import torch
 from torch import nn
 
+from mtptrain.engine.proposer import ProposerBase
 from mtptrain.engine.runner import TargetRunner
 from mtptrain.engine.verify import Sampling, choose
 
 
-class DraftModelProposer:
+class DraftModelProposer(ProposerBase):
     name = "draft-model"
 
     def __init__(self, model, sampling: Sampling = Sampling(), seed: int = 0):

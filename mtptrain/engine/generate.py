@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mtptrain.engine.proposer import Proposer
 from mtptrain.engine.runner import TargetRunner
 from mtptrain.engine.tree import DraftTree, verify_tree_greedy, verify_tree_sampling
 from mtptrain.engine.verify import Sampling, distribution, verify_greedy, verify_sampling
@@ -61,16 +62,16 @@ class Generation:
     stats: GenerationStats
 
 
-def generate(runner: TargetRunner, prompt: list[int], max_new_tokens: int, proposer=None, k: int = 4,
+def generate(runner: TargetRunner, prompt: list[int], max_new_tokens: int, proposer: Proposer | None = None, k: int = 4,
              sampling: Sampling = Sampling(), eos: set[int] = frozenset(), seed: int = 0) -> Generation:
     generator = torch.Generator().manual_seed(seed)
     stats = GenerationStats()
     runner.reset()
-    if hasattr(proposer, "reset"):  # drafters with per-request state (their own caches)
+    if proposer is not None:
         proposer.reset(prompt)
     first = _pick(runner.forward(prompt)[-1:], sampling, generator)
     out = [first]
-    observes = hasattr(proposer, "observe")
+    observes = proposer is not None and proposer.reads_states
     if observes:  # drafters that read the target's states see them for every committed position
         proposer.observe(0, runner.hidden, prompt[1:] + [first])
     sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)  # honest step timings
@@ -112,7 +113,7 @@ def generate(runner: TargetRunner, prompt: list[int], max_new_tokens: int, propo
         stats.record(drafted, verdict.accepted, len(emitted), size)
         out.extend(emitted)
     tokens = _until_eos(out, eos)
-    if hasattr(proposer, "finish"):  # drafters that learn from finished requests (the suffix index)
+    if proposer is not None:
         proposer.finish(prompt + tokens)
     return Generation(tokens, stats)
 

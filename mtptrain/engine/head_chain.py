@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
+from mtptrain.engine.proposer import ProposerBase
 from mtptrain.engine.verify import Sampling, distribution
 
 
@@ -30,8 +31,9 @@ def head_features(head, spec, hidden: dict[int, torch.Tensor]) -> torch.Tensor:
     return head.features(hidden[spec.last_layer][None].to(parameter.device, parameter.dtype))
 
 
-class HeadChainProposer:
+class HeadChainProposer(ProposerBase):
     name = "head-chain"
+    reads_states = True  # it carries the target's states over, as EAGLE and MTP heads do
 
     def __init__(self, head, spec, sampling: Sampling = Sampling(), seed: int = 0):
         if spec.kind not in ("eagle", "eagle3"):

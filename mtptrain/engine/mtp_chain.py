@@ -20,11 +20,13 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
+from mtptrain.engine.proposer import ProposerBase
 from mtptrain.engine.verify import Sampling, choose
 
 
-class MTPChainProposer:
+class MTPChainProposer(ProposerBase):
     name = "mtp-chain"
+    reads_states = True  # it carries the target's states over, as EAGLE and MTP heads do
 
     def __init__(self, head, spec, sampling: Sampling = Sampling(), seed: int = 0):
         if spec.kind != "mtp":

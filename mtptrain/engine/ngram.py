@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import torch
 
+from mtptrain.engine.proposer import ProposerBase
 
-class NgramProposer:
+
+class NgramProposer(ProposerBase):
     name = "ngram"
 
     def __init__(self, min_n: int = 1, max_n: int = 3):

@@ -23,6 +23,8 @@ from collections import Counter
 import numpy as np
 import torch
 
+from mtptrain.engine.proposer import ProposerBase
+
 SEPARATOR = -1
 
 
@@ -58,7 +60,7 @@ def match_range(buffer: np.ndarray, suffixes: np.ndarray, query: list[int]) -> t
     return start, lo
 
 
-class SuffixIndexProposer:
+class SuffixIndexProposer(ProposerBase):
     name = "suffix-index"
 
     def __init__(self, capacity: int = 1 << 20, min_context: int = 2, max_context: int = 8,

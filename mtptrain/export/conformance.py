@@ -16,8 +16,7 @@ import torch
 import yaml
 from safetensors import safe_open
 
-from mtptrain.export.source import sidecar_weights
-from mtptrain.heads.checkpoint import EXPORT_SIDECAR
+from mtptrain.export.sidecar import read_sidecar, sidecar_weights
 
 SPECS = Path(__file__).with_name("specs")
 _MISSING = object()
@@ -64,7 +63,7 @@ def check_export(directory: Path, target_config: dict, target_layer: dict[str, t
     target_layer: name -> shape of the target's own last decoder layer (block rows of deepseek-mtp).
     """
     directory = Path(directory)
-    sidecar = json.loads((directory / EXPORT_SIDECAR).read_text())
+    sidecar = read_sidecar(directory)
     fmt = sidecar["export_format"]
     table = load_table(fmt)
     config = json.loads((directory / "config.json").read_text())

@@ -51,7 +51,7 @@ def export_readme(form: Format, src: HeadSource, written: Written, sidecar: dict
         lines.append("- not recorded in the head's config")
     lines += ["", "## Measured", ""]
     if measured:
-        from eval.report import run_line
+        from mtptrain.eval.report import run_line
 
         lines += [f"From `{measured['_path']}`. " + run_line(measured), "",
                   "| method | tau | speedup | acceptance per position (cumulative) |", "|---|---|---|---|"]

@@ -17,16 +17,14 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from mtptrain.config import TargetConfig
-from mtptrain.heads.checkpoint import EXPORT_SIDECAR, HeadSpec, read_head_config
-from mtptrain.io import contained
+from mtptrain.export.formats import read_export
+from mtptrain.export.sidecar import ExportError, is_export
+from mtptrain.heads.checkpoint import HeadSpec, head_from, read_head_config
+from mtptrain.heads.common import FrozenTarget
 from mtptrain.target import read_weight_map
 
 # The hub model the embedded GGUF (a Q4_1 quantisation) was made from: what a server loads as the target.
 EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
-
-
-class ExportError(ValueError):
-    """The head cannot be written in the asked format, or its inputs are missing; the message says why."""
 
 
 @dataclass
@@ -118,11 +116,6 @@ class HeadSource:
         return shapes
 
 
-def sidecar_weights(directory: Path, sidecar: dict) -> Path:
-    """The weights file an export's sidecar names, which must lie in the export directory."""
-    return contained(Path(directory), sidecar.get("weights"), Path(directory) / EXPORT_SIDECAR, "weights", ExportError)
-
-
 def _keys(path: Path) -> list[str]:
     if not path.is_file():
         raise ExportError(f"{path.parent} holds neither model.safetensors nor model.safetensors.index.json: "
@@ -139,13 +132,7 @@ def open_head(directory: Path, target: str | None = None) -> HeadSource:
     from mtptrain.target import resolve_local_dir
 
     directory = Path(directory)
-    if (directory / EXPORT_SIDECAR).is_file():  # an earlier export: re-export it in another format
-        from mtptrain.export import read_export
-
-        config, state = read_export(directory)
-    else:
-        config = read_head_config(directory)
-        state = load_file(str(directory / "model.safetensors"))
+    config, state = read_head_files(directory)  # an earlier export too: re-export it in another format
     recorded = config.get("train", {}).get("recipe", {}).get("target")
     if target is None and recorded is None:
         raise ExportError(f"{directory / 'config.json'} does not record the recipe's target: set export.target "
@@ -168,3 +155,18 @@ def open_head(directory: Path, target: str | None = None) -> HeadSource:
                           f"{target_config.get('vocab_size')}, but the head was trained for "
                           f"'{identity.get('name')}' ({identity.get('hidden_size')}, {identity.get('vocab_size')})")
     return HeadSource(directory, config, HeadSpec(**config["head"]), state, target_config, source, cfg)
+
+
+def read_head_files(directory: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config, weights under the head's names) of a head directory written by `mtptrain train`, or of an export
+    of one (`mtptrain export`, any format)."""
+    directory = Path(directory)
+    if is_export(directory):
+        return read_export(directory)
+    return read_head_config(directory), load_file(str(directory / "model.safetensors"))
+
+
+def load_head_directory(directory: Path, frozen: FrozenTarget, target_identity: dict):
+    """(head, spec) from a head directory or an export of one, refused unless trained for `target_identity`."""
+    config, state = read_head_files(directory)
+    return head_from(config, state, frozen, target_identity, Path(directory) / "config.json")

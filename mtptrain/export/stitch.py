@@ -18,8 +18,7 @@ from pathlib import Path
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from mtptrain.export import SIDECAR, ExportError
-from mtptrain.export.source import sidecar_weights
+from mtptrain.export.sidecar import SIDECAR, ExportError, read_sidecar, sidecar_weights
 from mtptrain.target import read_weight_map
 from mtptrain.io import tmp_name
 
@@ -29,10 +28,7 @@ INDEX = "model.safetensors.index.json"
 
 def stitch_mtp(export_dir: Path, target_dir: Path, out: Path) -> dict:
     export_dir, target_dir, out = Path(export_dir), Path(target_dir), Path(out)
-    sidecar_path = export_dir / SIDECAR
-    if not sidecar_path.is_file():
-        raise ExportError(f"{export_dir} holds no {SIDECAR}: not a directory written by mtptrain export")
-    sidecar = json.loads(sidecar_path.read_text())
+    sidecar = read_sidecar(export_dir)
     if sidecar.get("export_format") != "deepseek-mtp":
         raise ExportError(f"{export_dir} is a {sidecar.get('export_format')} export; stitch takes a deepseek-mtp "
                           "export (mtptrain export --format deepseek-mtp)")

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from data_prep.prepare import Sample
+from mtptrain.data.samples import Sample
 from mtptrain.config import Recipe
 from mtptrain.features.plan import ShardPlan, make_batches
 from mtptrain.features.store import ShardRecord, read_complete_record, write_shard

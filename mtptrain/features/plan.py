@@ -11,8 +11,8 @@ import hashlib
 import json
 from dataclasses import dataclass
 
-from data_prep.prepare import Sample
-from mtptrain.config import Recipe
+from mtptrain.data.samples import Sample
+from mtptrain.config import Recipe, RecipeError
 from mtptrain.features.store import SPLITS
 from mtptrain.target import Target
 
@@ -32,7 +32,7 @@ def resolve_layers(spec: list[int] | str, num_layers: int) -> list[int]:
         inner = list(spec)
         too_deep = [i for i in inner if i >= num_layers]
         if too_deep:
-            raise ValueError(f"precompute.layers {too_deep} do not exist: the target has {num_layers} decoder "
+            raise RecipeError(f"precompute.layers {too_deep} do not exist: the target has {num_layers} decoder "
                              f"layers, numbered 0..{num_layers - 1}")
     return sorted(set(i for i in inner if i >= 0) | {num_layers - 1})
 

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from data_prep.prepare import RowStats, prepare_samples
+from mtptrain.data.prepare import prepare_samples
+from mtptrain.data.samples import RowStats
 from mtptrain.config import Recipe, dump_recipe
 from mtptrain.dist import DistInfo, all_reduce_sum, barrier, destroy_process_group, init_process_group
 from mtptrain.features.compute import RankResult, compute_shards

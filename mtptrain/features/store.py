@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
+from mtptrain.errors import MtptrainError
 from mtptrain.io import atomic_write, atomic_write_json, contained, sha256_file
 
 log = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ SPLITS = ("train", "validation")
 REQUIRED_MANIFEST_KEYS = ("schema_version", "target", "layers", "dtype", "max_length", "plan_id", "shards")
 
 
-class FeatureStoreError(RuntimeError):
+class FeatureStoreError(MtptrainError, RuntimeError):
     """A store that cannot be used as asked; the message names the file and the fix."""
 
 

@@ -3,7 +3,8 @@
     <dir>/model.safetensors   the head's state_dict: never the target's embedding or LM head
     <dir>/config.json         head spec, the target's identity, captured layers, recipe
 
-load_head also reads the directories `mtptrain export` writes (mtptrain/export/).
+Exports of a head (`mtptrain export`) are read back by mtptrain/export/source.py, which hands their config and
+weights to `head_from`.
 
 Loading checks the target's fingerprints and refuses a head trained for another target.
 """
@@ -11,6 +12,7 @@ Loading checks the target's fingerprints and refuses a head trained for another 
 from __future__ import annotations
 
 import json
+import logging
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -19,6 +21,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from mtptrain.config import EMBEDDED_TARGET, Recipe
+from mtptrain.errors import MtptrainError
 from mtptrain.heads.common import FrozenTarget
 from mtptrain.heads.eagle import EagleHead
 from mtptrain.heads.eagle3 import DraftVocab, Eagle3Head
@@ -26,11 +30,16 @@ from mtptrain.heads.mtp import MTPHead
 from mtptrain.io import atomic_write, atomic_write_json
 from mtptrain.target import identity_mismatch
 
+log = logging.getLogger(__name__)
+
 HEAD_FORMAT = "mtptrain-head/1"
-EXPORT_SIDECAR = "mtptrain.json"  # in a directory `mtptrain export` wrote: the head's own config (mtptrain/export/)
+
+# The head trained by recipes/reference.yaml on the embedded default, kept in the repository so that
+# `mtptrain eval` shows a real head before anything has been trained (its README is in that directory).
+PRETRAINED_HEAD = Path(__file__).resolve().parents[2] / "pretrained" / "smollm2-135m-instruct-eagle3"
 
 
-class HeadCheckpointError(RuntimeError):
+class HeadCheckpointError(MtptrainError, RuntimeError):
     pass
 
 
@@ -86,23 +95,39 @@ def read_head_config(directory: Path) -> dict:
 
 
 def load_head(directory: Path, frozen: FrozenTarget, target_identity: dict) -> tuple[nn.Module, HeadSpec]:
-    """A head directory written by `mtptrain train`, or an export of one (`mtptrain export`, any format)."""
+    """A head directory written by `mtptrain train` (an export: `mtptrain.export.source.load_head_directory`)."""
     directory = Path(directory)
-    if (directory / EXPORT_SIDECAR).is_file():
-        from mtptrain.export import read_export
+    config = read_head_config(directory)
+    return head_from(config, load_file(str(directory / "model.safetensors")), frozen, target_identity,
+                     directory / "config.json")
 
-        config, state = read_export(directory)
-    else:
-        config = read_head_config(directory)
-        state = load_file(str(directory / "model.safetensors"))
+
+def head_from(config: dict, state: dict[str, torch.Tensor], frozen: FrozenTarget, target_identity: dict,
+              where: Path) -> tuple[nn.Module, HeadSpec]:
+    """The head a config and its weights describe, refused unless it was trained for `target_identity`."""
     stored = config["target"]
     key = identity_mismatch(stored, target_identity)
     if key is not None:
         raise HeadCheckpointError(
-            f"{directory / 'config.json'}: this head was trained for target '{stored.get('name')}' "
+            f"{where}: this head was trained for target '{stored.get('name')}' "
             f"({key} {stored.get(key)}), not for '{target_identity.get('name')}' ({target_identity.get(key)}). "
             "Load it with the target it was trained on.")
     spec = HeadSpec(**config["head"])
     head = build_head(spec, frozen)
     head.load_state_dict(state, strict=True)
     return head.to(next(frozen.embed.parameters()).device), spec
+
+
+def head_directory(recipe: Recipe) -> Path:
+    """The head a recipe's eval and export use: eval.head if set; else the recipe's trained head; else, on the
+    embedded default with nothing trained yet, the head shipped in pretrained/."""
+    if recipe.eval.head:
+        return Path(recipe.eval.head)
+    trained = Path(recipe.train.output_dir) / "head"
+    if (trained / "config.json").is_file() or recipe.target.model != EMBEDDED_TARGET:
+        return trained
+    if (PRETRAINED_HEAD / "config.json").is_file():
+        log.info("no trained head at %s: using the shipped head %s (recipes/reference.yaml); train one or set "
+                 "eval.head to measure another", trained, PRETRAINED_HEAD)
+        return PRETRAINED_HEAD
+    return trained

@@ -16,12 +16,13 @@ import sys
 from pathlib import Path
 
 from mtptrain.config import Recipe, dump_recipe
+from mtptrain.errors import MtptrainError
 
 STAGES = ("precompute", "train", "eval")
 TEMPLATES = Path(__file__).with_name("templates")
 
 
-class SlurmError(RuntimeError):
+class SlurmError(MtptrainError, RuntimeError):
     """sbatch is missing or refused a script; the message has its output."""
 
 
@@ -55,7 +56,7 @@ def render(recipe: Recipe, stage: str, recipe_path: Path) -> str:
     import jinja2
 
     if stage not in STAGES:
-        raise ValueError(f"unknown stage {stage!r}; stages: {', '.join(STAGES)} (or pipeline)")
+        raise SlurmError(f"unknown stage {stage!r}; stages: {', '.join(STAGES)} (or pipeline)")
     check_gpus(recipe, stage)
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), undefined=jinja2.StrictUndefined,
                              keep_trailing_newline=True)

@@ -37,7 +37,8 @@ from tqdm import tqdm
 
 from mtptrain.config import HeadConfig, Recipe, TrainConfig, dump_recipe
 from mtptrain.dist import DistInfo, destroy_process_group, pick_device, slurm_rendezvous
-from mtptrain.features.store import FeatureStore, load_manifest
+from mtptrain.errors import MtptrainError
+from mtptrain.features.store import FeatureStore, FeatureStoreError, load_manifest
 from mtptrain.heads import FrozenTarget
 from mtptrain.heads.checkpoint import HeadSpec, build_head, save_head
 from mtptrain.heads.eagle3 import DraftVocab
@@ -52,11 +53,11 @@ from mtptrain.train.objective import batch_objective, step_weights
 log = logging.getLogger(__name__)
 
 
-class TrainingDiverged(RuntimeError):
+class TrainingDiverged(MtptrainError, RuntimeError):
     pass
 
 
-class RunMismatch(RuntimeError):
+class RunMismatch(MtptrainError, RuntimeError):
     pass
 
 
@@ -71,7 +72,7 @@ def head_spec(cfg: HeadConfig, manifest: dict) -> HeadSpec:
     if cfg.kind == "eagle3":
         features = [l for l in captured if l != last] if cfg.feature_layers == "auto" else list(cfg.feature_layers)
         if not features:
-            raise ValueError(f"eagle3 fuses inner layers, but the store captured only {captured}: "
+            raise FeatureStoreError(f"eagle3 fuses inner layers, but the store captured only {captured}: "
                              "precompute with precompute.layers=eagle3 (or list the layers)")
     vocab = min(cfg.draft_vocab_size, manifest["target"]["vocab_size"]) if cfg.kind == "eagle3" else 0
     return HeadSpec(kind=cfg.kind, norms=cfg.norms, last_layer=last, feature_layers=features,
@@ -423,7 +424,9 @@ def log_head_artifact(run, recipe: Recipe, head_dir: Path, summary: dict) -> Non
     cannot hold this head, the first one that can), and the run's summary numbers."""
     import wandb
 
-    from mtptrain.export import FORMATS, ExportError, export_head
+    from mtptrain.export.formats import FORMATS
+    from mtptrain.export.run import export_head
+    from mtptrain.export.sidecar import ExportError
 
     config = json.loads((head_dir / "config.json").read_text())
     spec, checked = config["head"], config.get("target_checked", [])

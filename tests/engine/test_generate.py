@@ -6,6 +6,7 @@ import torch
 from conftest import make_tiny_llama
 from law import engine_two_token_law, exact_two_token_law
 
+from mtptrain.engine.proposer import ProposerBase
 from mtptrain.engine.generate import generate
 from mtptrain.engine.ngram import NgramProposer
 from mtptrain.engine.runner import TargetRunner
@@ -73,16 +74,13 @@ def test_rollback_leaves_the_cache_of_a_fresh_prefill(model64):
     assert torch.allclose(runner.forward(tokens[17:20]), fresh.forward(tokens[17:20]), atol=1e-10)
 
 
-class RandomDrafter:
+class RandomDrafter(ProposerBase):
     """Drafts tokens sampled from a fixed distribution q, and says so: the general (non one-hot) path."""
 
     name = "random"
 
     def __init__(self, q: torch.Tensor, seed: int):
         self.q, self.generator = q, torch.Generator().manual_seed(seed)
-
-    def reset(self, prompt):
-        pass
 
     def propose(self, tokens, k):
         draft = torch.multinomial(self.q, k, replacement=True, generator=self.generator).tolist()
@@ -120,3 +118,22 @@ def test_top_k_and_top_p_transforms():
     kept = distribution(logits, Sampling(1.0, top_p=0.8))[0]
     assert probs[0] < 0.8 <= probs[0] + probs[1]
     assert torch.allclose(kept, torch.tensor([probs[0], probs[1], 0, 0]) / (probs[0] + probs[1]))
+
+
+def test_every_proposer_of_the_engine_follows_the_protocol():
+    """generate calls reset, observe (when reads_states) and finish on any proposer: none is probed with hasattr."""
+    from mtptrain.engine.draft_model import DraftModelProposer
+    from mtptrain.engine.head_chain import HeadChainProposer
+    from mtptrain.engine.head_tree import HeadTreeProposer
+    from mtptrain.engine.mtp_chain import MTPChainProposer
+    from mtptrain.engine.ngram import NgramProposer
+    from mtptrain.engine.proposer import Proposer
+    from mtptrain.engine.ssd import SSDProposer
+    from mtptrain.engine.suffix_index import SuffixIndexProposer
+
+    classes = [DraftModelProposer, HeadChainProposer, HeadTreeProposer, MTPChainProposer, NgramProposer, SSDProposer,
+               SuffixIndexProposer]
+    for cls in classes:
+        assert all(callable(getattr(cls, step, None)) for step in ("reset", "propose", "observe", "finish")), cls
+    assert [c.reads_states for c in classes] == [False, True, True, True, False, False, False]
+    assert isinstance(NgramProposer(), Proposer)

@@ -6,7 +6,7 @@ from collections import Counter
 import pytest
 import torch
 
-from eval.prompts import load_prompts
+from mtptrain.eval.prompts import load_prompts
 from mtptrain.config import TargetConfig
 from mtptrain.engine.draft_model import DraftModelProposer, truncated_target
 from mtptrain.engine.generate import generate

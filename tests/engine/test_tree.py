@@ -8,6 +8,7 @@ import torch
 from conftest import make_tiny_llama
 from law import engine_two_token_law, exact_two_token_law
 
+from mtptrain.engine.proposer import ProposerBase
 from mtptrain.engine.generate import generate
 from mtptrain.engine.runner import TargetRunner
 from mtptrain.engine.tree import DraftTree, verify_tree_greedy
@@ -101,7 +102,7 @@ def test_tree_verification_equals_sequential_verification_of_its_best_path(model
 _TOP: dict = {}  # (model, branch, context) -> top tokens: the law tests draft from the same contexts thousands of times
 
 
-class TargetTreeDrafter:
+class TargetTreeDrafter(ProposerBase):
     """Test drafter: a tree of the target's own top-`branch` tokens (every path likely, deep acceptance),
     or, with `noise`, random tokens mixed in."""
 

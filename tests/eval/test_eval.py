@@ -204,7 +204,7 @@ def test_eval_errors_name_the_missing_piece(tiny_target_dir, other_target_dir, e
 
 
 def test_the_ssd_drafter_goes_to_a_second_gpu_only_when_there_is_one():
-    from eval.run import ssd_device
+    from mtptrain.eval.run import ssd_device
 
     assert ssd_device("auto", torch.device("cpu")) == "cpu"
     assert ssd_device("cuda:3", torch.device("cpu")) == "cuda:3"

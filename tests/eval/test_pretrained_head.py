@@ -6,7 +6,8 @@ import json
 import pytest
 from safetensors import safe_open
 
-from eval.run import PRETRAINED_HEAD, head_directory, run_eval
+from mtptrain.eval.run import run_eval
+from mtptrain.heads.checkpoint import PRETRAINED_HEAD, head_directory
 from mtptrain.config import load_recipe
 
 REFERENCE = "recipes/reference.yaml"

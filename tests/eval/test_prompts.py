@@ -1,6 +1,6 @@
 import pytest
 
-from eval.prompts import PromptSetError, load_prompts
+from mtptrain.eval.prompts import PromptSetError, load_prompts
 
 
 def test_mtbench_has_80_two_turn_questions_in_8_categories():

@@ -1,6 +1,6 @@
 import codecs
 
-from eval.prompts import load_prompts
+from mtptrain.eval.prompts import load_prompts
 
 
 def test_a_byte_order_mark_does_not_break_the_first_prompt(tmp_path):

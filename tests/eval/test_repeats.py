@@ -9,8 +9,9 @@ import pytest
 from typer.testing import CliRunner
 
 import eval.run as run_module
-from eval.report import markdown, methods_table, run_line
-from eval.run import exactness_failures, flag_unreliable, format_results, run_order, timing_summary
+from mtptrain.eval.report import markdown, methods_table, run_line
+from mtptrain.eval.report import format_results
+from mtptrain.eval.run import exactness_failures, flag_unreliable, run_order, timing_summary
 from mtptrain.cli import app
 from mtptrain.engine.generate import GenerationStats
 

@@ -9,7 +9,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from eval.report import acceptance_figure, speedup_figure, tau_vs_k_figure  # noqa: E402
+from mtptrain.eval.report import acceptance_figure, speedup_figure, tau_vs_k_figure  # noqa: E402
 
 
 def row(label, method, k=0, budget=None, tau=1.0, speedup=1.0, acceptance=()):

@@ -17,12 +17,14 @@ from mtptrain.engine.head_chain import HeadChainProposer
 from mtptrain.engine.mtp_chain import MTPChainProposer
 from mtptrain.engine.runner import TargetRunner
 from mtptrain.config import ExportConfig
-from mtptrain.export import ExportError, export_head
+from mtptrain.export.run import export_head
+from mtptrain.export.sidecar import ExportError
 from mtptrain.export.conformance import check_export
 from mtptrain.export.formats.eagle3 import sglang_layer_ids, vllm_layer_ids
 from mtptrain.export.source import open_head
 from mtptrain.heads import FrozenTarget
-from mtptrain.heads.checkpoint import HeadSpec, build_head, load_head, save_head
+from mtptrain.export.source import load_head_directory
+from mtptrain.heads.checkpoint import HeadSpec, build_head, save_head
 from mtptrain.heads.eagle3 import DraftVocab
 from mtptrain.target import LayerCapture
 
@@ -61,8 +63,8 @@ def test_export_conforms_loads_back_and_drafts_the_same_tokens(fmt, spec, target
 
     model = target_model(target_dir)
     frozen = FrozenTarget.of(model)
-    original, _ = load_head(head_dir, frozen, identity(target_dir))
-    exported, exported_spec = load_head(out, frozen, identity(target_dir))
+    original, _ = load_head_directory(head_dir, frozen, identity(target_dir))
+    exported, exported_spec = load_head_directory(out, frozen, identity(target_dir))
     assert exported_spec == spec
     for name, tensor in original.state_dict().items():
         assert torch.equal(exported.state_dict()[name], tensor), name
@@ -255,8 +257,8 @@ def test_stitch_adds_the_mtp_layers_to_a_copy_of_the_target(target_dir, tmp_path
     assert torch.equal(before, after)
     # ...and the stitched directory loads as the head
     model = target_model(target_dir)
-    loaded, spec = load_head(stitched, FrozenTarget.of(model), identity(target_dir))
-    original, _ = load_head(head_dir, FrozenTarget.of(model), identity(target_dir))
+    loaded, spec = load_head_directory(stitched, FrozenTarget.of(model), identity(target_dir))
+    original, _ = load_head_directory(head_dir, FrozenTarget.of(model), identity(target_dir))
     assert spec == SPECS["deepseek-mtp"]
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in original.state_dict().items())
     again = CliRunner().invoke(app, ["stitch", str(tmp_path / "mtp"), "--target", str(stitched),
@@ -312,13 +314,13 @@ def test_every_table_row_names_a_listed_source():
 
 @pytest.mark.real_model
 def test_the_shipped_head_drafts_the_same_tokens_from_its_exports(tmp_path):
-    from eval.run import PRETRAINED_HEAD
+    from mtptrain.heads.checkpoint import PRETRAINED_HEAD
     from mtptrain.config import TargetConfig
     from mtptrain.target import load_target
 
     target = load_target(TargetConfig())
     frozen = FrozenTarget.of(target.model)
-    head, spec = load_head(PRETRAINED_HEAD, frozen, target.identity())
+    head, spec = load_head_directory(PRETRAINED_HEAD, frozen, target.identity())
     text = target.tokenizer.apply_chat_template([{"role": "user", "content": "Name three uses of copper."}],
                                                 add_generation_prompt=True, tokenize=False)
     prompt = target.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -331,14 +333,14 @@ def test_the_shipped_head_drafts_the_same_tokens_from_its_exports(tmp_path):
         assert "4 training-time-test steps, draft vocabulary 8192 tokens" in readme
         assert summary["notes"] and all(mode == 0o644 for mode in
                                         (p.stat().st_mode & 0o777 for p in (tmp_path / fmt).iterdir()))
-        exported, exported_spec = load_head(tmp_path / fmt, frozen, target.identity())
+        exported, exported_spec = load_head_directory(tmp_path / fmt, frozen, target.identity())
         assert drafts(target.model, exported.float(), exported_spec, list(prompt)) == ours, fmt
 
 
 def test_an_export_sidecar_naming_weights_outside_the_export_is_refused(target_dir, tmp_path):
     import shutil
 
-    from mtptrain.export import read_export
+    from mtptrain.export.formats import read_export
 
     out = tmp_path / "export"
     export_head(save_trained_like_head(target_dir, tmp_path / "head", EAGLE3), out, ExportConfig(format="eagle3"))

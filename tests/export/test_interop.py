@@ -14,9 +14,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mtptrain.config import ExportConfig
-from mtptrain.export import export_head
+from mtptrain.export.run import export_head
 from mtptrain.heads import FrozenTarget
-from mtptrain.heads.checkpoint import HeadSpec, load_head
+from mtptrain.export.source import load_head_directory
+from mtptrain.heads.checkpoint import HeadSpec
 from mtptrain.target import LayerCapture
 
 from export_helpers import identity, save_trained_like_head, target_dir, target_model  # noqa: F401
@@ -71,7 +72,7 @@ def test_speculators_loads_our_export_and_computes_our_logits_at_every_ttt_step(
     head_dir = save_trained_like_head(target_dir, tmp_path / "head", HEAD)
     export_head(head_dir, tmp_path / "export", ExportConfig(format="speculators", verifier=str(target_dir)))
     model = target_model(target_dir)
-    head, spec = load_head(head_dir, FrozenTarget.of(model), identity(target_dir))
+    head, spec = load_head_directory(head_dir, FrozenTarget.of(model), identity(target_dir))
     inputs, _, logits = our_side(model, head, spec, steps=3)
     save_file(inputs, tmp_path / "inputs.safetensors")
     run([interop["python"], SCRIPTS / "speculators_forward.py", tmp_path / "export", tmp_path / "inputs.safetensors",
@@ -89,7 +90,7 @@ def test_specforge_loads_our_sglang_export_and_computes_our_first_step(interop, 
     head_dir = save_trained_like_head(target_dir, tmp_path / "head", HEAD)
     export_head(head_dir, tmp_path / "export", ExportConfig(format="eagle3"))
     model = target_model(target_dir)
-    head, spec = load_head(head_dir, FrozenTarget.of(model), identity(target_dir))
+    head, spec = load_head_directory(head_dir, FrozenTarget.of(model), identity(target_dir))
     inputs, states, logits = our_side(model, head, spec, steps=1, seed=1)
     save_file(inputs, tmp_path / "inputs.safetensors")
     run([sys.executable, SCRIPTS / "specforge_forward.py", interop["specforge"], tmp_path / "export", target_dir,
@@ -104,7 +105,7 @@ def test_the_official_eagle_model_loads_our_eagle_export_and_computes_our_states
     head_dir = save_trained_like_head(target_dir, tmp_path / "head", spec)
     export_head(head_dir, tmp_path / "export", ExportConfig(format="eagle"))
     model = target_model(target_dir)
-    head, _ = load_head(head_dir, FrozenTarget.of(model), identity(target_dir))
+    head, _ = load_head_directory(head_dir, FrozenTarget.of(model), identity(target_dir))
     ids = torch.randint(1, model.config.vocab_size, (1, 41), generator=torch.Generator().manual_seed(2))
     capture = LayerCapture(model.model.layers, [5])
     with torch.no_grad():
@@ -125,7 +126,7 @@ def test_the_official_eagle_model_loads_our_eagle_export_and_computes_our_states
 def test_speculators_runs_the_shipped_head_on_smollm2_as_we_do(interop, tmp_path):
     """The reference head (bf16) exported against the real target: the same drafts in speculators and in ours.
     The logits differ by up to 0.004 here (about 1e-3 of their range; position 0 by 1e-5), so the bound is 1e-2."""
-    from eval.run import PRETRAINED_HEAD
+    from mtptrain.heads.checkpoint import PRETRAINED_HEAD
     from mtptrain.config import TargetConfig
     from mtptrain.target import load_target, resolve_local_dir
 
@@ -133,7 +134,7 @@ def test_speculators_runs_the_shipped_head_on_smollm2_as_we_do(interop, tmp_path
     verifier, _ = resolve_local_dir(cfg)
     export_head(PRETRAINED_HEAD, tmp_path / "export", ExportConfig(format="speculators", verifier=verifier))
     target = load_target(cfg)
-    head, spec = load_head(tmp_path / "export", FrozenTarget.of(target.model), target.identity())
+    head, spec = load_head_directory(tmp_path / "export", FrozenTarget.of(target.model), target.identity())
     head.float()
     inputs, _, logits = our_side(target.model, head, spec, steps=2)
     save_file(inputs, tmp_path / "inputs.safetensors")

@@ -13,7 +13,7 @@ from conftest import tiny_recipe, write_sharegpt
 from helpers import reference_hidden, store_samples
 from transformers import AutoModelForCausalLM
 
-from data_prep.prepare import prepare_samples
+from mtptrain.data.prepare import prepare_samples
 from mtptrain.features.plan import make_batches, resolve_layers
 from mtptrain.features.precompute import run_precompute
 from mtptrain.features.store import FeatureStore, FeatureStoreError

@@ -25,7 +25,10 @@ def store_copy(store_dir, tmp_path):
 
 
 def test_the_right_target_is_accepted(store_dir, tiny_target_dir):
-    assert len(FeatureStore(store_dir, target=load_target(TargetConfig(model=str(tiny_target_dir))))) > 0
+    store = FeatureStore(store_dir, target=load_target(TargetConfig(model=str(tiny_target_dir))))
+    manifest = json.loads((store_dir / "manifest.json").read_text())
+    assert len(store) == manifest["totals"]["train"]["samples"] > 0
+    assert sum(store.lengths()) == manifest["totals"]["train"]["tokens"]
 
 
 def test_another_target_is_refused(store_dir, other_target_dir):

@@ -55,9 +55,19 @@ def test_the_stripped_switch_really_removes_the_norms(target):
         EagleHead(frozen, norms="none")
 
 
-def test_layer_is_the_targets_own_kind(target):
+def test_layer_is_built_like_the_targets_own(target):
+    """The head's decoder layer is the target's layer class with the target's shapes, so it computes what a
+    layer of the target computes: given the same weights, the same output."""
     model, frozen = target
-    assert type(EagleHead(frozen).block.layer) is type(model.model.layers[0])
+    layer, own = EagleHead(frozen).double().block.layer, model.model.layers[0]
+    assert type(layer) is type(own)
+    assert {n: p.shape for n, p in layer.named_parameters()} == {n: p.shape for n, p in own.named_parameters()}
+    layer.load_state_dict(own.state_dict())
+    h = torch.randn(1, 5, model.config.hidden_size, dtype=torch.float64)
+    position_ids = torch.arange(5)[None]
+    rope = model.model.rotary_emb(h, position_ids)
+    assert torch.allclose(layer(h, position_embeddings=rope, position_ids=position_ids)[0],
+                          own(h, position_embeddings=rope, position_ids=position_ids)[0])
 
 
 @torch.no_grad()

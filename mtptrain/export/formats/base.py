@@ -4,11 +4,15 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from mtptrain.config import ExportConfig
-from mtptrain.export.source import ExportError, HeadSource
+from mtptrain.export.sidecar import ExportError
+
+if TYPE_CHECKING:
+    from mtptrain.export.source import HeadSource
 
 # A Llama decoder layer's tensors (no biases, no q/k norms): the layer every EAGLE format's draft is built of.
 LLAMA_LAYER = ("input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
@@ -29,14 +33,7 @@ class Format(ABC):
     kinds: tuple[str, ...] = ()
 
     def check(self, src: HeadSource, cfg: ExportConfig) -> None:
-        """Raise ExportError when the format cannot express the head."""
-        if src.spec.kind not in self.kinds:
-            from mtptrain.export.formats import FORMATS
-
-            fits = [f.name for f in FORMATS.values() if src.spec.kind in f.kinds]
-            raise ExportError(f"a {src.spec.kind} head cannot be exported as {self.name} ({self.title}), which "
-                              f"holds {' or '.join(self.kinds)} heads only; formats for {src.spec.kind} heads: "
-                              f"{', '.join(fits) or 'none'}")
+        """Raise ExportError when the format cannot express this head (its family is checked by `format_for`)."""
 
     @abstractmethod
     def write(self, src: HeadSource, cfg: ExportConfig) -> Written:

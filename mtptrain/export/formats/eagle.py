@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from mtptrain.export.formats.base import (LLAMA_LAYER, Format, Written, check_llama_layer, draft_llama_config,
                                           inverse, renamed)
-from mtptrain.export.source import ExportError
+from mtptrain.export.sidecar import ExportError
 
 EAGLE_LAYER = tuple(s for s in LLAMA_LAYER if s != "input_layernorm.weight")
 

@@ -9,12 +9,17 @@ it adds 1 only when the first id is 1 (and takes the ids as they are otherwise).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from mtptrain.config import ExportConfig
 from mtptrain.export.formats.base import (LLAMA_LAYER, Format, Written, check_llama_layer, draft_llama_config,
                                           inverse, renamed)
-from mtptrain.export.source import ExportError, HeadSource
+from mtptrain.export.sidecar import ExportError
+
+if TYPE_CHECKING:
+    from mtptrain.export.source import HeadSource
 
 SPECULATORS_VERSION = "0.9.0"  # the speculators release whose schema the speculators export follows
 FUSED_LAYERS = 3  # SGLang builds fc over 3 * hidden; vLLM assumes 3 unless an eagle_config says otherwise

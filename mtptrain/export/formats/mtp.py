@@ -10,8 +10,13 @@ by mtptrain, but no engine serves it.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from mtptrain.export.formats.base import Format, Written, inverse, renamed
-from mtptrain.export.source import ExportError, HeadSource
+from mtptrain.export.sidecar import ExportError
+
+if TYPE_CHECKING:
+    from mtptrain.export.source import HeadSource
 
 SERVED_MODEL_TYPES = ("deepseek_v3", "deepseek_v32")  # what vLLM's and SGLang's MTP drafters accept
 FIXED = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight", "embed_tokens.weight",

@@ -13,9 +13,10 @@ import yaml
 from conftest import write_sharegpt
 from transformers import AutoModelForCausalLM
 
-from data_prep.chat import prompt_ids
-from data_prep.prepare import RowStats, prepare_samples, split_of
-from data_prep.regenerate import (RegenerateError, generate_batch, read_jobs, regenerate_jobs, run_regenerate,
+from mtptrain.data.chat import prompt_ids
+from mtptrain.data.prepare import prepare_samples, split_of
+from mtptrain.data.samples import RowStats
+from mtptrain.data.regenerate import (RegenerateError, generate_batch, read_jobs, regenerate_jobs, run_regenerate,
                                   state_path, turn_seed)
 from mtptrain.config import load_recipe
 from mtptrain.engine.verify import Sampling

@@ -41,13 +41,14 @@ import torch
 from tqdm import tqdm
 from transformers import DynamicCache
 
-from data_prep.chat import prompt_ids, stop_tokens
-from data_prep.conversations import BadRow, normalise, unique_key
-from data_prep.prepare import NoUsableData, RowStats
-from data_prep.readers import read_rows
+from mtptrain.data.chat import prompt_ids, stop_tokens
+from mtptrain.data.conversations import BadRow, normalise, unique_key
+from mtptrain.data.samples import NoUsableData, RowStats
+from mtptrain.data.readers import read_rows
 from mtptrain.config import Recipe
 from mtptrain.engine.cpu_matmul import skinny_linears
 from mtptrain.engine.verify import Sampling, distribution
+from mtptrain.errors import MtptrainError
 from mtptrain.io import atomic_write_json, fsync_dir
 from mtptrain.target import identity_mismatch
 
@@ -56,7 +57,7 @@ WINDOW_BATCHES = 8
 STATE_VERSION = 1
 
 
-class RegenerateError(RuntimeError):
+class RegenerateError(MtptrainError, RuntimeError):
     """The output cannot be written or resumed; the message says why and what to do."""
 
 

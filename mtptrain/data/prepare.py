@@ -5,60 +5,18 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 from tqdm import tqdm
 
-from data_prep.chat import tokenize_conversation
-from data_prep.conversations import BadRow, normalise, unique_key
-from data_prep.readers import read_rows
+from mtptrain.data.chat import tokenize_conversation
+from mtptrain.data.conversations import BadRow, normalise, unique_key
+from mtptrain.data.readers import read_rows
+from mtptrain.data.regenerate import check_complete
+from mtptrain.data.samples import NoUsableData, RowStats, Sample
 from mtptrain.config import DataConfig
 
 log = logging.getLogger(__name__)
-EXAMPLES_PER_REASON = 3
-
-
-class NoUsableData(RuntimeError):
-    pass
-
-
-@dataclass
-class Sample:
-    key: str  # unique within the store: the conversation id
-    split: str  # "train" or "validation"
-    input_ids: np.ndarray  # int32 [T]
-    loss_mask: np.ndarray  # uint8 [T]
-
-    def __len__(self) -> int:
-        return len(self.input_ids)
-
-
-@dataclass
-class RowStats:
-    rows: int = 0
-    kept: int = 0
-    truncated: int = 0
-    skipped: Counter = field(default_factory=Counter)
-    examples: dict[str, list[str]] = field(default_factory=dict)
-
-    def skip(self, ref: str, reason: str, detail: str) -> None:
-        self.skipped[reason] += 1
-        shown = self.examples.setdefault(reason, [])
-        if len(shown) < EXAMPLES_PER_REASON:
-            shown.append(f"{ref}: {detail}" if detail else ref)
-
-    def report(self) -> str:
-        lines = [f"{self.rows} rows read, {self.kept} kept ({self.truncated} truncated to max_length), "
-                 f"{sum(self.skipped.values())} skipped"]
-        for reason, count in self.skipped.most_common():
-            lines.append(f"  skipped {count} x {reason}, e.g. " + "; ".join(self.examples[reason]))
-        return "\n".join(lines)
-
-    def to_dict(self) -> dict:
-        return {"rows": self.rows, "kept": self.kept, "truncated": self.truncated,
-                "skipped": dict(self.skipped.most_common()), "skipped_examples": self.examples}
 
 
 def unfinished_answers(row) -> frozenset[int]:
@@ -80,8 +38,6 @@ def prepare_samples(cfg: DataConfig, tokenizer, show_progress: bool = True) -> t
     seen: Counter = Counter()  # keys in use -> repeats of that id so far
     source, fmt, column = cfg.source, cfg.format, cfg.messages_column
     if cfg.regenerated:  # the same conversations with the target's own answers (`mtptrain regenerate`)
-        from data_prep.regenerate import check_complete
-
         check_complete(Path(cfg.regenerated), cfg, tokenizer)
         source, fmt, column = cfg.regenerated, "messages", None
     rows = read_rows(source, split=cfg.dataset_split, config=cfg.dataset_config, limit=cfg.max_conversations)

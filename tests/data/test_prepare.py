@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 from conftest import WORDS, make_tokenizer, write_sharegpt
 
-from data_prep.chat import assistant_spans
-from data_prep.prepare import NoUsableData, prepare_samples, split_of
+from mtptrain.data.chat import assistant_spans
+from mtptrain.data.prepare import prepare_samples, split_of
+from mtptrain.data.samples import NoUsableData
 from mtptrain.config import DataConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -84,7 +85,7 @@ BIG_ROW_RUN = r"""
 import json, resource, sys
 from pathlib import Path
 from conftest import make_tokenizer
-from data_prep.prepare import prepare_samples
+from mtptrain.data.prepare import prepare_samples
 from mtptrain.config import DataConfig
 
 normal, big, headroom = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])

@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from data_prep.conversations import BadRow, normalise
-from data_prep.readers import DataSourceError, read_rows
+from mtptrain.data.conversations import BadRow, normalise
+from mtptrain.data.readers import DataSourceError, read_rows
 
 
 def test_truncated_json_array_yields_complete_rows_then_one_damaged_row(tmp_path):

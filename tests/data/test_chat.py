@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from conftest import CHATML, LLAMA3, WORDS, make_tokenizer
 
-from data_prep.chat import assistant_spans, prompt_ids, tokenize_conversation
-from data_prep.conversations import BadRow
+from mtptrain.data.chat import assistant_spans, prompt_ids, tokenize_conversation
+from mtptrain.data.conversations import BadRow
 
 CONVERSATION = [
     {"role": "user", "content": "the word is hot"},

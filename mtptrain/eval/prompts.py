@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mtptrain.embedded import wheel_file
+from mtptrain.errors import MtptrainError
 
 
 @dataclass
@@ -20,7 +21,7 @@ class Prompt:
     turns: list[str]
 
 
-class PromptSetError(ValueError):
+class PromptSetError(MtptrainError, ValueError):
     pass
 
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from data_prep.conversations import BadRow
+from mtptrain.data.conversations import BadRow
 
 
 @dataclass

@@ -23,14 +23,15 @@ from typing import Callable
 
 import torch
 
-from data_prep.chat import prompt_ids, stop_tokens
-from eval.prompts import load_prompts
-from eval.report import format_results  # noqa: F401  (the CLI and scripts import it from here)
-from mtptrain.config import EMBEDDED_TARGET, Recipe
+from mtptrain.data.chat import prompt_ids, stop_tokens
+from mtptrain.errors import MtptrainError
+from mtptrain.eval.prompts import load_prompts
+from mtptrain.config import Recipe
 from mtptrain.engine.cpu_matmul import skinny_linears
 from mtptrain.engine.generate import GenerationStats, generate
 from mtptrain.engine.runner import TargetRunner
 from mtptrain.engine.verify import Sampling
+from mtptrain.heads.checkpoint import head_directory
 from mtptrain.io import atomic_write_json
 from mtptrain.machine import cpu_sample, describe_cpu, other_load
 
@@ -38,12 +39,7 @@ log = logging.getLogger(__name__)
 
 HEAD_METHODS = ("chain", "tree", "ssd")
 
-# The head trained by recipes/reference.yaml on the embedded default, kept in the repository so that
-# `mtptrain eval` shows a real head before anything has been trained (its README is in that directory).
-PRETRAINED_HEAD = Path(__file__).resolve().parents[1] / "pretrained" / "smollm2-135m-instruct-eagle3"
-
-
-class EvalError(ValueError):
+class EvalError(MtptrainError, ValueError):
     pass
 
 
@@ -133,21 +129,6 @@ def timing_summary(tokens: list[int], seconds: list[float], baseline_tps: list[f
             "speedup_max": round(max(speedups), 4), "speedup_spread": None if spread is None else round(spread, 4)}
 
 
-def head_directory(recipe: Recipe) -> Path:
-    """eval.head if set; else the recipe's trained head; else, on the embedded default with nothing trained
-    yet, the head shipped in pretrained/."""
-    if recipe.eval.head:
-        return Path(recipe.eval.head)
-    trained = Path(recipe.train.output_dir) / "head"
-    if (trained / "config.json").is_file() or recipe.target.model != EMBEDDED_TARGET:
-        return trained
-    if (PRETRAINED_HEAD / "config.json").is_file():
-        log.info("no trained head at %s: using the shipped head %s (recipes/reference.yaml); train one or set "
-                 "eval.head to measure another", trained, PRETRAINED_HEAD)
-        return PRETRAINED_HEAD
-    return trained
-
-
 def build_configs(recipe: Recipe, target, sampling: Sampling) -> tuple[list[Config], dict | None, list[str], list]:
     """The baseline and every (method, K / budget) of the recipe; the head's description; notes on skips;
     the drafting modules (head, draft model) besides the target."""
@@ -202,7 +183,8 @@ def _ssd_configs(method, recipe, target, spec, head_info, sampling, seed, notes)
     """SSD for each K: a drafter process per configuration (the head, or the draft model), kept for the run."""
     import functools
 
-    from mtptrain.engine.ssd import SSDProposer, SSDSettings, draft_lm, head_parts
+    from mtptrain.engine.ssd import SSDProposer, SSDSettings
+    from mtptrain.eval.drafters import draft_lm, head_parts
 
     ev = recipe.eval
     device = ssd_device(ev.ssd_device, target.device)
@@ -251,15 +233,15 @@ def _chain_factory(head, spec, sampling, seed):
 
 
 def _load_head(recipe: Recipe, target):
+    from mtptrain.export.source import load_head_directory
     from mtptrain.heads import FrozenTarget
-    from mtptrain.heads.checkpoint import load_head
 
     directory = head_directory(recipe)
     if not (directory / "config.json").is_file():
         raise EvalError(f"no trained head at {directory} (eval.methods has {', '.join(HEAD_METHODS)}, which draft with "
                         "a head): run `mtptrain train` with this recipe first, point eval.head at a head "
-                        "directory, or drop chain/tree/ssd from eval.methods")
-    head, spec = load_head(directory, FrozenTarget.of(target.model), target.identity())
+                        "directory, or drop chain/tree/ssd from mtptrain.eval.methods")
+    head, spec = load_head_directory(directory, FrozenTarget.of(target.model), target.identity())
     head.to(dtype=next(target.model.parameters()).dtype)
     info = {"path": str(directory), "kind": spec.kind, "norms": spec.norms, "last_layer": spec.last_layer,
             "feature_layers": spec.feature_layers, "parameters": sum(p.numel() for p in head.parameters())}
@@ -367,7 +349,7 @@ def run_eval(recipe: Recipe, wandb: str | None = None, show_progress: bool = Tru
     results["best"] = best_configs(results["methods"])
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out_dir / "results.json", results)
-    from eval.report import write_report
+    from mtptrain.eval.report import write_report
 
     results["files"] = write_report(results, out_dir)
     _log_wandb(recipe, results, out_dir, wandb)

@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from mtptrain.embedded import wheel_file
+from mtptrain.errors import MtptrainError
 
 
-class DataSourceError(RuntimeError):
+class DataSourceError(MtptrainError, RuntimeError):
     """The source as a whole cannot be read; the message says which and why."""
 
 
