@@ -120,7 +120,7 @@ def evaluate(recipe: RecipeOpt = None, overrides: SetOpt = None,
     """Measure speculative decoding against plain decoding: tau, acceptance per position, speedup.
 
     Every method of eval.methods (ngram, suffix, chain, tree, draft) is run with each draft length K of eval.k
-    (trees: each node budget of eval.tree_budgets) on the same prompts as the autoregressive baseline, in one
+    (trees: each node budget of eval.tree.budgets) on the same prompts as the autoregressive baseline, in one
     run: by default the 80 MT-bench questions, second turns asked after the model's own first answers.
     chain and tree draft with the head at <train.output_dir>/head, or eval.head; on the embedded default with no
     head trained yet, with the head shipped in pretrained/ (trained by recipes/reference.yaml). At temperature 0
@@ -154,7 +154,7 @@ def pipeline(recipe: RecipeOpt = None, overrides: SetOpt = None,
     from mtptrain.tracking import pipeline_group
 
     cfg = _recipe(recipe, overrides)
-    overrides = [*(overrides or []), f"wandb_group={pipeline_group(cfg)}"]  # one W&B group for this run's jobs
+    overrides = [*(overrides or []), f"tracking.group={pipeline_group(cfg)}"]  # one W&B group for this run's jobs
     if cfg.data.regenerated:
         typer.echo("== regenerate")
         regenerate(recipe, overrides, progress)

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator,
+                      model_validator)
 
 from mtptrain.errors import MtptrainError
 
@@ -128,11 +129,6 @@ class PrecomputeConfig(_Section):
     )
     max_batch_size: int = Field(64, ge=1, description="Upper bound on sequences per forward batch.")
     shard_mb: float = Field(256.0, gt=0, description="Target shard size in MiB.")
-    wandb: Literal["auto", "offline", "online", "disabled"] = Field(
-        "auto", description="auto = online when W&B credentials are configured, offline otherwise, and offline "
-        "with one warning when the online start fails (bad key, no network; it waits at most WANDB_INIT_TIMEOUT "
-        "seconds, 20 by default). online = that failure stops the command with an error.")
-    wandb_project: str = Field("mtptrain", description="W&B project.")
     write_queue: int = Field(
         2, ge=1, description="Batches waiting to be written while the next ones compute."
     )
@@ -203,11 +199,6 @@ class TrainConfig(_Section):
         "loaded whole instead). frozen = the frozen parts training reads (embedding, final norm, LM head), the "
         "tokenizer and the architecture only; the head then records the store's fingerprint unchecked, and says "
         "so in its config (target_checked).")
-    wandb: Literal["auto", "offline", "online", "disabled"] = Field(
-        "auto", description="auto = online when W&B credentials are configured, offline otherwise, and offline "
-        "with one warning when the online start fails (bad key, no network; it waits at most WANDB_INIT_TIMEOUT "
-        "seconds, 20 by default). online = that failure stops the command with an error.")
-    wandb_project: str = Field("mtptrain", description="W&B project.")
 
     @field_validator("zero_stage")
     @classmethod
@@ -218,6 +209,59 @@ class TrainConfig(_Section):
         if value not in (0, 1, 2):
             raise ValueError("ZeRO stage must be 0, 1 or 2")
         return value
+
+
+def _distinct_positive(value: list[int]) -> list[int]:
+    if not value or any(v < 1 for v in value):
+        raise ValueError("needs at least one value, each >= 1")
+    return sorted(set(value))
+
+
+# A swept list of sizes: each size is measured once, in increasing order.
+DistinctPositive = Annotated[list[int], AfterValidator(_distinct_positive)]
+
+
+class TreeConfig(_Section):
+    """The tree method: EAGLE-2 trees drafted by an eagle/eagle3 head."""
+    branch: int = Field(4, ge=1, description="Children per expanded node, and nodes expanded per level.")
+    depth: int = Field(5, ge=1, description="Levels drafted.")
+    budgets: DistinctPositive = Field([8, 16, 32], description="Node budgets swept (tokens the target verifies).")
+
+
+class NgramConfig(_Section):
+    """The ngram method: prompt lookup, drafting what followed an earlier occurrence of the last n tokens."""
+    min: int = Field(1, ge=1, description="Shortest suffix matched.")
+    max: int = Field(3, ge=1, description="Longest suffix matched.")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> NgramConfig:
+        if self.min > self.max:
+            raise ValueError(f"min ({self.min}) is above max ({self.max}): the shortest suffix matched cannot be "
+                             "longer than the longest")
+        return self
+
+
+class DraftConfig(_Section):
+    """The draft and ssd-draft methods' draft model; they need exactly one of the two."""
+    model: str | None = Field(None, description="A causal LM with the target's tokenizer (hub id, dir).")
+    layers: int | None = Field(None, ge=1, description="Use the target cut to its first N layers.")
+
+
+class SSDConfig(_Section):
+    """The ssd and ssd-draft methods: speculative speculative decoding."""
+    budget: int = Field(8, ge=0, description="Continuations pre-drafted per verification, spread over the "
+                        "outcomes (drafts accepted, next token) by the measured acceptance rates.")
+    factor: float = Field(1.0, gt=0, le=1, description="Saguaro's C. When sampling, the drafter's top tokens are "
+                          "scaled by C, which steers a rejection's token onto the guessed ones (1 = plain sampling; "
+                          "no effect at temperature 0).")
+    fallback: Literal["draft", "ngram"] = Field(
+        "draft", description="On a cache miss, draft afresh, or take a prompt-lookup draft first when there is one "
+        "(no drafter latency).")
+    threads: int = Field(1, ge=1, description="On CPU: the drafter process's threads; the target keeps the rest of "
+                         "this process's threads while ssd runs.")
+    device: str = Field("auto", description="The drafter's device. auto = the second GPU when the target is on a "
+                        "GPU and there is one (one GPU: shared with the target, so the overlap is only what the GPU "
+                        "interleaves), cpu otherwise.")
 
 
 class EvalConfig(_Truncation):
@@ -233,33 +277,17 @@ class EvalConfig(_Truncation):
         ["ngram", "suffix", "chain", "tree"],
         description="Drafting methods, each measured against the autoregressive baseline: ngram (prompt lookup), "
         "suffix (index over past outputs), chain (the head, drafting K tokens), tree (EAGLE-2 trees from an "
-        "eagle/eagle3 head), draft (a draft model: eval.draft_model or eval.draft_layers), ssd (speculative "
+        "eagle/eagle3 head), draft (a draft model: eval.draft.model or eval.draft.layers), ssd (speculative "
         "speculative decoding: the eagle/eagle3 head drafts in its own process, or on its own GPU, and pre-drafts "
         "for the likely verification outcomes while the target verifies), ssd-draft (the same with the draft "
         "model).")
-    k: list[int] = Field([1, 2, 3, 4, 5], description="Draft lengths K swept for chain-style methods.")
+    k: DistinctPositive = Field([1, 2, 3, 4, 5], description="Draft lengths K swept for chain-style methods.")
     head: str | None = Field(None, description="Trained head directory (default: <train.output_dir>/head; on the "
                              "embedded default, the head shipped in pretrained/ until one is trained).")
-    tree_branch: int = Field(4, ge=1, description="tree: children per expanded node, and nodes expanded per level.")
-    tree_depth: int = Field(5, ge=1, description="tree: levels drafted.")
-    tree_budgets: list[int] = Field([8, 16, 32], description="tree: node budgets swept (tokens the target verifies).")
-    ngram_min: int = Field(1, ge=1, description="ngram: shortest suffix matched.")
-    ngram_max: int = Field(3, ge=1, description="ngram: longest suffix matched.")
-    draft_model: str | None = Field(None, description="draft: a causal LM with the target's tokenizer (hub id, dir).")
-    draft_layers: int | None = Field(None, ge=1, description="draft: use the target cut to its first N layers.")
-    ssd_budget: int = Field(8, ge=0, description="ssd: continuations pre-drafted per verification, spread over the "
-                            "outcomes (drafts accepted, next token) by the measured acceptance rates.")
-    ssd_factor: float = Field(1.0, gt=0, le=1, description="ssd: Saguaro's C. When sampling, the drafter's top "
-                              "tokens are scaled by C, which steers a rejection's token onto the guessed ones "
-                              "(1 = plain sampling; no effect at temperature 0).")
-    ssd_fallback: Literal["draft", "ngram"] = Field(
-        "draft", description="ssd: on a cache miss, draft afresh, or take a prompt-lookup draft first when there is "
-        "one (no drafter latency).")
-    ssd_threads: int = Field(1, ge=1, description="ssd on CPU: the drafter process's threads; the target keeps the "
-                             "rest of this process's threads while ssd runs.")
-    ssd_device: str = Field("auto", description="ssd: the drafter's device. auto = the second GPU when the target "
-                            "is on a GPU and there is one (one GPU: shared with the target, so the overlap is only "
-                            "what the GPU interleaves), cpu otherwise.")
+    tree: TreeConfig = TreeConfig()
+    ngram: NgramConfig = NgramConfig()
+    draft: DraftConfig = DraftConfig()
+    ssd: SSDConfig = SSDConfig()
     repeats: int = Field(3, ge=1, description="Times every configuration generates every request, in an order "
                          "that changes from one repeat to the next; tokens/s and speedup are the medians over the "
                          "repeats, reported with their spread (tau, acceptance and the exactness checks come from "
@@ -275,18 +303,6 @@ class EvalConfig(_Truncation):
         "skinny", description="On CPU, compute short (verification) inputs of linear layers as W @ x.T, which is "
         "2-3x faster there than torch's stock GEMM path (see mtptrain/engine/cpu_matmul.py); stock = torch's path.")
     output_dir: str = Field("runs/quickstart/eval", description="Where results.json, report.md and plots go.")
-    wandb: Literal["auto", "offline", "online", "disabled"] = Field(
-        "auto", description="auto = online when W&B credentials are configured, offline otherwise, and offline "
-        "with one warning when the online start fails (bad key, no network; it waits at most WANDB_INIT_TIMEOUT "
-        "seconds, 20 by default). online = that failure stops the command with an error.")
-    wandb_project: str = Field("mtptrain", description="W&B project.")
-
-    @field_validator("k", "tree_budgets")
-    @classmethod
-    def _positive(cls, value: list[int]) -> list[int]:
-        if not value or any(v < 1 for v in value):
-            raise ValueError("needs at least one value, each >= 1")
-        return sorted(set(value))
 
 
 class ExportConfig(_Section):
@@ -361,11 +377,21 @@ class SlurmConfig(_Section):
     eval: SlurmEval = SlurmEval()
 
 
-class Recipe(_Section):
-    name: str = Field("run", description="Run name, used in logs and output metadata.")
-    wandb_group: str | None = Field(
+class TrackingConfig(_Section):
+    """W&B logging, shared by precompute, train and eval (the jobs of one run's group)."""
+    wandb: Literal["auto", "offline", "online", "disabled"] = Field(
+        "auto", description="auto = online when W&B credentials are configured, offline otherwise, and offline "
+        "with one warning when the online start fails (bad key, no network; it waits at most WANDB_INIT_TIMEOUT "
+        "seconds, 20 by default). online = that failure stops the command with an error.")
+    project: str = Field("mtptrain", description="W&B project.")
+    group: str | None = Field(
         None, description="W&B group of this run's precompute, train and eval jobs; None = the name. `mtptrain "
         "pipeline` and `mtptrain slurm pipeline` set <name>-<date-time> when it is unset (one group per run).")
+
+
+class Recipe(_Section):
+    name: str = Field("run", description="Run name, used in logs and output metadata.")
+    tracking: TrackingConfig = TrackingConfig()
     target: TargetConfig = TargetConfig()
     data: DataConfig = DataConfig()
     regenerate: RegenerateConfig = RegenerateConfig()
@@ -461,16 +487,45 @@ def _override_of(loc: tuple[str, ...], overrides: dict[tuple[str, ...], str]) ->
 
 
 def _closest_key(loc: tuple[Any, ...]) -> str | None:
-    model: type[BaseModel] = Recipe
-    prefix: list[str] = []
-    for part in loc[:-1]:
-        field = model.model_fields.get(str(part))
-        if field is None or not isinstance(field.annotation, type) or not issubclass(field.annotation, BaseModel):
-            return None
-        model = field.annotation
-        prefix.append(str(part))
-    match = difflib.get_close_matches(str(loc[-1]), list(model.model_fields), n=1, cutoff=0.5)
-    return ".".join(prefix + match) if match else None
+    """The valid key an unknown one most likely meant, first found of: a flat `<section>_<field>` written for the
+    nested `<section>.<field>` (eval.tree_budgets -> eval.tree.budgets); a near-identical spelling in its own
+    section; the same name where another section holds it (a moved key: train.wandb -> tracking.wandb); a flat
+    `<field>_<name>` whose `<field>` moved with `<name>` into one section (wandb_project -> tracking.project);
+    a looser spelling in its own section."""
+    sections = dict(_sections(Recipe, ()))
+    prefix, name = tuple(str(p) for p in loc[:-1]), str(loc[-1])
+    model = sections.get(prefix)
+    if model is None:
+        return None
+
+    def spelled(cutoff: float) -> str | None:
+        match = difflib.get_close_matches(name, list(model.model_fields), n=1, cutoff=cutoff)
+        return ".".join([*prefix, *match]) if match else None
+
+    splits = [(name[:i], name[i + 1:]) for i, char in enumerate(name) if char == "_"]
+    for section, rest in splits:
+        nested = sections.get((*prefix, section))
+        match = nested and difflib.get_close_matches(rest, list(nested.model_fields), n=1, cutoff=0.6)
+        if match:
+            return ".".join([*prefix, section, *match])
+    if close := spelled(0.8):
+        return close
+    for path, other in sections.items():
+        if name in other.model_fields:
+            return ".".join([*path, name])
+    for path, other in sections.items():
+        for field, rest in splits:
+            if field in other.model_fields and rest in other.model_fields:
+                return ".".join([*path, rest])
+    return spelled(0.5)
+
+
+def _sections(model: type[BaseModel], path: tuple[str, ...]):
+    """(key path, model) of `model` and of every section under it, in the order the recipe lists them."""
+    yield path, model
+    for name, field in model.model_fields.items():
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            yield from _sections(field.annotation, (*path, name))
 
 
 def dump_recipe(recipe: Recipe, path: str | Path) -> None:

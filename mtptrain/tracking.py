@@ -7,8 +7,9 @@ An online start waits at most WANDB_INIT_TIMEOUT seconds (20 by default, not
 wandb's 90). When it fails (a malformed or rejected key, no network), auto
 logs one warning and runs offline; an explicit online stops with TrackingError.
 Only the resolved recipe goes into a run's config: no environment, no keys.
-The group is recipe.wandb_group, or the recipe's name; `mtptrain pipeline` and
-`mtptrain slurm pipeline` set a fresh <name>-<date-time> when it is unset.
+The settings are the recipe's `tracking` section. The group is tracking.group,
+or the recipe's name; `mtptrain pipeline` and `mtptrain slurm pipeline` set a
+fresh <name>-<date-time> when it is unset.
 """
 
 from __future__ import annotations
@@ -49,12 +50,12 @@ def wandb_mode(requested: str) -> str:
 
 
 def wandb_group(recipe: Recipe) -> str:
-    return recipe.wandb_group or recipe.name
+    return recipe.tracking.group or recipe.name
 
 
 def pipeline_group(recipe: Recipe) -> str:
     """The group a new pipeline run gets when the recipe names none: its name and the time it starts."""
-    return recipe.wandb_group or f"{recipe.name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    return recipe.tracking.group or f"{recipe.name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
 
 
 def init_timeout() -> float:
@@ -73,12 +74,12 @@ def init_timeout() -> float:
     return value
 
 
-def init_run(recipe: Recipe, job_type: str, mode: str, project: str, directory: Path, resume_id: str | None = None):
-    """A W&B run of `job_type` in the recipe's group, or None when W&B is disabled.
+def init_run(recipe: Recipe, job_type: str, mode: str, directory: Path, resume_id: str | None = None):
+    """A W&B run of `job_type` (the stage) in the recipe's project and group, or None when W&B is disabled.
 
-    `job_type` is the stage, whose recipe section holds the `wandb` setting named in messages. A failed online
-    start falls back to an offline run when `mode` is auto (with one warning), and raises TrackingError when
-    online was asked for, in the recipe or by WANDB_MODE.
+    `mode` is tracking.wandb, or what the command line put in its place (--no-wandb). A failed online start falls
+    back to an offline run when `mode` is auto (with one warning), and raises TrackingError when online was asked
+    for, in the recipe or by WANDB_MODE.
     """
     requested, mode = mode, wandb_mode(mode)
     if mode == "disabled":
@@ -89,9 +90,9 @@ def init_run(recipe: Recipe, job_type: str, mode: str, project: str, directory: 
     Path(directory).mkdir(parents=True, exist_ok=True)
 
     def start(run_mode: str):
-        return wandb.init(project=project, name=f"{recipe.name}-{job_type}", group=wandb_group(recipe),
-                          job_type=job_type, config=recipe.model_dump(mode="json"), dir=str(directory),
-                          mode=run_mode, id=resume_id, resume="allow" if resume_id else None,
+        return wandb.init(project=recipe.tracking.project, name=f"{recipe.name}-{job_type}",
+                          group=wandb_group(recipe), job_type=job_type, config=recipe.model_dump(mode="json"),
+                          dir=str(directory), mode=run_mode, id=resume_id, resume="allow" if resume_id else None,
                           settings=wandb.Settings(silent=True, console="off", init_timeout=timeout))
 
     if mode != "online":
@@ -101,7 +102,7 @@ def init_run(recipe: Recipe, job_type: str, mode: str, project: str, directory: 
     except Exception as exc:  # wandb raises several types (AuthenticationError, CommError, UsageError, ...)
         reason = _reason(exc)
     _reset_wandb(wandb)
-    setting = f"{job_type}.wandb"
+    setting = "tracking.wandb"
     if requested == "online" or os.environ.get("WANDB_MODE") == "online":
         change = (f"set {setting}=offline (then `wandb sync` uploads) or {setting}=disabled, or pass --no-wandb"
                   if requested == "online" else

@@ -111,3 +111,48 @@ def test_an_error_in_the_recipe_file_is_still_blamed_on_the_file(tmp_path):
     with pytest.raises(RecipeError) as err:
         load_recipe(path, ["data.max_length=20"])
     assert f"{path}: invalid recipe" in str(err.value) and "--set" not in str(err.value)
+
+
+def test_eval_method_settings_are_nested_sections_set_by_their_dotted_path():
+    recipe = load_recipe(None, ["eval.tree.budgets=[16,4,8,4]", "eval.tree.depth=3", "eval.tree.branch=2",
+                                "eval.ngram.min=2", "eval.ngram.max=4", "eval.draft.layers=6",
+                                "eval.ssd.budget=16", "eval.ssd.factor=0.5", "eval.ssd.fallback=ngram",
+                                "eval.ssd.threads=2", "eval.ssd.device=cuda:1"])
+    ev = recipe.eval
+    assert ev.tree.budgets == [4, 8, 16]  # sorted, each budget once
+    assert (ev.tree.depth, ev.tree.branch, ev.ngram.min, ev.ngram.max) == (3, 2, 2, 4)
+    assert (ev.draft.model, ev.draft.layers) == (None, 6)
+    assert (ev.ssd.budget, ev.ssd.factor, ev.ssd.fallback, ev.ssd.threads, ev.ssd.device) == (16, 0.5, "ngram", 2,
+                                                                                              "cuda:1")
+    with pytest.raises(RecipeError, match="eval.tree.budgets"):
+        load_recipe(None, ["eval.tree.budgets=[0]"])
+
+
+@pytest.mark.parametrize("flat, nested", [("eval.tree_budgets=[4]", "eval.tree.budgets"),
+                                          ("eval.ngram_min=2", "eval.ngram.min"),
+                                          ("eval.draft_layers=2", "eval.draft.layers"),
+                                          ("eval.ssd_budget=4", "eval.ssd.budget")])
+def test_an_old_flat_eval_key_is_refused_with_its_nested_path(flat, nested):
+    with pytest.raises(RecipeError) as err:
+        load_recipe(None, [flat])
+    key = flat.split("=")[0]
+    assert f"unknown key '{key}' (from --set {flat}) (did you mean '{nested}'?)" in str(err.value)
+
+
+def test_ngram_min_above_max_is_refused_when_the_recipe_is_validated():
+    assert load_recipe(None, ["eval.ngram.min=3", "eval.ngram.max=3"]).eval.ngram.min == 3
+    with pytest.raises(RecipeError) as err:
+        load_recipe(None, ["eval.ngram.min=4", "eval.ngram.max=3"])
+    assert "eval.ngram:" in str(err.value) and "min (4) is above max (3)" in str(err.value)
+
+
+def test_one_tracking_section_holds_the_wandb_settings_of_every_stage():
+    recipe = load_recipe(None, ["tracking.wandb=offline", "tracking.project=p", "tracking.group=g"])
+    assert (recipe.tracking.wandb, recipe.tracking.project, recipe.tracking.group) == ("offline", "p", "g")
+    for stage in ("precompute", "train", "eval"):
+        with pytest.raises(RecipeError, match=rf"unknown key '{stage}.wandb'.*did you mean 'tracking.wandb'"):
+            load_recipe(None, [f"{stage}.wandb=offline"])
+        with pytest.raises(RecipeError, match=rf"unknown key '{stage}.wandb_project'.*did you mean 'tracking.project'"):
+            load_recipe(None, [f"{stage}.wandb_project=p"])
+    with pytest.raises(RecipeError, match=r"unknown key 'wandb_group'.*did you mean 'tracking.group'"):
+        load_recipe(None, ["wandb_group=g"])

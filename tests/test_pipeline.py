@@ -28,7 +28,7 @@ def test_pipeline_runs_every_stage_and_resumes_without_redoing_them(varied_targe
             "train.micro_batch_size=4", "train.num_workers=0", "head.kind=eagle3", "head.ttt_steps=2",
             "head.draft_vocab_size=64", f"eval.prompts={prompts}", "eval.methods=[chain]", "eval.k=[2]",
             "eval.max_new_tokens=12", "eval.repeats=1", f"eval.output_dir={run / 'eval'}"]
-    sets += ["precompute.wandb=offline", "train.wandb=offline", "eval.wandb=offline"]
+    sets += ["tracking.wandb=offline"]
     cmd = [sys.executable, "-m", "mtptrain.cli", "pipeline", "--no-progress",
            *[a for s in sets for a in ("--set", s)]]
     env = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS and not k.startswith("SLURM_")}

@@ -145,10 +145,8 @@ def build_configs(recipe: Recipe, target, sampling: Sampling) -> tuple[list[Conf
     seed = ev.seed + 7919  # the drafters' own stream, apart from the engine's
     for method in ev.methods:
         if method == "ngram":
-            if ev.ngram_min > ev.ngram_max:
-                raise EvalError(f"eval.ngram_min ({ev.ngram_min}) is above eval.ngram_max ({ev.ngram_max})")
             for k in ev.k:
-                configs.append(Config(f"ngram K={k}", "ngram", k, make=lambda: NgramProposer(ev.ngram_min, ev.ngram_max)))
+                configs.append(Config(f"ngram K={k}", "ngram", k, make=lambda: NgramProposer(ev.ngram.min, ev.ngram.max)))
         elif method == "suffix":
             for k in ev.k:
                 configs.append(Config(f"suffix K={k}", "suffix", k, make=SuffixIndexProposer))
@@ -166,9 +164,9 @@ def build_configs(recipe: Recipe, target, sampling: Sampling) -> tuple[list[Conf
                 continue
             from mtptrain.engine.head_tree import HeadTreeProposer
 
-            for budget in ev.tree_budgets:
-                make = lambda b=budget: HeadTreeProposer(head, spec, ev.tree_branch, ev.tree_depth, b, sampling, seed)  # noqa: E731
-                configs.append(Config(f"tree N={budget}", "tree", ev.tree_depth, budget, make, uses_head=True))
+            for budget in ev.tree.budgets:
+                make = lambda b=budget: HeadTreeProposer(head, spec, ev.tree.branch, ev.tree.depth, b, sampling, seed)  # noqa: E731
+                configs.append(Config(f"tree N={budget}", "tree", ev.tree.depth, budget, make, uses_head=True))
         elif method in ("ssd", "ssd-draft"):
             configs.extend(_ssd_configs(method, recipe, target, spec, head_info, sampling, seed, notes))
         elif method == "draft":
@@ -187,7 +185,7 @@ def _ssd_configs(method, recipe, target, spec, head_info, sampling, seed, notes)
     from mtptrain.eval.drafters import draft_lm, head_parts
 
     ev = recipe.eval
-    device = ssd_device(ev.ssd_device, target.device)
+    device = ssd_device(ev.ssd.device, target.device)
     if method == "ssd":
         if spec.kind == "mtp":
             notes.append("ssd: an MTP head drafts all its depths from one target state, so there is nothing to "
@@ -197,22 +195,22 @@ def _ssd_configs(method, recipe, target, spec, head_info, sampling, seed, notes)
         layers = spec.feature_layers if spec.kind == "eagle3" else [spec.last_layer]
     else:
         _check_draft_choice(ev)
-        if ev.draft_model is not None:
+        if ev.draft.model is not None:
             _check_draft_tokenizer(recipe, target)
-        make_drafter = functools.partial(draft_lm, recipe.target, ev.draft_model, ev.draft_layers, device)
+        make_drafter = functools.partial(draft_lm, recipe.target, ev.draft.model, ev.draft.layers, device)
         layers = None
-    threads = max(1, torch.get_num_threads() - ev.ssd_threads) if target.device.type == "cpu" else None
+    threads = max(1, torch.get_num_threads() - ev.ssd.threads) if target.device.type == "cpu" else None
     configs = []
     for k in ev.k:
-        settings = SSDSettings(k=k, budget=ev.ssd_budget, factor=ev.ssd_factor, fallback=ev.ssd_fallback,
-                               threads=ev.ssd_threads, sampling=sampling, seed=seed)
+        settings = SSDSettings(k=k, budget=ev.ssd.budget, factor=ev.ssd.factor, fallback=ev.ssd.fallback,
+                               threads=ev.ssd.threads, sampling=sampling, seed=seed)
         configs.append(Config(f"{method} K={k}", method, k, make=lambda s=settings: SSDProposer(
             make_drafter, s, layers, target.device), uses_head=method == "ssd", threads=threads, keeps_proposer=True))
     return configs
 
 
 def ssd_device(choice: str, target_device: torch.device) -> str:
-    """The SSD drafter's device: eval.ssd_device, or (auto) a GPU other than the target's when there is one."""
+    """The SSD drafter's device: eval.ssd.device, or (auto) a GPU other than the target's when there is one."""
     if choice != "auto":
         return choice
     if target_device.type != "cuda":
@@ -255,10 +253,10 @@ def _draft_model(recipe: Recipe, target):
 
     _check_draft_choice(recipe.eval)
     ev = recipe.eval
-    if ev.draft_layers is not None:
-        return truncated_target(target.model, ev.draft_layers)
+    if ev.draft.layers is not None:
+        return truncated_target(target.model, ev.draft.layers)
     _check_draft_tokenizer(recipe, target)
-    cfg = recipe.target.model_copy(update={"model": ev.draft_model, "gguf_file": None, "revision": None})
+    cfg = recipe.target.model_copy(update={"model": ev.draft.model, "gguf_file": None, "revision": None})
     return load_target(TargetConfig(**cfg.model_dump())).model
 
 
@@ -266,16 +264,16 @@ def _check_draft_tokenizer(recipe: Recipe, target) -> None:
     from mtptrain.target import load_tokenizer
 
     ev = recipe.eval
-    cfg = recipe.target.model_copy(update={"model": ev.draft_model, "gguf_file": None, "revision": None})
+    cfg = recipe.target.model_copy(update={"model": ev.draft.model, "gguf_file": None, "revision": None})
     if load_tokenizer(cfg).get_vocab() != target.tokenizer.get_vocab():
-        raise EvalError(f"eval.draft_model {ev.draft_model} has another tokenizer than the target: a draft model must "
+        raise EvalError(f"eval.draft.model {ev.draft.model} has another tokenizer than the target: a draft model must "
                         "share the target's vocabulary token for token")
 
 
 def _check_draft_choice(ev) -> None:
-    if (ev.draft_model is None) == (ev.draft_layers is None):
-        raise EvalError("eval.methods has 'draft' or 'ssd-draft': set exactly one of eval.draft_model (a causal LM "
-                        "with the target's tokenizer) or eval.draft_layers (the target cut to its first N layers)")
+    if (ev.draft.model is None) == (ev.draft.layers is None):
+        raise EvalError("eval.methods has 'draft' or 'ssd-draft': set exactly one of eval.draft.model (a causal LM "
+                        "with the target's tokenizer) or eval.draft.layers (the target cut to its first N layers)")
 
 
 @torch.inference_mode()
@@ -333,7 +331,7 @@ def run_eval(recipe: Recipe, wandb: str | None = None, show_progress: bool = Tru
         "settings": {"prompts": ev.prompts, "prompt_count": len(prompts), "requests": len(requests),
                      "max_new_tokens": ev.max_new_tokens, "temperature": ev.temperature, "top_k": ev.top_k,
                      "top_p": ev.top_p, "seed": ev.seed, "near_tie": ev.near_tie,
-                     "tree": {"branch": ev.tree_branch, "depth": ev.tree_depth}, "repeats": ev.repeats,
+                     "tree": {"branch": ev.tree.branch, "depth": ev.tree.depth}, "repeats": ev.repeats,
                      "max_spread": ev.max_spread, "max_other_load": ev.max_other_load},
         "machine": _machine(target, skinny, *measured),
         "notes": notes,
@@ -547,7 +545,7 @@ def _log_wandb(recipe: Recipe, results: dict, out_dir: Path, requested: str | No
     every method), the plots, and tau and speedup per method in the summary."""
     from mtptrain.tracking import init_run
 
-    run = init_run(recipe, "eval", requested or recipe.eval.wandb, recipe.eval.wandb_project, out_dir)
+    run = init_run(recipe, "eval", requested or recipe.tracking.wandb, out_dir)
     if run is None:
         return
     import wandb

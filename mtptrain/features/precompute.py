@@ -64,7 +64,7 @@ def run_precompute(recipe: Recipe, show_progress: bool = True, wandb: str | None
         if grouped:
             destroy_process_group()
     if dist.is_main:
-        _log_wandb(recipe, summary, wandb or recipe.precompute.wandb)
+        _log_wandb(recipe, summary, wandb or recipe.tracking.wandb)
     return summary
 
 
@@ -72,7 +72,7 @@ def _log_wandb(recipe: Recipe, summary: dict, mode: str) -> None:
     """Rank 0's numbers (and the store's, once complete) as the precompute job of the run's W&B group."""
     from mtptrain.tracking import init_run
 
-    run = init_run(recipe, "precompute", mode, recipe.precompute.wandb_project, Path(recipe.precompute.output_dir))
+    run = init_run(recipe, "precompute", mode, Path(recipe.precompute.output_dir))
     if run is None:
         return
     flat = {k: v for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}

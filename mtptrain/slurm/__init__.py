@@ -101,7 +101,8 @@ def submit(recipe: Recipe, stage: str) -> list[tuple[str, str, Path]]:
     if stage == "pipeline":
         from mtptrain.tracking import pipeline_group
 
-        recipe = recipe.model_copy(update={"wandb_group": pipeline_group(recipe)})  # one W&B group for the run
+        tracking = recipe.tracking.model_copy(update={"group": pipeline_group(recipe)})  # one W&B group for the run
+        recipe = recipe.model_copy(update={"tracking": tracking})
     scripts = write_scripts(recipe, stages)
     submitted, previous = [], None
     for name in stages:

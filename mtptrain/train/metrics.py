@@ -21,7 +21,7 @@ class MetricsLog:
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.wandb_run = init_run(recipe, "train", mode, recipe.train.wandb_project, run_dir, resume_id)
+        self.wandb_run = init_run(recipe, "train", mode, run_dir, resume_id)
         if self.wandb_run is not None:
             log.info("W&B run %s in %s", self.wandb_run.id, self.wandb_run.dir)
 

@@ -115,10 +115,10 @@ def deepspeed_config(cfg: TrainConfig, steps: int, world_size: int, precision: s
 
 
 def run_fingerprint(recipe: Recipe, manifest: dict, world_size: int) -> str:
-    """What a checkpoint must share with the run resuming it (not logging or checkpoint cadence)."""
+    """What a checkpoint must share with the run resuming it (not logging or checkpoint cadence; W&B settings
+    live in the recipe's tracking section, which is not part of it)."""
     train = recipe.train.model_dump(exclude={"output_dir", "log_every", "eval_every", "checkpoint_every",
-                                              "wandb", "wandb_project", "num_workers", "head_dtype",
-                                              "head_snapshots", "target_check"})
+                                              "num_workers", "head_dtype", "head_snapshots", "target_check"})
     blob = json.dumps({"head": recipe.head.model_dump(mode="json"), "train": train, "store": manifest["plan_id"],
                        "world_size": world_size}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
@@ -151,7 +151,7 @@ def run_train(recipe: Recipe, wandb: str | None = None, show_progress: bool = Tr
         # DeepSpeed caches its process groups for the life of the process, so the group stays up
         # across runs in one process and is torn down at exit (ranks abort if it is left open).
         atexit.register(destroy_process_group)
-    return Trainer(recipe, dist, device, wandb or recipe.train.wandb, show_progress and dist.is_main).run()
+    return Trainer(recipe, dist, device, wandb or recipe.tracking.wandb, show_progress and dist.is_main).run()
 
 
 def _load_frozen_parts(recipe: Recipe, manifest: dict, dist: DistInfo) -> Target:

@@ -34,8 +34,8 @@ def write_prompts(path: Path, n: int = 3) -> Path:
 
 def eval_args(target_dir, head, prompts, out, *overrides):
     settings = [f"target.model={target_dir}", f"eval.head={head}", f"eval.prompts={prompts}", f"eval.output_dir={out}",
-                "eval.max_new_tokens=20", "eval.k=[1,3]", "eval.tree_budgets=[4,8]", "eval.tree_depth=3",
-                "eval.tree_branch=2", "eval.repeats=1", *overrides]  # repeated timings: test_repeats.py
+                "eval.max_new_tokens=20", "eval.k=[1,3]", "eval.tree.budgets=[4,8]", "eval.tree.depth=3",
+                "eval.tree.branch=2", "eval.repeats=1", *overrides]  # repeated timings: test_repeats.py
     return ["eval", "--no-progress", *[a for s in settings for a in ("--set", s)]]
 
 
@@ -48,7 +48,7 @@ def eagle3_head(tiny_target_dir, tmp_path_factory):
 def test_eval_measures_every_method_on_the_same_prompts_and_writes_the_report(tiny_target_dir, eagle3_head, tmp_path):
     out = tmp_path / "eval"
     args = eval_args(tiny_target_dir, eagle3_head, write_prompts(tmp_path / "p.jsonl"), out,
-                     "eval.methods=[ngram,suffix,chain,tree,draft]", "eval.draft_layers=2")
+                     "eval.methods=[ngram,suffix,chain,tree,draft]", "eval.draft.layers=2")
     result = CliRunner().invoke(app, [*args, "--no-wandb"])
     assert result.exit_code == 0, result.output
     results = json.loads((out / "results.json").read_text())
@@ -88,7 +88,7 @@ def test_eval_measures_ssd_with_the_head_and_with_a_draft_model(tiny_target_dir,
     count every round that followed another (warm-up excluded)."""
     out = tmp_path / "eval"
     args = eval_args(tiny_target_dir, eagle3_head, write_prompts(tmp_path / "p.jsonl", 2), out,
-                     "eval.methods=[chain,ssd,ssd-draft]", "eval.draft_layers=2", "eval.k=[3]", "eval.ssd_budget=4")
+                     "eval.methods=[chain,ssd,ssd-draft]", "eval.draft.layers=2", "eval.k=[3]", "eval.ssd.budget=4")
     result = CliRunner().invoke(app, [*args, "--no-wandb"])
     assert result.exit_code == 0, result.output
     results = json.loads((out / "results.json").read_text())
@@ -193,7 +193,7 @@ def test_eval_errors_name_the_missing_piece(tiny_target_dir, other_target_dir, e
     assert other.exit_code == 1 and "trained for target" in other.output
     draft = CliRunner().invoke(app, eval_args(tiny_target_dir, eagle3_head, prompts, tmp_path / "e",
                                               "eval.methods=[draft]"))
-    assert draft.exit_code == 1 and "eval.draft_layers" in draft.output
+    assert draft.exit_code == 1 and "eval.draft.layers" in draft.output
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"turns": ["fine"]}\n{"turns": []}\n')
     broken = CliRunner().invoke(app, eval_args(tiny_target_dir, eagle3_head, bad, tmp_path / "e"))

@@ -14,9 +14,9 @@ REFERENCE = "recipes/reference.yaml"
 # Sections of the recipe that decide the head's weights (output paths and export settings aside).
 TRAINING_SECTIONS = ("target", "data", "regenerate", "precompute", "head")
 # Recipe fields added after the shipped head was trained, none of which changes its weights.
-ADDED_SINCE = {"head": {"mtp_input"}, "precompute": {"wandb", "wandb_project"}, "target": {"gpus_per_rank"}}
+ADDED_SINCE = {"head": {"mtp_input"}, "target": {"gpus_per_rank"}}
 TRAIN_KEYS_IGNORED = {"features", "output_dir", "head_dtype", "head_snapshots", "log_every", "eval_every",
-                      "checkpoint_every", "wandb", "wandb_project", "target_check"}
+                      "checkpoint_every", "target_check"}
 
 
 def shipped_config() -> dict:
@@ -54,7 +54,7 @@ def test_eval_falls_back_to_the_shipped_head_only_on_the_embedded_default(tmp_pa
 def test_eval_on_the_embedded_default_measures_the_shipped_head(tmp_path):
     recipe = load_recipe(None, [f"train.output_dir={tmp_path / 'none'}", "eval.methods=[chain]", "eval.k=[3]",
                                 "eval.max_prompts=3", "eval.max_turns=1", "eval.max_new_tokens=48", "eval.repeats=1",
-                                f"eval.output_dir={tmp_path / 'eval'}", "eval.wandb=disabled"])
+                                f"eval.output_dir={tmp_path / 'eval'}", "tracking.wandb=disabled"])
     results = run_eval(recipe, show_progress=False)
     assert results["head"]["path"] == str(PRETRAINED_HEAD)
     chain = next(m for m in results["methods"] if m["method"] == "chain")

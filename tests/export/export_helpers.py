@@ -46,8 +46,8 @@ def identity(target_dir: Path) -> dict:
 
 def eval_args(target_dir, head, prompts, out, *overrides):
     settings = [f"target.model={target_dir}", f"eval.head={head}", f"eval.prompts={prompts}", f"eval.output_dir={out}",
-                "eval.max_new_tokens=24", "eval.k=[3]", "eval.tree_budgets=[6]", "eval.tree_depth=3",
-                "eval.tree_branch=2", "eval.repeats=1", *overrides]
+                "eval.max_new_tokens=24", "eval.k=[3]", "eval.tree.budgets=[6]", "eval.tree.depth=3",
+                "eval.tree.branch=2", "eval.repeats=1", *overrides]
     return ["eval", "--no-progress", *[a for s in settings for a in ("--set", s)]]
 
 

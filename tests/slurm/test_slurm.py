@@ -97,8 +97,8 @@ def test_the_pipeline_runs_chained_on_slurm_with_two_cpu_tasks(cluster, tmp_path
     overrides = [*CPU_JOBS, "name=slurm-pipeline", "data.max_conversations=24", "data.max_length=128",
                  f"precompute.output_dir={out / 'features'}", "precompute.shard_mb=2", f"train.features={out / 'features'}",
                  f"train.output_dir={out / 'train'}", "train.max_steps=3", "train.eval_every=3",
-                 "train.wandb=disabled", f"eval.output_dir={out / 'eval'}", "eval.max_prompts=1", "eval.max_turns=1",
-                 "eval.max_new_tokens=8", "eval.methods=[chain]", "eval.k=[2]", "eval.wandb=disabled"]
+                 "tracking.wandb=disabled", f"eval.output_dir={out / 'eval'}", "eval.max_prompts=1", "eval.max_turns=1",
+                 "eval.max_new_tokens=8", "eval.methods=[chain]", "eval.k=[2]"]
     jobs = submit(cluster, "pipeline", overrides, "recipes/quickstart.yaml")
     assert list(jobs) == ["precompute", "train", "eval"]
     assert cluster.job(jobs["train"])["Dependency"] == f"afterok:{jobs['precompute']}(unfulfilled)"
@@ -113,7 +113,7 @@ def test_the_pipeline_runs_chained_on_slurm_with_two_cpu_tasks(cluster, tmp_path
     results = json.loads((out / "eval" / "results.json").read_text())
     assert [m["label"] for m in results["methods"]] == ["baseline", "chain K=2"]
     rendered = load_recipe(out / "train" / "slurm" / "recipe.yaml")
-    assert rendered.wandb_group.startswith("slurm-pipeline-")  # one W&B group for the three jobs of this run
+    assert rendered.tracking.group.startswith("slurm-pipeline-")  # one W&B group for the three jobs of this run
 
 
 def test_a_warned_train_job_checkpoints_requeues_and_ends_as_an_uninterrupted_run(cluster, tiny_target_dir,
@@ -122,7 +122,7 @@ def test_a_warned_train_job_checkpoints_requeues_and_ends_as_an_uninterrupted_ru
         return [*CPU_JOBS, f"name={name}", f"target.model={tiny_target_dir}", f"train.features={tiny_store}",
                 f"train.output_dir={tmp_path / name}", "head.kind=eagle", "train.max_steps=150",
                 "train.micro_batch_size=2", "train.log_every=1", "train.eval_every=1000", "train.num_workers=0",
-                "train.checkpoint_every=1000", "train.wandb=disabled", "slurm.warning_seconds=60"]
+                "train.checkpoint_every=1000", "tracking.wandb=disabled", "slurm.warning_seconds=60"]
 
     clean = submit(cluster, "train", train_overrides("clean"))["train"]
     warned = submit(cluster, "train", train_overrides("warned"))["train"]

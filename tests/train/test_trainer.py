@@ -204,8 +204,8 @@ def test_the_offline_wandb_run_holds_the_logged_metrics(tiny_target_dir, tiny_st
 
     run_dir = tmp_path / "run"
     recipe = train_recipe(tiny_target_dir, tiny_store, run_dir, "head.kind=eagle3", "train.max_steps=10",
-                          "train.log_every=2", "train.eval_every=5", "train.wandb=offline", "name=wb",
-                          "wandb_group=wb-1", "export.format=speculators")
+                          "train.log_every=2", "train.eval_every=5", "tracking.wandb=offline", "name=wb",
+                          "tracking.group=wb-1", "export.format=speculators")
     summary = run_train(recipe, show_progress=False)
     (run_file,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
     run = read_offline_wandb_run(run_file)

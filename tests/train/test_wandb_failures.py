@@ -67,7 +67,7 @@ def test_a_malformed_key_under_auto_logs_offline_after_one_warning(wandb_env, mo
     recipe = _recipe(wandb_env)
     started = time.monotonic()
     with caplog.at_level(logging.WARNING):
-        run = init_run(recipe, "train", "auto", "p", wandb_env / "run")
+        run = init_run(recipe, "train", "auto", wandb_env / "run")
     elapsed = time.monotonic() - started
     try:
         assert run.offline
@@ -75,7 +75,7 @@ def test_a_malformed_key_under_auto_logs_offline_after_one_warning(wandb_env, mo
         (warning,) = _warnings(caplog)
         message = warning.getMessage()
         assert message.startswith(FALLBACK) and "AuthenticationError" in message and "\n" not in message
-        assert "train.wandb=offline" in message and "wandb sync" in message
+        assert "tracking.wandb=offline" in message and "wandb sync" in message
         assert list((wandb_env / "run" / "wandb").glob("offline-run-*"))
     finally:
         run.finish()
@@ -87,13 +87,13 @@ def test_an_unreachable_server_under_auto_logs_offline_within_the_wait(wandb_env
     recipe = _recipe(wandb_env)
     started = time.monotonic()
     with caplog.at_level(logging.WARNING):
-        run = init_run(recipe, "eval", "auto", "p", wandb_env / "run", resume_id)
+        run = init_run(recipe, "eval", "auto", wandb_env / "run", resume_id)
     elapsed = time.monotonic() - started
     try:
         assert run.offline
         assert elapsed < 15, elapsed  # WANDB_INIT_TIMEOUT=3, and the offline start
         (warning,) = _warnings(caplog)
-        assert warning.getMessage().startswith(FALLBACK) and "eval.wandb=offline" in warning.getMessage()
+        assert warning.getMessage().startswith(FALLBACK) and "tracking.wandb=offline" in warning.getMessage()
         (offline,) = (wandb_env / "run" / "wandb").glob("offline-run-*")
         if resume_id:
             assert offline.name.endswith(resume_id) and run.id == resume_id
@@ -105,10 +105,10 @@ def test_an_unreachable_server_under_auto_logs_offline_within_the_wait(wandb_env
 def test_explicit_online_with_an_unreachable_server_names_the_setting(wandb_env):
     started = time.monotonic()
     with pytest.raises(tracking.TrackingError) as caught:
-        init_run(_recipe(wandb_env), "precompute", "online", "p", wandb_env / "run")
+        init_run(_recipe(wandb_env), "precompute", "online", wandb_env / "run")
     assert time.monotonic() - started < 15
     message = str(caught.value)
-    assert "CommError" in message and "precompute.wandb=offline" in message and "WANDB_INIT_TIMEOUT" in message
+    assert "CommError" in message and "tracking.wandb=offline" in message and "WANDB_INIT_TIMEOUT" in message
     assert KEY not in message
 
 
@@ -116,16 +116,16 @@ def test_wandb_mode_online_in_the_environment_is_explicit_too(wandb_env, monkeyp
     """auto defers to WANDB_MODE; WANDB_MODE=online is the user asking for online, so it is not quietly dropped."""
     monkeypatch.setenv("WANDB_MODE", "online")
     with pytest.raises(tracking.TrackingError, match="WANDB_MODE"):
-        init_run(_recipe(wandb_env), "train", "auto", "p", wandb_env / "run")
+        init_run(_recipe(wandb_env), "train", "auto", wandb_env / "run")
 
 
 def test_the_init_wait_defaults_to_20_seconds_and_wandb_init_timeout_sets_it(wandb_env, monkeypatch):
     monkeypatch.delenv("WANDB_INIT_TIMEOUT")
-    run = init_run(_recipe(wandb_env), "train", "offline", "p", wandb_env / "a")
+    run = init_run(_recipe(wandb_env), "train", "offline", wandb_env / "a")
     run.finish()
     assert run.settings.init_timeout == 20
     monkeypatch.setenv("WANDB_INIT_TIMEOUT", "7.5")
-    run = init_run(_recipe(wandb_env), "train", "offline", "p", wandb_env / "b")
+    run = init_run(_recipe(wandb_env), "train", "offline", wandb_env / "b")
     run.finish()
     assert run.settings.init_timeout == 7.5
 
@@ -134,20 +134,20 @@ def test_the_init_wait_defaults_to_20_seconds_and_wandb_init_timeout_sets_it(wan
 def test_a_wait_that_is_not_a_positive_number_is_an_error_naming_it(wandb_env, monkeypatch, value):
     monkeypatch.setenv("WANDB_INIT_TIMEOUT", value)
     with pytest.raises(tracking.TrackingError, match=f"WANDB_INIT_TIMEOUT={value}"):
-        init_run(_recipe(wandb_env), "train", "offline", "p", wandb_env / "run")
+        init_run(_recipe(wandb_env), "train", "offline", wandb_env / "run")
 
 
 def test_train_with_explicit_online_and_no_server_exits_1_without_a_traceback(wandb_env, tiny_target_dir,
                                                                              tiny_store):
     recipe = train_recipe(tiny_target_dir, tiny_store, wandb_env / "run", "train.max_steps=2")
     started = time.monotonic()
-    done = subprocess.run(train_cmd(recipe, wandb_env / "r.yaml", "train.wandb=online"), cwd=REPO,
+    done = subprocess.run(train_cmd(recipe, wandb_env / "r.yaml", "tracking.wandb=online"), cwd=REPO,
                           capture_output=True, text=True, env=clean_env(), timeout=300)
     print(f"train with online W&B failed after {time.monotonic() - started:.1f}s")
     assert done.returncode == 1, done.stderr[-3000:]
     assert "Traceback" not in done.stderr + done.stdout
     (error,) = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
-    assert FALLBACK in error and "train.wandb=offline" in error and "CommError" in error
+    assert FALLBACK in error and "tracking.wandb=offline" in error and "CommError" in error
     assert _files_holding(wandb_env, KEY) == []
 
 
@@ -156,7 +156,7 @@ def test_train_under_auto_with_no_server_trains_offline_and_writes_no_key(wandb_
 
     recipe = train_recipe(tiny_target_dir, tiny_store, wandb_env / "run", "train.max_steps=2", "train.log_every=1")
     started = time.monotonic()
-    done = subprocess.run(train_cmd(recipe, wandb_env / "r.yaml", "train.wandb=auto"), cwd=REPO,
+    done = subprocess.run(train_cmd(recipe, wandb_env / "r.yaml", "tracking.wandb=auto"), cwd=REPO,
                           capture_output=True, text=True, env=clean_env(), timeout=300)
     print(f"train with auto W&B took {time.monotonic() - started:.1f}s")
     assert done.returncode == 0, done.stderr[-3000:]
