@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-import eval.run as run_module
+import mtptrain.eval.run as run_module
 from mtptrain.eval.report import markdown, methods_table, run_line
 from mtptrain.eval.report import format_results
 from mtptrain.eval.run import exactness_failures, flag_unreliable, run_order, timing_summary
