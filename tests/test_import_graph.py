@@ -146,3 +146,12 @@ def test_imports_go_down_the_layers_the_architecture_doc_shows():
               for a, targets in graph.items() for b in targets
               if b != "mtptrain" and layer_of(b, layers, graph) > layer_of(a, layers, graph)]
     assert not upward, "\n".join(upward)
+
+
+def test_the_distribution_installs_one_top_level_package():
+    """What `pip install .` installs: the packages setuptools resolves from pyproject.toml, all under mtptrain."""
+    from setuptools.config.pyprojecttoml import read_configuration
+
+    packages = read_configuration(PACKAGE.parent / "pyproject.toml")["tool"]["setuptools"]["packages"]
+    assert {p.split(".")[0] for p in packages} == {"mtptrain"}, packages
+    assert {"mtptrain.data", "mtptrain.eval", "mtptrain.export.formats", "mtptrain.engine.ssd"} <= set(packages)
