@@ -16,6 +16,7 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationEr
                       model_validator)
 
 from mtptrain.errors import MtptrainError
+from mtptrain.io import atomic_write_text
 
 EMBEDDED_TARGET = "embedded:smollm2-135m-instruct"
 EMBEDDED_DATA = "embedded:sharegpt"
@@ -530,6 +531,4 @@ def _sections(model: type[BaseModel], path: tuple[str, ...]):
 
 def dump_recipe(recipe: Recipe, path: str | Path) -> None:
     """Write the fully resolved recipe (every default spelled out) next to an output."""
-    from mtptrain.io import atomic_write_text
-
     atomic_write_text(Path(path), yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))

@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 # Extensions that change which CPU kernels torch can use, as /proc/cpuinfo spells them (x86 "flags", ARM
 # "Features"; ARM calls NEON asimd).
 EXTENSIONS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8",
@@ -25,8 +27,6 @@ PROC = Path("/proc")
 def describe_cpu(proc: Path = PROC) -> dict:
     """The CPU's model name, torch's kernel level for it, the extensions of EXTENSIONS it has (None where
     /proc/cpuinfo cannot say) and its logical core count."""
-    import torch
-
     fields = _first_processor(proc / "cpuinfo")
     flags = fields.get("flags", fields.get("features"))
     return {

@@ -34,6 +34,8 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from huggingface_hub import constants
+from safetensors import safe_open
 from torch import nn
 
 from mtptrain.config import EMBEDDED_TARGET, TargetConfig
@@ -41,6 +43,10 @@ from mtptrain.dist import DistInfo, pick_device
 from mtptrain.embedded import wheel_file
 from mtptrain.errors import MtptrainError
 from mtptrain.io import contained, tmp_name
+
+# transformers (~0.7 s to import) and huggingface_hub's download client (~0.1 s) are imported inside the
+# functions that read a model, tokenizer or config: every stage imports this module, and a command's checks of
+# its inputs (a missing feature store, prompt file or export) then answer before paying for them.
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +145,7 @@ def resolve_local_dir(cfg: TargetConfig) -> tuple[str, str]:
         cached = hub_source(cfg.model, cfg.revision, cfg.gguf_file)
         if cached != cfg.model:
             return str(converted_gguf_dir(Path(cached) / cfg.gguf_file)), cfg.gguf_file
-        from huggingface_hub import hf_hub_download
+        from huggingface_hub import hf_hub_download  # lazy: see the note after the imports
 
         try:
             local = hf_hub_download(cfg.model, cfg.gguf_file, revision=cfg.revision)
@@ -181,8 +187,6 @@ def _could_be_hub_id(name: str) -> bool:
 
 
 def _hub_endpoint() -> str:
-    from huggingface_hub import constants
-
     return constants.ENDPOINT
 
 
@@ -199,7 +203,7 @@ def _reachable(endpoint: str, timeout: float = 3.0) -> bool:
 
 def _cached_snapshot(model: str, revision: str | None, marker: str) -> str | None:
     """The snapshot directory holding `model`'s file `marker` in the hub cache (HF_HUB_CACHE, read now), or None."""
-    from huggingface_hub import constants, try_to_load_from_cache
+    from huggingface_hub import try_to_load_from_cache  # lazy: see the note after the imports
 
     cache = os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE
     found = try_to_load_from_cache(model, marker, cache_dir=cache, revision=revision)
@@ -233,6 +237,7 @@ def converted_gguf_dir(gguf_path: Path) -> Path:
 
 
 def _convert_gguf(gguf_path: Path, out: Path) -> None:
+    # lazy: see the note after the imports
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     directory, filename = str(gguf_path.parent), gguf_path.name
@@ -271,7 +276,7 @@ def pick_attention(requested: str, device: torch.device) -> str:
 
 
 def load_tokenizer(cfg: TargetConfig):
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # lazy: see the note after the imports
 
     source, _ = resolve_local_dir(cfg)
     try:
@@ -282,7 +287,7 @@ def load_tokenizer(cfg: TargetConfig):
 
 def load_target(cfg: TargetConfig, dist: DistInfo | None = None) -> Target:
     """The whole target on this rank's device, or split over its `target.gpus_per_rank` GPUs."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # lazy: see the note after the imports
 
     dist = dist or DistInfo()
     source, name = resolve_local_dir(cfg)
@@ -347,7 +352,7 @@ def load_frozen_target(cfg: TargetConfig, dist: DistInfo | None = None) -> Targe
 
 
 def load_config(cfg: TargetConfig, source: str | None = None):
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # lazy: see the note after the imports
 
     source = source or resolve_local_dir(cfg)[0]
     try:
@@ -358,7 +363,7 @@ def load_config(cfg: TargetConfig, source: str | None = None):
 
 def _skeleton(config, dtype: torch.dtype, cfg: TargetConfig) -> nn.Module:
     """The model with every weight on the meta device: shapes and module tree, no memory."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # lazy: see the note after the imports
 
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
@@ -425,6 +430,7 @@ def _checkpoint_file(source: str, filename: str, cfg: TargetConfig) -> Path | No
     if Path(source).is_dir():
         path = Path(source) / filename
         return path if path.is_file() else None
+    # lazy: see the note after the imports
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import EntryNotFoundError
 
@@ -438,8 +444,6 @@ def _checkpoint_file(source: str, filename: str, cfg: TargetConfig) -> Path | No
 
 def _read_checkpoint_tensors(source: str, cfg: TargetConfig, names: list[str]) -> dict[str, torch.Tensor] | None:
     """The named tensors from the checkpoint's safetensors files, reading only the files that hold them."""
-    from safetensors import safe_open
-
     weight_map = _checkpoint_weight_map(source, cfg)
     if weight_map is None:
         log.info("%s has no safetensors files: loading the whole target", cfg.model)
@@ -458,8 +462,6 @@ def _read_checkpoint_tensors(source: str, cfg: TargetConfig, names: list[str]) -
 
 def _checkpoint_weight_map(source: str, cfg: TargetConfig) -> dict[str, str] | None:
     """Tensor name -> safetensors file of the checkpoint (an index, or a single file); None without one."""
-    from safetensors import safe_open
-
     index = _checkpoint_file(source, "model.safetensors.index.json", cfg)
     if index is not None:
         return read_weight_map(index)
@@ -582,8 +584,6 @@ def checkpoint_fingerprint(cfg: TargetConfig) -> str | None:
     building the model: what a partly loaded target (`load_frozen_target`) checks a recorded fingerprint
     with. None when the files do not name every parameter as the model does (then only a whole load tells).
     """
-    from safetensors import safe_open
-
     source, _ = resolve_local_dir(cfg)
     config = load_config(cfg, source)
     names = [name for name, _ in _skeleton(config, torch.float32, cfg).named_parameters()]

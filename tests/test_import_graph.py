@@ -1,8 +1,10 @@
 """The package's modules import one another without circles, counting imports inside functions too (an import
 moved into a function body still ties the two modules together), but not those under `if TYPE_CHECKING:`,
-which only annotations read."""
+which only annotations read. Every import inside a function says why it is there (start-up time) in a comment."""
 
 import ast
+import io
+import tokenize
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "mtptrain"
@@ -155,3 +157,76 @@ def test_the_distribution_installs_one_top_level_package():
     packages = read_configuration(PACKAGE.parent / "pyproject.toml")["tool"]["setuptools"]["packages"]
     assert {p.split(".")[0] for p in packages} == {"mtptrain"}, packages
     assert {"mtptrain.data", "mtptrain.eval", "mtptrain.export.formats", "mtptrain.engine.ssd"} <= set(packages)
+
+
+# A module whose docstring states this covers its imports inside functions with that one rule.
+MODULE_RULE = "every import inside a function in this module follows one rule"
+MODULE_RULE_FILES = ("cli.py",)
+
+
+def uncommented_function_imports(source: str) -> list[int]:
+    """Lines of the imports inside function bodies that have no comment on their own line(s), on an earlier
+    import of their run of consecutive imports, or on the comment line(s) directly above that run."""
+    lines = source.splitlines()
+    comments = {tok.start[0] for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+                if tok.type == tokenize.COMMENT}
+    tree = ast.parse(source)
+    in_functions = {id(node) for fn in ast.walk(tree) if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
+                    for node in ast.walk(fn) if isinstance(node, (ast.Import, ast.ImportFrom))}
+    missing = []
+    for node in ast.walk(tree):
+        for field in ("body", "orelse", "finalbody"):
+            block = getattr(node, field, None)
+            if not isinstance(block, list):
+                continue
+            covered = False  # by a comment above the current run of imports, or on an earlier one of it
+            for i, stmt in enumerate(block):
+                if id(stmt) not in in_functions:
+                    continue
+                if i == 0 or id(block[i - 1]) not in in_functions:  # a run starts: is a comment line right above?
+                    above = stmt.lineno - 1
+                    covered = above in comments and lines[above - 1].lstrip().startswith("#")
+                covered = covered or any(n in comments for n in range(stmt.lineno, stmt.end_lineno + 1))
+                if not covered:
+                    missing.append(stmt.lineno)
+    return sorted(missing)
+
+
+def test_the_comment_check_reads_runs_of_imports():
+    source = """import os
+
+
+def f():
+    \"\"\"Doc.\"\"\"
+    # why these two
+    import a
+    from b import c
+
+    import d
+    import e  # why this one
+    x = 1
+    import g
+    try:
+        # why
+        import h
+    except ImportError:
+        import i
+    import j  # why j
+    import k
+"""
+    assert uncommented_function_imports(source) == [13, 18]
+    assert uncommented_function_imports("def f():  # not about the import\n    import a\n") == [2]
+    assert uncommented_function_imports("# why\nimport a\n") == []  # not in a function: nothing to say
+
+
+def test_every_import_inside_a_function_says_why():
+    missing = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        source = path.read_text()
+        if path.relative_to(PACKAGE).as_posix() in MODULE_RULE_FILES:
+            docstring = " ".join((ast.get_docstring(ast.parse(source)) or "").split())
+            assert MODULE_RULE in docstring.lower(), f"{path}: its docstring must state its rule for imports in functions"
+            continue
+        missing += [f"{path.relative_to(PACKAGE.parent)}:{line}" for line in uncommented_function_imports(source)]
+    assert not missing, ("imports inside functions need a comment saying why they are not at the top (start-up "
+                         "time, with a measured figure), or belong at the top:\n" + "\n".join(missing))

@@ -140,6 +140,7 @@ def _skip_ws(text: str, pos: int) -> int:
 def read_datasets(name: str, *, split: str, config: str | None) -> Iterator[RawRow]:
     """A Hugging Face `datasets` dataset: a hub name, a loading script, or a directory from save_to_disk."""
     try:
+        # datasets is an optional extra, and takes ~0.5 s to import: only a 'datasets:' source needs it
         import datasets
     except ImportError as exc:
         raise DataSourceError("a 'datasets:' source needs the datasets package: pip install 'mtptrain[datasets]'") from exc

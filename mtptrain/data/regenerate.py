@@ -46,11 +46,12 @@ from mtptrain.data.conversations import BadRow, normalise, unique_key
 from mtptrain.data.samples import NoUsableData, RowStats
 from mtptrain.data.readers import read_rows
 from mtptrain.config import Recipe
+from mtptrain.dist import DistInfo
 from mtptrain.engine.cpu_matmul import skinny_linears
 from mtptrain.engine.verify import Sampling, distribution
 from mtptrain.errors import MtptrainError
 from mtptrain.io import atomic_write_json, fsync_dir
-from mtptrain.target import identity_mismatch
+from mtptrain.target import identity_mismatch, load_target, tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
 WINDOW_BATCHES = 8
@@ -235,9 +236,6 @@ def regenerate_jobs(model, tokenizer, batch: list[Job], recipe: Recipe, stops: s
 
 
 def run_regenerate(recipe: Recipe, show_progress: bool = True) -> dict:
-    from mtptrain.dist import DistInfo
-    from mtptrain.target import load_target
-
     if not recipe.data.regenerated:
         raise RegenerateError("data.regenerated is not set: give the output file, e.g. "
                               "--set data.regenerated=runs/NAME/regenerated.jsonl")
@@ -357,8 +355,6 @@ def _append(output: Path, lines: list[str]) -> int:
 def check_complete(path: Path, data, tokenizer) -> None:
     """Refuse to train on a regeneration that has not finished, or that was made from other data or by
     another tokenizer than the recipe's. A file with no state (made elsewhere) is taken as it is."""
-    from mtptrain.target import tokenizer_fingerprint
-
     state_file = state_path(path)
     if not path.is_file():
         raise RegenerateError(f"data.regenerated {path} does not exist: run `mtptrain regenerate` with the same "

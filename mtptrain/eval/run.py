@@ -13,6 +13,7 @@ else is a failure). Where the spread or other processes' load makes a speedup un
 
 from __future__ import annotations
 
+import functools
 import logging
 import statistics
 import time
@@ -22,18 +23,32 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from tqdm import tqdm
 
 from mtptrain.data.chat import prompt_ids, stop_tokens
 from mtptrain.errors import MtptrainError
+from mtptrain.eval.drafters import draft_lm, head_parts
 from mtptrain.eval.prompts import load_prompts
-from mtptrain.config import Recipe
+from mtptrain.eval.report import write_report
+from mtptrain.config import Recipe, TargetConfig
 from mtptrain.engine.cpu_matmul import skinny_linears
+from mtptrain.engine.draft_model import DraftModelProposer, truncated_target
 from mtptrain.engine.generate import GenerationStats, generate
+from mtptrain.engine.head_chain import HeadChainProposer
+from mtptrain.engine.head_tree import HeadTreeProposer
+from mtptrain.engine.mtp_chain import MTPChainProposer
+from mtptrain.engine.ngram import NgramProposer
 from mtptrain.engine.runner import TargetRunner
+from mtptrain.engine.ssd import SSDProposer, SSDSettings
+from mtptrain.engine.suffix_index import SuffixIndexProposer
 from mtptrain.engine.verify import Sampling
+from mtptrain.export.source import load_head_directory
+from mtptrain.heads import FrozenTarget
 from mtptrain.heads.checkpoint import head_directory
 from mtptrain.io import atomic_write_json
 from mtptrain.machine import cpu_sample, describe_cpu, other_load
+from mtptrain.target import load_target, load_tokenizer
+from mtptrain.tracking import init_run
 
 log = logging.getLogger(__name__)
 
@@ -132,10 +147,6 @@ def timing_summary(tokens: list[int], seconds: list[float], baseline_tps: list[f
 def build_configs(recipe: Recipe, target, sampling: Sampling) -> tuple[list[Config], dict | None, list[str], list]:
     """The baseline and every (method, K / budget) of the recipe; the head's description; notes on skips;
     the drafting modules (head, draft model) besides the target."""
-    from mtptrain.engine.draft_model import DraftModelProposer
-    from mtptrain.engine.ngram import NgramProposer
-    from mtptrain.engine.suffix_index import SuffixIndexProposer
-
     ev = recipe.eval
     configs, notes, head_info, modules = [Config("baseline", "baseline")], [], None, []
     head = spec = None
@@ -162,8 +173,6 @@ def build_configs(recipe: Recipe, target, sampling: Sampling) -> tuple[list[Conf
             if spec.kind == "mtp":
                 notes.append("tree: MTP heads draft chains only; use an eagle or eagle3 head for trees")
                 continue
-            from mtptrain.engine.head_tree import HeadTreeProposer
-
             for budget in ev.tree.budgets:
                 make = lambda b=budget: HeadTreeProposer(head, spec, ev.tree.branch, ev.tree.depth, b, sampling, seed)  # noqa: E731
                 configs.append(Config(f"tree N={budget}", "tree", ev.tree.depth, budget, make, uses_head=True))
@@ -179,11 +188,6 @@ def build_configs(recipe: Recipe, target, sampling: Sampling) -> tuple[list[Conf
 
 def _ssd_configs(method, recipe, target, spec, head_info, sampling, seed, notes) -> list[Config]:
     """SSD for each K: a drafter process per configuration (the head, or the draft model), kept for the run."""
-    import functools
-
-    from mtptrain.engine.ssd import SSDProposer, SSDSettings
-    from mtptrain.eval.drafters import draft_lm, head_parts
-
     ev = recipe.eval
     device = ssd_device(ev.ssd.device, target.device)
     if method == "ssd":
@@ -222,18 +226,11 @@ def ssd_device(choice: str, target_device: torch.device) -> str:
 
 def _chain_factory(head, spec, sampling, seed):
     if spec.kind == "mtp":
-        from mtptrain.engine.mtp_chain import MTPChainProposer
-
         return lambda: MTPChainProposer(head, spec, sampling, seed)
-    from mtptrain.engine.head_chain import HeadChainProposer
-
     return lambda: HeadChainProposer(head, spec, sampling, seed)
 
 
 def _load_head(recipe: Recipe, target):
-    from mtptrain.export.source import load_head_directory
-    from mtptrain.heads import FrozenTarget
-
     directory = head_directory(recipe)
     if not (directory / "config.json").is_file():
         raise EvalError(f"no trained head at {directory} (eval.methods has {', '.join(HEAD_METHODS)}, which draft with "
@@ -247,10 +244,6 @@ def _load_head(recipe: Recipe, target):
 
 
 def _draft_model(recipe: Recipe, target):
-    from mtptrain.config import TargetConfig
-    from mtptrain.engine.draft_model import truncated_target
-    from mtptrain.target import load_target
-
     _check_draft_choice(recipe.eval)
     ev = recipe.eval
     if ev.draft.layers is not None:
@@ -261,8 +254,6 @@ def _draft_model(recipe: Recipe, target):
 
 
 def _check_draft_tokenizer(recipe: Recipe, target) -> None:
-    from mtptrain.target import load_tokenizer
-
     ev = recipe.eval
     cfg = recipe.target.model_copy(update={"model": ev.draft.model, "gguf_file": None, "revision": None})
     if load_tokenizer(cfg).get_vocab() != target.tokenizer.get_vocab():
@@ -285,8 +276,6 @@ def top2_gap(model, context: list[int]) -> float:
 
 
 def run_eval(recipe: Recipe, wandb: str | None = None, show_progress: bool = True) -> dict:
-    from mtptrain.target import load_target
-
     ev = recipe.eval
     out_dir = Path(ev.output_dir)
     prompts = load_prompts(ev.prompts, ev.max_prompts)
@@ -347,8 +336,6 @@ def run_eval(recipe: Recipe, wandb: str | None = None, show_progress: bool = Tru
     results["best"] = best_configs(results["methods"])
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out_dir / "results.json", results)
-    from mtptrain.eval.report import write_report
-
     results["files"] = write_report(results, out_dir)
     _log_wandb(recipe, results, out_dir, wandb)
     return results
@@ -387,8 +374,6 @@ def _measure(requests, tallies, kept, engine: _Engine, show_progress) -> dict[st
     """Every configuration on every request, interleaved, eval.repeats times; returns the baseline's
     conversations. tau, acceptance and the exactness checks come from the first repeat, which the later ones
     must reproduce token for token; those only add timings."""
-    from tqdm import tqdm
-
     before = {i: proposer.stats() for i, proposer in kept.items()}  # warm-up excluded
     answers: dict[str, list[dict]] = {}
     contexts: list[list[int]] = []
@@ -543,11 +528,10 @@ def exactness_failures(results: dict) -> list[str]:
 def _log_wandb(recipe: Recipe, results: dict, out_dir: Path, requested: str | None) -> None:
     """The results as the eval job of the run's W&B group: a table (tau, speedup, acceptance per position for
     every method), the plots, and tau and speedup per method in the summary."""
-    from mtptrain.tracking import init_run
-
     run = init_run(recipe, "eval", requested or recipe.tracking.wandb, out_dir)
     if run is None:
         return
+    # wandb takes ~0.3 s to import, which a run with W&B off would pay for nothing; init_run has loaded it by now
     import wandb
 
     positions = max((len(m["acceptance"]) for m in results["methods"]), default=0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from mtptrain.eval.report import run_line
 from mtptrain.export.formats import Format, Written
 from mtptrain.export.source import HeadSource
 
@@ -51,8 +52,6 @@ def export_readme(form: Format, src: HeadSource, written: Written, sidecar: dict
         lines.append("- not recorded in the head's config")
     lines += ["", "## Measured", ""]
     if measured:
-        from mtptrain.eval.report import run_line
-
         lines += [f"From `{measured['_path']}`. " + run_line(measured), "",
                   "| method | tau | speedup | acceptance per position (cumulative) |", "|---|---|---|---|"]
         for m in measured["methods"]:

@@ -16,12 +16,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from mtptrain.config import TargetConfig
+from mtptrain.config import EMBEDDED_TARGET, TargetConfig
 from mtptrain.export.formats import read_export
 from mtptrain.export.sidecar import ExportError, is_export
 from mtptrain.heads.checkpoint import HeadSpec, head_from, read_head_config
 from mtptrain.heads.common import FrozenTarget
-from mtptrain.target import read_weight_map
+from mtptrain.target import (
+    checkpoint_fingerprint, identity_mismatch, load_frozen_target, load_target, read_weight_map, resolve_local_dir,
+)
 
 # The hub model the embedded GGUF (a Q4_1 quantisation) was made from: what a server loads as the target.
 EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -45,8 +47,6 @@ class HeadSource:
         """Refuse the target unless its identity is the head's: the fingerprint of every weight (read from the
         safetensors files one tensor at a time, or from a whole load on CPU), the tokenizer's and the
         architecture's."""
-        from mtptrain.target import checkpoint_fingerprint, identity_mismatch, load_frozen_target, load_target
-
         cfg = self.target_cfg.model_copy(update={"dtype": "bfloat16", "device": "cpu"})
         frozen = load_frozen_target(cfg)
         fingerprint = checkpoint_fingerprint(cfg) if frozen is not None else None
@@ -67,8 +67,6 @@ class HeadSource:
 
     def served_target(self) -> str:
         """The target as a serving engine loads it: a hub id or a local directory, never a GGUF file."""
-        from mtptrain.config import EMBEDDED_TARGET
-
         if self.target_model == EMBEDDED_TARGET:
             return EMBEDDED_HUB_ID
         if self.target_model.endswith(".gguf") or self.config.get("train", {}).get("recipe", {}).get(
@@ -82,6 +80,7 @@ class HeadSource:
         """The target's local checkpoint directory and its tensor -> file map (hub ids are downloaded)."""
         directory = Path(self.target_source)
         if not directory.is_dir():
+            # huggingface_hub's download client takes ~0.15 s to import: only a target named by hub id needs it
             from huggingface_hub import snapshot_download
 
             directory = Path(snapshot_download(self.target_source, allow_patterns=["*.json", "*.safetensors"]))
@@ -127,9 +126,9 @@ def _keys(path: Path) -> list[str]:
 def open_head(directory: Path, target: str | None = None) -> HeadSource:
     """Read a head written by `mtptrain train` (or an export of one) and locate its target (`target` overrides
     the recorded one)."""
+    # transformers takes ~0.7 s to import: training and eval import this module too, and their checks of their
+    # inputs answer before any model loads (as in mtptrain.target)
     from transformers import AutoConfig
-
-    from mtptrain.target import resolve_local_dir
 
     directory = Path(directory)
     config, state = read_head_files(directory)  # an earlier export too: re-export it in another format

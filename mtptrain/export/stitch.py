@@ -18,8 +18,9 @@ from pathlib import Path
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from mtptrain.config import TargetConfig
 from mtptrain.export.sidecar import SIDECAR, ExportError, read_sidecar, sidecar_weights
-from mtptrain.target import read_weight_map
+from mtptrain.target import identity_mismatch, load_target, read_weight_map
 from mtptrain.io import tmp_name
 
 MTP_FILE = "model-mtp.safetensors"
@@ -94,9 +95,6 @@ def stitch_mtp(export_dir: Path, target_dir: Path, out: Path) -> dict:
 
 def _verify_target(directory: Path, identity: dict) -> None:
     """The checkpoint must be the one the head was trained on: same fingerprint (loaded once, bfloat16, CPU)."""
-    from mtptrain.config import TargetConfig
-    from mtptrain.target import identity_mismatch, load_target
-
     loaded = load_target(TargetConfig(model=str(directory), dtype="bfloat16", device="cpu")).identity()
     key = identity_mismatch(identity, loaded)
     if key is not None:

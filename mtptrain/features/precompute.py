@@ -27,6 +27,7 @@ from mtptrain.features.store import (
 )
 from mtptrain.io import atomic_write_json, sha256_file
 from mtptrain.target import Target, load_target
+from mtptrain.tracking import init_run
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +71,6 @@ def run_precompute(recipe: Recipe, show_progress: bool = True, wandb: str | None
 
 def _log_wandb(recipe: Recipe, summary: dict, mode: str) -> None:
     """Rank 0's numbers (and the store's, once complete) as the precompute job of the run's W&B group."""
-    from mtptrain.tracking import init_run
-
     run = init_run(recipe, "precompute", mode, Path(recipe.precompute.output_dir))
     if run is None:
         return

@@ -24,6 +24,7 @@ in the project; exports convert to each engine's own numbering.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from dataclasses import asdict, dataclass
@@ -36,6 +37,7 @@ from safetensors import safe_open
 
 from mtptrain.errors import MtptrainError
 from mtptrain.io import atomic_write, atomic_write_json, contained, sha256_file
+from mtptrain.target import identity_mismatch
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +102,6 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: di
     Layout: u64 little-endian header length, JSON header padded to 8 bytes,
     then the tensors' bytes back to back.
     """
-    import hashlib
-
     header: dict[str, Any] = {"__metadata__": dict(sorted(metadata.items()))}
     offset = 0
     for name, tensor in tensors.items():
@@ -278,8 +278,6 @@ def load_manifest(directory: Path) -> dict[str, Any]:
 
 
 def check_target(manifest: dict[str, Any], identity: dict[str, Any], directory: Path) -> None:
-    from mtptrain.target import identity_mismatch
-
     stored = manifest["target"]
     key = identity_mismatch(stored, identity)
     if key is not None:

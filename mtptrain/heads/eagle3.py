@@ -110,6 +110,8 @@ class Eagle3Head(nn.Module):
         predict x_{t+2+j}. The attention of step j over the cache [step 0 | step 1 | ... | step j]
         is causal on the step-0 block and diagonal on the others.
         """
+        # transformers takes ~0.5 s to import: the trainer imports this module, and its checks of its inputs answer
+        # before any model loads (as in mtptrain.target)
         from transformers import DynamicCache
 
         length = input_ids.shape[1] - 1

@@ -15,8 +15,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jinja2
+
 from mtptrain.config import Recipe, dump_recipe
 from mtptrain.errors import MtptrainError
+from mtptrain.tracking import pipeline_group
 
 STAGES = ("precompute", "train", "eval")
 TEMPLATES = Path(__file__).with_name("templates")
@@ -53,8 +56,6 @@ def check_gpus(recipe: Recipe, stage: str) -> None:
 
 def render(recipe: Recipe, stage: str, recipe_path: Path) -> str:
     """The sbatch script of `stage`, running the recipe at `recipe_path`."""
-    import jinja2
-
     if stage not in STAGES:
         raise SlurmError(f"unknown stage {stage!r}; stages: {', '.join(STAGES)} (or pipeline)")
     check_gpus(recipe, stage)
@@ -99,8 +100,6 @@ def submit(recipe: Recipe, stage: str) -> list[tuple[str, str, Path]]:
     """Submit one stage, or with stage 'pipeline' all three chained; returns (stage, job id, script)."""
     stages = STAGES if stage == "pipeline" else (stage,)
     if stage == "pipeline":
-        from mtptrain.tracking import pipeline_group
-
         tracking = recipe.tracking.model_copy(update={"group": pipeline_group(recipe)})  # one W&B group for the run
         recipe = recipe.model_copy(update={"tracking": tracking})
     scripts = write_scripts(recipe, stages)

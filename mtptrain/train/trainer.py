@@ -30,6 +30,7 @@ import socket
 import time
 from pathlib import Path
 
+import deepspeed
 import numpy as np
 import torch
 import torch.distributed as torch_dist
@@ -38,6 +39,9 @@ from tqdm import tqdm
 from mtptrain.config import HeadConfig, Recipe, TrainConfig, dump_recipe
 from mtptrain.dist import DistInfo, destroy_process_group, pick_device, slurm_rendezvous
 from mtptrain.errors import MtptrainError
+from mtptrain.export.formats import FORMATS
+from mtptrain.export.run import export_head
+from mtptrain.export.sidecar import ExportError
 from mtptrain.features.store import FeatureStore, FeatureStoreError, load_manifest
 from mtptrain.heads import FrozenTarget
 from mtptrain.heads.checkpoint import HeadSpec, build_head, save_head
@@ -143,8 +147,6 @@ def _launcher_env(dist: DistInfo) -> None:
 def run_train(recipe: Recipe, wandb: str | None = None, show_progress: bool = True) -> dict:
     dist = DistInfo.from_env()
     _launcher_env(dist)
-    import deepspeed
-
     device = pick_device(recipe.target.device, dist)
     if not torch_dist.is_initialized():
         deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", auto_mpi_discovery=False)
@@ -229,8 +231,6 @@ class Trainer:
         return DraftVocab.from_token_streams(streams, self.spec.draft_vocab_size, self.target.vocab_size)
 
     def _engine(self):
-        import deepspeed
-
         torch.manual_seed(self.cfg.seed)
         frozen = FrozenTarget.of(self.target.model)
         head = build_head(self.spec, frozen, self._draft_vocab()).to(self.device)
@@ -422,11 +422,8 @@ class Trainer:
 def log_head_artifact(run, recipe: Recipe, head_dir: Path, summary: dict) -> None:
     """The trained head as a W&B model artifact, with its export in recipe.export.format (or, when that format
     cannot hold this head, the first one that can), and the run's summary numbers."""
+    # wandb takes ~0.3 s to import, which a run with W&B off would pay for nothing; init_run has loaded it by now
     import wandb
-
-    from mtptrain.export.formats import FORMATS
-    from mtptrain.export.run import export_head
-    from mtptrain.export.sidecar import ExportError
 
     config = json.loads((head_dir / "config.json").read_text())
     spec, checked = config["head"], config.get("target_checked", [])

@@ -3,6 +3,7 @@ drafts, which the process answers from its speculation cache or drafts afresh.""
 
 from __future__ import annotations
 
+import multiprocessing
 from dataclasses import dataclass
 
 import torch
@@ -73,8 +74,6 @@ class SSDProposer(ProposerBase):
 
     def __init__(self, make, settings: SSDSettings = SSDSettings(), layers: list[int] | None = None,
                  device: str | torch.device = "cpu"):
-        import multiprocessing
-
         context = multiprocessing.get_context("spawn")  # a fresh interpreter: its own torch threads
         self._conn, child = context.Pipe()
         self._process = context.Process(target=_serve, args=(child, make, settings), daemon=True)
