@@ -109,19 +109,15 @@ def main() -> None:
                 Method(f"hf-prompt-lookup K={args.k}", hf(model, prompt_lookup_num_tokens=args.k), skinny=False)]
     head_dir, extra = Path(args.head), []  # extra: the head's own layers, swapped like the target's
     if (head_dir / "config.json").is_file():
-        from mtptrain.engine.head_chain import HeadChainProposer
-        from mtptrain.engine.head_tree import HeadTreeProposer
-        from mtptrain.engine.mtp_chain import MTPChainProposer
         from mtptrain.heads import FrozenTarget
         from mtptrain.export.source import load_head_directory
 
         head, spec = load_head_directory(head_dir, FrozenTarget.of(model), target.identity())
-        reading = TargetRunner(model, capture=sorted({spec.last_layer, *spec.feature_layers}))
-        chain = MTPChainProposer if spec.kind == "mtp" else HeadChainProposer
-        methods.append(Method(f"chain K={args.k}", engine(reading, lambda: chain(head, spec), args.k)))
-        if spec.kind != "mtp":
+        reading, family = TargetRunner(model, capture=spec.layers), spec.family
+        methods.append(Method(f"chain K={args.k}", engine(reading, lambda: family.chain(head, spec), args.k)))
+        if family.no_tree is None:
             methods.append(Method(f"tree N={args.tree_budget}", engine(
-                reading, lambda: HeadTreeProposer(head, spec, 4, 5, args.tree_budget), 5)))
+                reading, lambda: family.tree(head, spec, 4, 5, args.tree_budget), 5)))
         extra = [head]
     else:
         print(f"(no head at {head_dir}: chain and tree are not measured; run `make quickstart` first)")

@@ -24,9 +24,9 @@ from mtptrain.config import load_recipe
 from mtptrain.features.precompute import run_precompute
 from mtptrain.features.store import FeatureStore
 from mtptrain.heads import FrozenTarget
+from mtptrain.heads.objective import step_weights
 from mtptrain.export.source import load_head_directory
 from mtptrain.target import load_target
-from mtptrain.train.objective import step_weights
 from mtptrain.train.trainer import score_store
 
 
@@ -68,7 +68,7 @@ def main() -> None:
     target = load_target(recipe.target)
     head, spec = load_head_directory(Path(args.head), FrozenTarget.of(target.model), target.identity())
     head.float().eval()
-    layers = sorted({spec.last_layer, *spec.feature_layers})
+    layers = spec.layers
     stores = {"held-out ShareGPT (training's validation split)":
               FeatureStore(recipe.train.features, "validation", target=target, layers=layers, verify="size"),
               "MT-bench: the eval's baseline answers":

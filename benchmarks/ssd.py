@@ -40,7 +40,6 @@ from mtptrain.config import TargetConfig
 from mtptrain.engine.cpu_matmul import skinny_linears
 from mtptrain.engine.draft_model import DraftModelProposer, truncated_target
 from mtptrain.engine.generate import generate
-from mtptrain.engine.head_chain import HeadChainProposer
 from mtptrain.engine.runner import TargetRunner
 from mtptrain.engine.ssd import SSDProposer, SSDSettings
 from mtptrain.eval.drafters import draft_lm, head_parts
@@ -116,10 +115,11 @@ def main() -> None:
                for p in load_prompts("mtbench", args.prompts)]
     head, spec = load_head_directory(Path(args.head), FrozenTarget.of(target.model), target.identity())
     head.float()
-    plain, reading = TargetRunner(target.model), TargetRunner(target.model, capture=spec.feature_layers)
+    head_layers = spec.family.draft_layers(spec)
+    plain, reading = TargetRunner(target.model), TargetRunner(target.model, capture=head_layers)
     makers = {  # per drafter: the runner, an in-process proposer, the SSD worker's `make` and the layers it reads
-        "head": (reading, lambda: HeadChainProposer(head, spec),
-                 functools.partial(head_parts, args.head, config, target.identity(), "cpu"), spec.feature_layers),
+        "head": (reading, lambda: spec.family.chain(head, spec),
+                 functools.partial(head_parts, args.head, config, target.identity(), "cpu"), head_layers),
         "draft": (plain, lambda: DraftModelProposer(truncated_target(target.model, args.draft_layers)),
                   functools.partial(draft_lm, config, None, args.draft_layers, "cpu"), None),
     }

@@ -21,6 +21,12 @@ from mtptrain.io import atomic_write_text
 EMBEDDED_TARGET = "embedded:smollm2-135m-instruct"
 EMBEDDED_DATA = "embedded:sharegpt"
 
+# The head's settings, shared by the recipe (HeadConfig) and a trained head's spec (mtptrain.heads.spec.HeadSpec).
+# Every kind has a family in mtptrain.heads.spec.FAMILIES (tests/heads/test_families.py checks both lists agree).
+HeadKind = Literal["eagle", "eagle3", "mtp"]
+Norms = Literal["restored", "stripped"]
+MTPInput = Literal["normed", "raw"]
+
 
 class RecipeError(MtptrainError, ValueError):
     """A recipe that cannot be used; the message says where and how to fix it."""
@@ -143,8 +149,8 @@ class PrecomputeConfig(_Section):
 
 
 class HeadConfig(_Section):
-    kind: Literal["eagle", "eagle3", "mtp"] = Field("eagle3", description="Head family.")
-    norms: Literal["restored", "stripped"] = Field(
+    kind: HeadKind = Field("eagle3", description="Head family.")
+    norms: Norms = Field(
         "restored", description="RMSNorm restoration (default) or the original stripped EAGLE placement "
         "(eagle and mtp; eagle3 always keeps its norms).")
     feature_layers: list[int] | Literal["auto"] = Field(
@@ -154,7 +160,7 @@ class HeadConfig(_Section):
         8192, ge=1, description="eagle3: draft vocabulary size (most frequent target tokens of the training data).")
     mtp_depths: int = Field(2, ge=1, description="mtp: number of chained depths.")
     mtp_share: bool = Field(False, description="mtp: reuse one module at every depth.")
-    mtp_input: Literal["normed", "raw"] = Field(
+    mtp_input: MTPInput = Field(
         "normed", description="mtp: the target state depth 1 reads. normed = after the target's final norm, as "
         "vLLM and SGLang feed DeepSeek MTP layers (needed for the deepseek-mtp export); raw = the pre-norm state.")
     step_weights: list[float] | Literal["auto"] = Field(

@@ -55,6 +55,20 @@ class GenerationStats:
             self.proposed[i] += 1
             self.accepted[i] += i < accepted
 
+    def merge(self, other: GenerationStats) -> None:
+        """Add another generation's counts and times to these (per draft position too)."""
+        self.steps += other.steps
+        self.emitted += other.emitted
+        self.verified += other.verified
+        self.draft_seconds += other.draft_seconds
+        self.verify_seconds += other.verify_seconds
+        for i, (proposed, accepted) in enumerate(zip(other.proposed, other.accepted)):
+            if i == len(self.proposed):
+                self.proposed.append(0)
+                self.accepted.append(0)
+            self.proposed[i] += proposed
+            self.accepted[i] += accepted
+
 
 @dataclass
 class Generation:

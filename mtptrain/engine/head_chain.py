@@ -11,6 +11,12 @@ After verification the head's cache is cut back to the true prefix, and the
 head is re-run over the newly committed tokens with the target's real states
 from the verification forward. That replaces the entries it had built from its
 own guesses, so every draft round starts from exact features.
+
+What the proposer asks of the head (mtptrain/heads/eagle.py, eagle3.py):
+`draft_input(hidden, spec)`, the feature it drafts from out of the target's
+captured states; `head(feature, ids, cache=...)`, one step; `logits(feature)`;
+and, for a reduced draft vocabulary, `draft_to_target`. The head's family
+(mtptrain/heads/family.py) picks this proposer for it.
 """
 
 from __future__ import annotations
@@ -22,32 +28,17 @@ from mtptrain.engine.proposer import ProposerBase
 from mtptrain.engine.verify import Sampling, distribution
 
 
-def head_features(head, spec, hidden: dict[int, torch.Tensor]) -> torch.Tensor:
-    """The head's input features [1, n, H] from the target's states (layer -> [n, H]): EAGLE-3 fuses its
-    feature layers, EAGLE reads the last layer."""
-    parameter = next(head.parameters())
-    if spec.kind == "eagle3":
-        return head.fuse([hidden[layer][None].to(parameter.device, parameter.dtype) for layer in spec.feature_layers])
-    return head.features(hidden[spec.last_layer][None].to(parameter.device, parameter.dtype))
-
-
 class HeadChainProposer(ProposerBase):
     name = "head-chain"
     reads_states = True  # it carries the target's states over, as EAGLE and MTP heads do
 
     def __init__(self, head, spec, sampling: Sampling = Sampling(), seed: int = 0):
-        if spec.kind not in ("eagle", "eagle3"):
-            raise ValueError(f"the head chain drafts with eagle or eagle3 heads, not {spec.kind!r}")
         self.head, self.spec, self.sampling = head.eval(), spec, sampling
         self.generator = torch.Generator().manual_seed(seed)
-        self.layers = sorted({spec.last_layer, *spec.feature_layers})
 
     def reset(self, prompt: list[int]) -> None:
         self.cache = DynamicCache()
         self.last_feature = self.last_logits = None
-
-    def _features(self, hidden: dict[int, torch.Tensor]) -> torch.Tensor:
-        return head_features(self.head, self.spec, hidden)
 
     @torch.inference_mode()
     def observe(self, true_length: int, hidden: dict[int, torch.Tensor], next_tokens: list[int]) -> None:
@@ -56,7 +47,7 @@ class HeadChainProposer(ProposerBase):
         if self.cache.get_seq_length() > true_length:
             self.cache.crop(true_length - self.cache.get_seq_length())
         ids = torch.tensor([next_tokens], device=next(self.head.parameters()).device)
-        out = self.head(self._features(hidden), ids, cache=self.cache)
+        out = self.head(self.head.draft_input(hidden, self.spec), ids, cache=self.cache)
         self.last_feature = out[:, -1:]
         self.last_logits = self.head.logits(self.last_feature)[0, -1]
 

@@ -29,12 +29,9 @@ class MTPChainProposer(ProposerBase):
     reads_states = True  # it carries the target's states over, as EAGLE and MTP heads do
 
     def __init__(self, head, spec, sampling: Sampling = Sampling(), seed: int = 0):
-        if spec.kind != "mtp":
-            raise ValueError(f"the MTP chain drafts with mtp heads, not {spec.kind!r}")
         self.head, self.spec, self.sampling = head.eval(), spec, sampling
         self.generator = torch.Generator().manual_seed(seed)
         self.depths = head.depths
-        self.layers = [spec.last_layer]
 
     def reset(self, prompt: list[int]) -> None:
         self.tokens: list[int] = list(prompt[:1])  # the committed tokens, pending last

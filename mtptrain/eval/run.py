@@ -34,9 +34,6 @@ from mtptrain.config import Recipe, TargetConfig
 from mtptrain.engine.cpu_matmul import skinny_linears
 from mtptrain.engine.draft_model import DraftModelProposer, truncated_target
 from mtptrain.engine.generate import GenerationStats, generate
-from mtptrain.engine.head_chain import HeadChainProposer
-from mtptrain.engine.head_tree import HeadTreeProposer
-from mtptrain.engine.mtp_chain import MTPChainProposer
 from mtptrain.engine.ngram import NgramProposer
 from mtptrain.engine.runner import TargetRunner
 from mtptrain.engine.ssd import SSDProposer, SSDSettings
@@ -45,6 +42,7 @@ from mtptrain.engine.verify import Sampling
 from mtptrain.export.source import load_head_directory
 from mtptrain.heads import FrozenTarget
 from mtptrain.heads.checkpoint import head_directory
+from mtptrain.heads.spec import HeadSpec
 from mtptrain.io import atomic_write_json
 from mtptrain.machine import cpu_sample, describe_cpu, other_load
 from mtptrain.target import load_target, load_tokenizer
@@ -72,6 +70,21 @@ class Config:
     keeps_proposer: bool = False  # one proposer for warm-up and measurement (ssd: a worker process each)
 
 
+@dataclass(frozen=True)
+class HeadInfo:
+    """The head the run drafts with: where it was loaded from, its spec, its size."""
+
+    path: Path
+    spec: HeadSpec
+    parameters: int
+
+    def record(self) -> dict:
+        """results.json's "head"."""
+        spec = self.spec
+        return {"path": str(self.path), "kind": spec.kind, "norms": spec.norms, "last_layer": spec.last_layer,
+                "feature_layers": list(spec.feature_layers), "parameters": self.parameters}
+
+
 @dataclass
 class Tally:
     config: Config
@@ -96,17 +109,7 @@ class Tally:
         """One generation of the first repeat, whose statistics stand for every repeat."""
         self.tokens += len(tokens)
         self.outputs.append(tokens)
-        total = self.stats
-        total.steps += stats.steps
-        total.emitted += stats.emitted
-        total.verified += stats.verified
-        total.draft_seconds += stats.draft_seconds
-        total.verify_seconds += stats.verify_seconds
-        for i, (p, a) in enumerate(zip(stats.proposed, stats.accepted)):
-            if i == len(total.proposed):
-                total.proposed.append(0), total.accepted.append(0)
-            total.proposed[i] += p
-            total.accepted[i] += a
+        self.stats.merge(stats)
         emitted, steps = self.categories.get(category, (0, 0))
         self.categories[category] = (emitted + stats.emitted, steps + stats.steps)
 
@@ -144,14 +147,15 @@ def timing_summary(tokens: list[int], seconds: list[float], baseline_tps: list[f
             "speedup_max": round(max(speedups), 4), "speedup_spread": None if spread is None else round(spread, 4)}
 
 
-def build_configs(recipe: Recipe, target, sampling: Sampling) -> tuple[list[Config], dict | None, list[str], list]:
+def build_configs(recipe: Recipe, target, sampling: Sampling) -> tuple[list[Config], HeadInfo | None, list[str], list]:
     """The baseline and every (method, K / budget) of the recipe; the head's description; notes on skips;
     the drafting modules (head, draft model) besides the target."""
     ev = recipe.eval
     configs, notes, head_info, modules = [Config("baseline", "baseline")], [], None, []
     head = spec = None
     if any(m in HEAD_METHODS for m in ev.methods):
-        head, spec, head_info = _load_head(recipe, target)
+        head, head_info = _load_head(recipe, target)
+        spec = head_info.spec
         modules.append(head)
     seed = ev.seed + 7919  # the drafters' own stream, apart from the engine's
     for method in ev.methods:
@@ -162,19 +166,19 @@ def build_configs(recipe: Recipe, target, sampling: Sampling) -> tuple[list[Conf
             for k in ev.k:
                 configs.append(Config(f"suffix K={k}", "suffix", k, make=SuffixIndexProposer))
         elif method == "chain":
-            ks = [k for k in ev.k if spec.kind != "mtp" or k <= spec.mtp_depths]
+            limit = spec.family.chain_limit(spec)
+            ks = [k for k in ev.k if limit is None or k <= limit.tokens]
             if len(ks) < len(ev.k):
-                notes.append(f"chain: an MTP head with {spec.mtp_depths} depths drafts at most {spec.mtp_depths} "
-                             f"tokens; K > {spec.mtp_depths} skipped")
+                notes.append(f"chain: {limit.why}; K > {limit.tokens} skipped")
+            make = lambda: spec.family.chain(head, spec, sampling, seed)  # noqa: E731
             for k in ks:
-                configs.append(Config(f"chain K={k}", "chain", k, make=_chain_factory(head, spec, sampling, seed),
-                                      uses_head=True))
+                configs.append(Config(f"chain K={k}", "chain", k, make=make, uses_head=True))
         elif method == "tree":
-            if spec.kind == "mtp":
-                notes.append("tree: MTP heads draft chains only; use an eagle or eagle3 head for trees")
+            if spec.family.no_tree:
+                notes.append(f"tree: {spec.family.no_tree}")
                 continue
             for budget in ev.tree.budgets:
-                make = lambda b=budget: HeadTreeProposer(head, spec, ev.tree.branch, ev.tree.depth, b, sampling, seed)  # noqa: E731
+                make = lambda b=budget: spec.family.tree(head, spec, ev.tree.branch, ev.tree.depth, b, sampling, seed)  # noqa: E731
                 configs.append(Config(f"tree N={budget}", "tree", ev.tree.depth, budget, make, uses_head=True))
         elif method in ("ssd", "ssd-draft"):
             configs.extend(_ssd_configs(method, recipe, target, spec, head_info, sampling, seed, notes))
@@ -191,12 +195,11 @@ def _ssd_configs(method, recipe, target, spec, head_info, sampling, seed, notes)
     ev = recipe.eval
     device = ssd_device(ev.ssd.device, target.device)
     if method == "ssd":
-        if spec.kind == "mtp":
-            notes.append("ssd: an MTP head drafts all its depths from one target state, so there is nothing to "
-                         "pre-draft per outcome; use an eagle or eagle3 head, or ssd-draft")
+        if spec.family.no_ssd:
+            notes.append(f"ssd: {spec.family.no_ssd}")
             return []
-        make_drafter = functools.partial(head_parts, head_info["path"], recipe.target, target.identity(), device)
-        layers = spec.feature_layers if spec.kind == "eagle3" else [spec.last_layer]
+        make_drafter = functools.partial(head_parts, str(head_info.path), recipe.target, target.identity(), device)
+        layers = spec.family.draft_layers(spec)
     else:
         _check_draft_choice(ev)
         if ev.draft.model is not None:
@@ -224,13 +227,7 @@ def ssd_device(choice: str, target_device: torch.device) -> str:
     return f"cuda:{(index + 1) % count}" if count > 1 else f"cuda:{index}"
 
 
-def _chain_factory(head, spec, sampling, seed):
-    if spec.kind == "mtp":
-        return lambda: MTPChainProposer(head, spec, sampling, seed)
-    return lambda: HeadChainProposer(head, spec, sampling, seed)
-
-
-def _load_head(recipe: Recipe, target):
+def _load_head(recipe: Recipe, target) -> tuple[torch.nn.Module, HeadInfo]:
     directory = head_directory(recipe)
     if not (directory / "config.json").is_file():
         raise EvalError(f"no trained head at {directory} (eval.methods has {', '.join(HEAD_METHODS)}, which draft with "
@@ -238,9 +235,7 @@ def _load_head(recipe: Recipe, target):
                         "directory, or drop chain/tree/ssd from mtptrain.eval.methods")
     head, spec = load_head_directory(directory, FrozenTarget.of(target.model), target.identity())
     head.to(dtype=next(target.model.parameters()).dtype)
-    info = {"path": str(directory), "kind": spec.kind, "norms": spec.norms, "last_layer": spec.last_layer,
-            "feature_layers": spec.feature_layers, "parameters": sum(p.numel() for p in head.parameters())}
-    return head, spec, info
+    return head, HeadInfo(directory, spec, sum(p.numel() for p in head.parameters()))
 
 
 def _draft_model(recipe: Recipe, target):
@@ -284,9 +279,7 @@ def run_eval(recipe: Recipe, wandb: str | None = None, show_progress: bool = Tru
     configs, head_info, notes, modules = build_configs(recipe, target, sampling)
     for note in notes:
         log.warning(note)
-    capture = []
-    if head_info is not None:
-        capture = sorted({head_info["last_layer"], *head_info["feature_layers"]})
+    capture = head_info.spec.layers if head_info is not None else []
     plain, reading = TargetRunner(target.model), TargetRunner(target.model, capture=capture)
     stops = stop_tokens(target.tokenizer, target.model)
     requests = [(p, t) for p in prompts for t in range(min(len(p.turns), ev.max_turns or len(p.turns)))]
@@ -316,7 +309,7 @@ def run_eval(recipe: Recipe, wandb: str | None = None, show_progress: bool = Tru
     results = {
         "name": recipe.name,
         "target": target.name,
-        "head": head_info,
+        "head": head_info.record() if head_info is not None else None,
         "settings": {"prompts": ev.prompts, "prompt_count": len(prompts), "requests": len(requests),
                      "max_new_tokens": ev.max_new_tokens, "temperature": ev.temperature, "top_k": ev.top_k,
                      "top_p": ev.top_p, "seed": ev.seed, "near_tie": ev.near_tie,

@@ -15,8 +15,6 @@ def export_readme(form: Format, src: HeadSource, written: Written, sidecar: dict
     train = src.config.get("train", {})
     recipe = train.get("recipe", {})
     size = sum(t.numel() * t.element_size() for t in written.tensors.values())
-    layers = (f"fuses the outputs of layers {spec.feature_layers} (0-based) and is matched to layer {spec.last_layer}"
-              if spec.kind == "eagle3" else f"reads layer {spec.last_layer} (0-based), the target's last")
     lines = [
         f"# {ident.get('name')} {spec.kind} head: {form.title}",
         "",
@@ -31,13 +29,9 @@ def export_readme(form: Format, src: HeadSource, written: Written, sidecar: dict
         "",
         "## Head",
         "",
-        f"- {spec.kind}, norms {spec.norms}; {layers}",
+        f"- {spec.kind}, norms {spec.norms}; {spec.family.reads(spec)}",
+        *spec.family.facts(spec),
     ]
-    if spec.kind == "eagle3":
-        lines.append(f"- {spec.ttt_steps} training-time-test steps, draft vocabulary {spec.draft_vocab_size} tokens")
-    if spec.kind == "mtp":
-        lines.append(f"- {spec.mtp_depths} depth(s){', one shared module' if spec.mtp_share else ''}; depth 1 reads "
-                     f"the target's {'final-normed' if spec.mtp_input == 'normed' else 'pre-norm'} state")
     lines += [f"- {len(written.tensors)} tensors, {size / 2**20:.1f} MiB, {str(src.float_dtype).removeprefix('torch.')}",
               "", "## Training recipe", ""]
     if recipe:

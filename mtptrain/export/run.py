@@ -43,7 +43,7 @@ def export_head(head_dir: Path, out: Path, cfg: ExportConfig, check_target: bool
     if cfg.dtype != "as_trained":
         dtype = getattr(torch, cfg.dtype)
         src.state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in src.state.items()}
-    form = format_for(cfg.format, src.spec.kind)
+    form = format_for(cfg.format, src.spec)
     form.check(src, cfg)
     if check_target:  # an export never carries a fingerprint that no check has seen
         src.verify_target()

@@ -19,7 +19,8 @@ from safetensors.torch import load_file
 from mtptrain.config import EMBEDDED_TARGET, TargetConfig
 from mtptrain.export.formats import read_export
 from mtptrain.export.sidecar import ExportError, is_export
-from mtptrain.heads.checkpoint import HeadSpec, head_from, read_head_config
+from mtptrain.heads.checkpoint import head_from, read_head_config
+from mtptrain.heads.spec import HeadSpec
 from mtptrain.heads.common import FrozenTarget
 from mtptrain.target import (
     checkpoint_fingerprint, identity_mismatch, load_frozen_target, load_target, read_weight_map, resolve_local_dir,

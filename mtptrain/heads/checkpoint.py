@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -24,9 +23,7 @@ from torch import nn
 from mtptrain.config import EMBEDDED_TARGET, Recipe
 from mtptrain.errors import MtptrainError
 from mtptrain.heads.common import FrozenTarget
-from mtptrain.heads.eagle import EagleHead
-from mtptrain.heads.eagle3 import DraftVocab, Eagle3Head
-from mtptrain.heads.mtp import MTPHead
+from mtptrain.heads.spec import HeadSpec
 from mtptrain.io import atomic_write, atomic_write_json
 from mtptrain.target import identity_mismatch
 
@@ -41,36 +38,6 @@ PRETRAINED_HEAD = Path(__file__).resolve().parents[2] / "pretrained" / "smollm2-
 
 class HeadCheckpointError(MtptrainError, RuntimeError):
     pass
-
-
-@dataclass
-class HeadSpec:
-    kind: str
-    norms: str = "restored"
-    last_layer: int = -1  # target layer whose states the head reads (eagle, mtp) and is matched to
-    feature_layers: list[int] = field(default_factory=list)  # eagle3: fused layers, low to high
-    ttt_steps: int = 1
-    draft_vocab_size: int = 0
-    mtp_depths: int = 1
-    mtp_share: bool = False
-    mtp_input: str = "raw"  # mtp: the target state depth 1 reads ("normed" or "raw"); absent in older heads = raw
-
-    @property
-    def draft_positions(self) -> int:
-        return {"eagle": 1, "mtp": self.mtp_depths, "eagle3": self.ttt_steps}[self.kind]
-
-
-def build_head(spec: HeadSpec, frozen: FrozenTarget, vocab: DraftVocab | None = None) -> nn.Module:
-    if spec.kind == "eagle":
-        return EagleHead(frozen, norms=spec.norms)
-    if spec.kind == "mtp":
-        return MTPHead(frozen, depths=spec.mtp_depths, share=spec.mtp_share, norms=spec.norms,
-                       target_input=spec.mtp_input)
-    if spec.kind == "eagle3":
-        if vocab is None:  # rebuilt from a checkpoint: the maps come with the weights
-            vocab = DraftVocab.from_counts(Counter(), spec.draft_vocab_size, frozen.config.vocab_size)
-        return Eagle3Head(frozen, vocab, num_features=len(spec.feature_layers))
-    raise ValueError(f"unknown head kind {spec.kind!r}")
 
 
 def save_head(directory: Path, head: nn.Module, spec: HeadSpec, target_identity: dict, extra: dict | None = None,
@@ -113,7 +80,7 @@ def head_from(config: dict, state: dict[str, torch.Tensor], frozen: FrozenTarget
             f"({key} {stored.get(key)}), not for '{target_identity.get('name')}' ({target_identity.get(key)}). "
             "Load it with the target it was trained on.")
     spec = HeadSpec(**config["head"])
-    head = build_head(spec, frozen)
+    head = spec.family.build(spec, frozen)
     head.load_state_dict(state, strict=True)
     return head.to(next(frozen.embed.parameters()).device), spec
 

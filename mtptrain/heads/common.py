@@ -47,6 +47,12 @@ class FrozenTarget:
         return self.lm_head(states.to(self.lm_head.weight.dtype))
 
 
+def as_head_input(states: torch.Tensor, head: nn.Module) -> torch.Tensor:
+    """Target states [n, H] as a batch of one on the head's device, in its weights' dtype."""
+    parameter = next(head.parameters())
+    return states[None].to(parameter.device, parameter.dtype)
+
+
 def head_layer_config(target_config):
     """The target's config for a single-layer head, always with sdpa attention.
 

@@ -12,19 +12,28 @@ logits as the target does: a final RMSNorm, then the frozen LM head.
 "stripped" is the original EAGLE placement for the ablation: no norms in the
 head, and features taken after the target's final norm, fed straight to the
 LM head.
+
+EagleFamily, below, is what the rest of the package asks of the family
+(mtptrain/heads/family.py): its spec, objective, drafters and export format.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
-from mtptrain.heads.common import FrozenTarget, FusionBlock, rms_norm_like
+from mtptrain.heads.common import FrozenTarget, FusionBlock, as_head_input, rms_norm_like
+from mtptrain.heads.family import EagleStyleFamily
+from mtptrain.heads.losses import feature_loss
+from mtptrain.heads.objective import distill_positions, target_mask
+
+if TYPE_CHECKING:
+    from mtptrain.heads.spec import HeadSpec
 
 
 class EagleHead(nn.Module):
-    kind = "eagle"
-
     def __init__(self, target: FrozenTarget, norms: str = "restored"):
         super().__init__()
         self.frozen = target  # a plain attribute: not a submodule, never in state_dict
@@ -42,6 +51,11 @@ class EagleHead(nn.Module):
             return target_hidden
         return self.frozen.final_norm(target_hidden.to(self.frozen.lm_head.weight.dtype)).to(target_hidden.dtype)
 
+    def draft_input(self, hidden: dict[int, torch.Tensor], spec: HeadSpec) -> torch.Tensor:
+        """What the head drafts from, out of the target's captured states (layer -> [n, H]): its last layer's,
+        [1, n, H] in the head's feature space."""
+        return self.features(as_head_input(hidden[spec.last_layer], self))
+
     def forward(self, features: torch.Tensor, next_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 cache=None, mask: torch.Tensor | None = None) -> torch.Tensor:
         """features [B, T, H] at positions t, next_ids [B, T] = x_{t+1}; returns predicted features of t+1."""
@@ -52,3 +66,33 @@ class EagleHead(nn.Module):
 
     def logits(self, predicted: torch.Tensor) -> torch.Tensor:
         return self.frozen.head_logits(self.norm(predicted))
+
+
+class EagleFamily(EagleStyleFamily):
+    kind = "eagle"
+    export_formats = ("eagle",)
+
+    def settings(self, cfg, manifest):
+        return {}
+
+    def build(self, spec, frozen, vocab=None):
+        return EagleHead(frozen, norms=spec.norms)
+
+    def draft_positions(self, spec):
+        return 1
+
+    def objective(self, head, batch, spec, weights, feature_weight, chunk):
+        """Distillation at the one draft position, and EAGLE's regression of the next feature."""
+        ids, last = batch["input_ids"], batch["hidden"][spec.last_layer]
+        out = head(head.features(last[:, :-1]), ids[:, 1:])
+        result = distill_positions([out], [head.logits], head.frozen.target_logits, last, batch["loss_mask"],
+                                   weights, chunk)
+        regression = feature_loss(out, head.features(last[:, 1:]), target_mask(batch["loss_mask"], 1, out.shape[1]))
+        result.loss = result.loss + feature_weight * regression
+        return result
+
+    def draft_layers(self, spec):
+        return [spec.last_layer]
+
+
+EAGLE = EagleFamily()

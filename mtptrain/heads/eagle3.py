@@ -17,18 +17,27 @@ Three differences from EAGLE-1/2:
   target tokens of the training data, with draft->target and target->draft
   maps. Its LM head [N, H] starts as those rows of the target's LM head and
   is trained. The embedding stays the target's own, frozen.
+
+Eagle3Family, at the end, is what the rest of the package asks of the family
+(mtptrain/heads/family.py): its spec, draft vocabulary, objective, drafters and
+export formats.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 import torch
 from torch import nn
 
-from mtptrain.heads.common import FrozenTarget, attention_mask, head_layer_config, rms_norm_like
+from mtptrain.heads.common import FrozenTarget, as_head_input, attention_mask, head_layer_config, rms_norm_like
+from mtptrain.heads.family import EagleStyleFamily, HeadSettingsError
+from mtptrain.heads.objective import distill_positions, given
+
+if TYPE_CHECKING:
+    from mtptrain.heads.spec import HeadSpec
 
 
 @dataclass
@@ -61,8 +70,6 @@ class DraftVocab:
 
 
 class Eagle3Head(nn.Module):
-    kind = "eagle3"
-
     def __init__(self, target: FrozenTarget, vocab: DraftVocab, num_features: int = 3):
         super().__init__()
         config = target.config
@@ -87,6 +94,11 @@ class Eagle3Head(nn.Module):
     def fuse(self, layer_states: list[torch.Tensor]) -> torch.Tensor:
         """The step-0 feature from the target's states at the captured layers, low to high."""
         return self.fc(torch.cat(layer_states, dim=-1))
+
+    def draft_input(self, hidden: dict[int, torch.Tensor], spec: HeadSpec) -> torch.Tensor:
+        """What the head drafts from, out of the target's captured states (layer -> [n, H]): its feature layers,
+        fused [1, n, H]."""
+        return self.fuse([as_head_input(hidden[layer], self) for layer in spec.feature_layers])
 
     def forward(self, feature: torch.Tensor, next_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 cache=None, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -163,3 +175,53 @@ def ttt_mask(length: int, step: int, dtype: torch.dtype, device: torch.device) -
     allowed = [t[None, :] <= t[:, None]] + [t[None, :] == t[:, None]] * step
     mask = torch.zeros(length, (step + 1) * length, dtype=dtype, device=device)
     return mask.masked_fill_(~torch.cat(allowed, dim=1), torch.finfo(dtype).min)[None, None]
+
+
+class Eagle3Family(EagleStyleFamily):
+    kind = "eagle3"
+    export_formats = ("eagle3", "speculators")
+
+    def settings(self, cfg, manifest):
+        captured, last = manifest["layers"], manifest["last_layer"]
+        features = [l for l in captured if l != last] if cfg.feature_layers == "auto" else list(cfg.feature_layers)
+        if not features:
+            raise HeadSettingsError(f"eagle3 fuses inner layers, but the store captured only {captured}: "
+                                    "precompute with precompute.layers=eagle3 (or list the layers)")
+        return {"feature_layers": features, "ttt_steps": cfg.ttt_steps,
+                "draft_vocab_size": min(cfg.draft_vocab_size, manifest["target"]["vocab_size"])}
+
+    def build(self, spec, frozen, vocab=None):
+        if vocab is None:  # rebuilt from a checkpoint: the maps come with the weights
+            vocab = DraftVocab.from_counts(Counter(), spec.draft_vocab_size, frozen.config.vocab_size)
+        return Eagle3Head(frozen, vocab, num_features=len(spec.feature_layers))
+
+    def draft_vocab(self, spec, streams, target_vocab_size):
+        """The training data's most frequent tokens."""
+        return DraftVocab.from_token_streams(streams, spec.draft_vocab_size, target_vocab_size)
+
+    def draft_positions(self, spec):
+        return spec.ttt_steps
+
+    def objective(self, head, batch, spec, weights, feature_weight, chunk):
+        """Distillation at every TTT step, over the draft vocabulary, scored against the target's
+        full-vocabulary choice. Both come from one pass of the target's LM head over the batch; each step reads
+        a shifted slice."""
+        last = batch["hidden"][spec.last_layer]
+        fused = head.fuse([batch["hidden"][layer] for layer in spec.feature_layers])
+        outputs = head.unroll(fused, batch["input_ids"], spec.ttt_steps)
+        top, table = head.target_tables(last, chunk)
+        return distill_positions(outputs, [head.logits] * len(outputs), given, table, batch["loss_mask"], weights,
+                                 chunk, to_target=head.to_target, target_top=top)
+
+    def draft_layers(self, spec):
+        return list(spec.feature_layers)
+
+    def reads(self, spec):
+        return (f"fuses the outputs of layers {list(spec.feature_layers)} (0-based) and is matched to layer "
+                f"{spec.last_layer}")
+
+    def facts(self, spec):
+        return [f"- {spec.ttt_steps} training-time-test steps, draft vocabulary {spec.draft_vocab_size} tokens"]
+
+
+EAGLE3 = Eagle3Family()

@@ -17,6 +17,10 @@ layer (the model's output hidden states), so an exported head reads the same
 kind of state it was trained on. (vLLM also zeroes the embedding at position 0
 of a sequence; the head does not.) `"raw"` reads the pre-norm residual stream,
 the stored feature itself; heads saved before the option existed are raw.
+
+MTPFamily, at the end, is what the rest of the package asks of the family
+(mtptrain/heads/family.py): its spec, objective, chain drafter (and why it has
+no tree or SSD drafter) and export format.
 """
 
 from __future__ import annotations
@@ -24,12 +28,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from mtptrain.engine.mtp_chain import MTPChainProposer
+from mtptrain.engine.verify import Sampling
 from mtptrain.heads.common import FrozenTarget, FusionBlock, rms_norm_like
+from mtptrain.heads.family import ChainLimit, HeadFamily
+from mtptrain.heads.objective import distill_positions
 
 
 class MTPHead(nn.Module):
-    kind = "mtp"
-
     def __init__(self, target: FrozenTarget, depths: int = 1, share: bool = False, norms: str = "restored",
                  target_input: str = "normed"):
         super().__init__()
@@ -79,3 +85,45 @@ class MTPHead(nn.Module):
 
     def logits(self, predicted: torch.Tensor, depth: int) -> torch.Tensor:
         return self.frozen.head_logits(self.head_norms[self._index(depth)](predicted))
+
+
+class MTPFamily(HeadFamily):
+    kind = "mtp"
+    export_formats = ("deepseek-mtp",)
+    no_tree = "MTP heads draft chains only; use an eagle or eagle3 head for trees"
+    no_ssd = ("an MTP head drafts all its depths from one target state, so there is nothing to pre-draft per "
+              "outcome; use an eagle or eagle3 head, or ssd-draft")
+
+    def settings(self, cfg, manifest):
+        return {"mtp_depths": cfg.mtp_depths, "mtp_share": cfg.mtp_share, "mtp_input": cfg.mtp_input}
+
+    def build(self, spec, frozen, vocab=None):
+        return MTPHead(frozen, depths=spec.mtp_depths, share=spec.mtp_share, norms=spec.norms,
+                       target_input=spec.mtp_input)
+
+    def draft_positions(self, spec):
+        return spec.mtp_depths
+
+    def objective(self, head, batch, spec, weights, feature_weight, chunk):
+        """Distillation at every depth, each through its own output norm."""
+        last = batch["hidden"][spec.last_layer]
+        outputs = head(last, batch["input_ids"])
+        logits = [lambda x, d=depth: head.logits(x, d) for depth in range(1, len(outputs) + 1)]
+        return distill_positions(outputs, logits, head.frozen.target_logits, last, batch["loss_mask"], weights, chunk)
+
+    def draft_layers(self, spec):
+        return [spec.last_layer]
+
+    def chain(self, head, spec, sampling=Sampling(), seed=0):
+        return MTPChainProposer(head, spec, sampling, seed)
+
+    def chain_limit(self, spec):
+        depths = spec.mtp_depths
+        return ChainLimit(depths, f"an MTP head with {depths} depths drafts at most {depths} tokens")
+
+    def facts(self, spec):
+        return [f"- {spec.mtp_depths} depth(s){', one shared module' if spec.mtp_share else ''}; depth 1 reads the "
+                f"target's {'final-normed' if spec.mtp_input == 'normed' else 'pre-norm'} state"]
+
+
+MTP = MTPFamily()

@@ -14,8 +14,9 @@ checkpoint at the next optimizer step and return; the trainer then leaves a
 REQUEUE file there with the step and checkpoint, and the job requeues itself.
 Running the same command again resumes from that checkpoint.
 
-The head module itself knows nothing of this: the loss comes from
-`objective.batch_objective`, through the head's own forward code.
+The head module itself knows nothing of this: the loss comes from the
+objective of the head's family (mtptrain/heads/family.py), through the head's
+own forward code.
 """
 
 from __future__ import annotations
@@ -36,23 +37,23 @@ import torch
 import torch.distributed as torch_dist
 from tqdm import tqdm
 
-from mtptrain.config import HeadConfig, Recipe, TrainConfig, dump_recipe
+from mtptrain.config import Recipe, TrainConfig, dump_recipe
 from mtptrain.dist import DistInfo, destroy_process_group, pick_device, slurm_rendezvous
 from mtptrain.errors import MtptrainError
-from mtptrain.export.formats import FORMATS
 from mtptrain.export.run import export_head
 from mtptrain.export.sidecar import ExportError
-from mtptrain.features.store import FeatureStore, FeatureStoreError, load_manifest
+from mtptrain.features.store import FeatureStore, load_manifest
 from mtptrain.heads import FrozenTarget
-from mtptrain.heads.checkpoint import HeadSpec, build_head, save_head
+from mtptrain.heads.checkpoint import save_head
 from mtptrain.heads.eagle3 import DraftVocab
+from mtptrain.heads.objective import step_weights
+from mtptrain.heads.spec import HeadSpec
 from mtptrain.io import atomic_write_json
 from mtptrain.target import (
     ARCHITECTURE_FIELDS, Target, checkpoint_fingerprint, compared_fields, load_frozen_target, load_target,
 )
 from mtptrain.train.data import BatchPlan, loader, steps_for
 from mtptrain.train.metrics import MetricsLog
-from mtptrain.train.objective import batch_objective, step_weights
 
 log = logging.getLogger(__name__)
 
@@ -67,22 +68,6 @@ class RunMismatch(MtptrainError, RuntimeError):
 
 STOP_FILE = "STOP"  # in the run directory: checkpoint at the next step and stop
 REQUEUE_FILE = "REQUEUE"  # left by a run that stopped on request: where it stopped
-
-
-def head_spec(cfg: HeadConfig, manifest: dict) -> HeadSpec:
-    captured = manifest["layers"]
-    last = manifest["last_layer"]
-    features: list[int] = []
-    if cfg.kind == "eagle3":
-        features = [l for l in captured if l != last] if cfg.feature_layers == "auto" else list(cfg.feature_layers)
-        if not features:
-            raise FeatureStoreError(f"eagle3 fuses inner layers, but the store captured only {captured}: "
-                             "precompute with precompute.layers=eagle3 (or list the layers)")
-    vocab = min(cfg.draft_vocab_size, manifest["target"]["vocab_size"]) if cfg.kind == "eagle3" else 0
-    return HeadSpec(kind=cfg.kind, norms=cfg.norms, last_layer=last, feature_layers=features,
-                    ttt_steps=cfg.ttt_steps if cfg.kind == "eagle3" else 1, draft_vocab_size=vocab,
-                    mtp_depths=cfg.mtp_depths if cfg.kind == "mtp" else 1, mtp_share=cfg.mtp_share,
-                    mtp_input=cfg.mtp_input if cfg.kind == "mtp" else "raw")
 
 
 def pick_precision(requested: str, device: torch.device) -> str:
@@ -200,9 +185,9 @@ class Trainer:
         self.run_dir = Path(self.cfg.output_dir)
         self.ckpt_dir = self.run_dir / "checkpoints"
         manifest = load_manifest(Path(self.cfg.features))
-        self.spec = head_spec(recipe.head, manifest)
+        self.spec = HeadSpec.of(recipe.head, manifest)
         self.target = _load_frozen_parts(recipe, manifest, dist)
-        layers = sorted({self.spec.last_layer, *self.spec.feature_layers})
+        layers = self.spec.layers
         identity = _identity_to_check(recipe, self.target)
         # Refused here, before any training: a store of another target, or without the layers the head reads.
         self.train_store = FeatureStore(self.cfg.features, "train", target=identity, layers=layers)
@@ -224,16 +209,14 @@ class Trainer:
     # ------------------------------------------------------------------ set-up
 
     def _draft_vocab(self) -> DraftVocab | None:
-        if self.spec.kind != "eagle3":
-            return None
         store = self.train_store
-        streams = (store.token_ids(i, assistant_only=True) for i in range(len(store)))
-        return DraftVocab.from_token_streams(streams, self.spec.draft_vocab_size, self.target.vocab_size)
+        streams = (store.token_ids(i, assistant_only=True) for i in range(len(store)))  # read only if needed
+        return self.spec.family.draft_vocab(self.spec, streams, self.target.vocab_size)
 
     def _engine(self):
         torch.manual_seed(self.cfg.seed)
         frozen = FrozenTarget.of(self.target.model)
-        head = build_head(self.spec, frozen, self._draft_vocab()).to(self.device)
+        head = self.spec.family.build(self.spec, frozen, self._draft_vocab()).to(self.device)
         config = deepspeed_config(self.cfg, self.steps, self.dist.world_size, self.precision, self.device.type)
         if self.dist.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -293,8 +276,8 @@ class Trainer:
                 started = time.perf_counter()
                 totals["wait"] += started - clock
                 batch = _to_device(batch, self.device, dtype)
-                result = batch_objective(head, batch, self.spec.last_layer, self.spec.feature_layers, self.weights,
-                                         self.recipe.head.feature_weight, self.spec.ttt_steps, self.cfg.loss_chunk)
+                result = self.spec.family.objective(head, batch, self.spec, self.weights, self.recipe.head.feature_weight,
+                                                    self.cfg.loss_chunk)
                 unhealthy += 0.0 if torch.isfinite(result.loss) else 1.0
                 engine.backward(result.loss)
                 engine.step()
@@ -426,12 +409,13 @@ def log_head_artifact(run, recipe: Recipe, head_dir: Path, summary: dict) -> Non
     import wandb
 
     config = json.loads((head_dir / "config.json").read_text())
-    spec, checked = config["head"], config.get("target_checked", [])
-    artifact = wandb.Artifact(f"{recipe.name}-head", type="model", metadata={"head": spec, "steps": summary["steps"]})
+    checked = config.get("target_checked", [])
+    artifact = wandb.Artifact(f"{recipe.name}-head", type="model",
+                              metadata={"head": config["head"], "steps": summary["steps"]})
     artifact.add_dir(str(head_dir), name="head")
-    fmt = recipe.export.format
-    if spec["kind"] not in FORMATS[fmt].kinds:
-        fmt = next((f.name for f in FORMATS.values() if spec["kind"] in f.kinds), None)
+    fmt, formats = recipe.export.format, HeadSpec(**config["head"]).family.export_formats
+    if fmt not in formats:
+        fmt = formats[0]
     try:
         out = head_dir.parent / "export" / fmt
         export_head(head_dir, out, recipe.export.model_copy(update={"format": fmt}),
@@ -486,8 +470,8 @@ def score_store(head, spec: HeadSpec, store: FeatureStore, batch_size: int, weig
     if dist is not None:
         batches = batches[dist.rank :: dist.world_size]
     for batch in loader(store, batches, 0):
-        window.add(batch_objective(head, _to_device(batch, device, dtype), spec.last_layer, spec.feature_layers,
-                                   weights, feature_weight, spec.ttt_steps, loss_chunk))
+        window.add(spec.family.objective(head, _to_device(batch, device, dtype), spec, weights, feature_weight,
+                                         loss_chunk))
     return window
 
 

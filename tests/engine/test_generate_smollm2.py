@@ -1,8 +1,6 @@
 """Exactness on the real embedded target, in float32, for every proposer: speculative output equals plain
 greedy decoding, or differs first at a near-tie that batched verification may break the other way."""
 
-from collections import Counter
-
 import pytest
 import torch
 
@@ -17,8 +15,7 @@ from mtptrain.engine.ngram import NgramProposer
 from mtptrain.engine.runner import TargetRunner
 from mtptrain.engine.suffix_index import SuffixIndexProposer
 from mtptrain.heads import FrozenTarget
-from mtptrain.heads.checkpoint import HeadSpec, build_head
-from mtptrain.heads.eagle3 import DraftVocab
+from mtptrain.heads.spec import HeadSpec
 from mtptrain.target import load_target
 
 pytestmark = pytest.mark.real_model
@@ -53,9 +50,7 @@ def requests(smollm2):
 
 def _random_head(model, spec):
     torch.manual_seed(0)
-    frozen = FrozenTarget.of(model)
-    vocab = DraftVocab.from_counts(Counter(range(2048)), 2048, model.config.vocab_size) if spec.kind == "eagle3" else None
-    return build_head(spec, frozen, vocab)
+    return spec.family.build(spec, FrozenTarget.of(model))  # eagle3: the draft vocabulary is ids 0..2047
 
 
 def _proposers(model):

@@ -1,7 +1,5 @@
 """The head chain: exact output whatever the head, and a head cache rebuilt from the target's true states."""
 
-from collections import Counter
-
 import pytest
 import torch
 from conftest import make_tiny_llama
@@ -12,8 +10,7 @@ from mtptrain.engine.head_chain import HeadChainProposer
 from mtptrain.engine.runner import TargetRunner
 from mtptrain.engine.verify import Sampling
 from mtptrain.heads import FrozenTarget
-from mtptrain.heads.checkpoint import HeadSpec, build_head
-from mtptrain.heads.eagle3 import DraftVocab
+from mtptrain.heads.spec import HeadSpec
 
 SPECS = {"eagle": HeadSpec("eagle", last_layer=3),
          "eagle3": HeadSpec("eagle3", last_layer=3, feature_layers=[0, 1, 2], ttt_steps=2, draft_vocab_size=400)}
@@ -42,9 +39,8 @@ def _setup(kind):
     model = make_tiny_llama(400, seed=3).double()
     spec = SPECS[kind]
     torch.manual_seed(0)
-    vocab = DraftVocab.from_counts(Counter(), 400, 400) if kind == "eagle3" else None
-    head = build_head(spec, FrozenTarget.of(model), vocab).double()
-    runner = TargetRunner(model, capture=sorted({spec.last_layer, *spec.feature_layers}))
+    head = spec.family.build(spec, FrozenTarget.of(model)).double()
+    runner = TargetRunner(model, capture=spec.layers)
     return model, spec, head, runner
 
 
@@ -104,7 +100,7 @@ def test_sampling_with_head_drafts_stays_exact_in_law(kind):
     spec = HeadSpec(kind, last_layer=3, mtp_depths=2)
     drafter = HeadChainProposer if kind == "eagle" else MTPChainProposer
     torch.manual_seed(0)
-    head = build_head(spec, FrozenTarget.of(model)).double()
+    head = spec.family.build(spec, FrozenTarget.of(model)).double()
     prompt, sampling = [1, 5, 7, 2], Sampling(temperature=1.0)
     exact = exact_two_token_law(model, prompt, sampling)
     make = lambda seed: drafter(head, spec, sampling, seed=seed)  # noqa: E731
@@ -135,7 +131,7 @@ def test_a_trained_and_exported_head_is_accepted_by_the_engine(tiny_target_dir, 
     target = load_target(TargetConfig(model=str(tiny_target_dir)))
     head, spec = load_head(tmp_path / "run" / "head", FrozenTarget.of(target.model), target.identity())
     runner = TargetRunner(target.model, capture=[spec.last_layer])
-    untrained = build_head(spec, FrozenTarget.of(target.model))
+    untrained = spec.family.build(spec, FrozenTarget.of(target.model))
     prompt = target.tokenizer.apply_chat_template([{"role": "user", "content": "the word is hot and you see"}],
                                                   add_generation_prompt=True)
     prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
@@ -191,7 +187,7 @@ def test_mtp_chain_output_is_the_targets_greedy_output_and_its_caches_hold_the_t
 
     model = make_tiny_llama(400, seed=3).double()
     torch.manual_seed(0)
-    head = build_head(spec, FrozenTarget.of(model)).double()
+    head = spec.family.build(spec, FrozenTarget.of(model)).double()
     runner = TargetRunner(model, capture=[spec.last_layer])
     prompt = torch.randint(0, 400, (9,), generator=torch.Generator().manual_seed(1)).tolist()
     reference = generate(TargetRunner(model), prompt, 30).tokens
@@ -230,7 +226,7 @@ def test_mtp_chain_drafts_from_a_one_token_prompt():
     model = make_tiny_llama(400, seed=3).double()
     spec = HeadSpec("mtp", last_layer=3, mtp_depths=3)
     torch.manual_seed(0)
-    head = build_head(spec, FrozenTarget.of(model)).double()
+    head = spec.family.build(spec, FrozenTarget.of(model)).double()
     reference = generate(TargetRunner(model), [7], 12).tokens
     result = generate(TargetRunner(model, capture=[3]), [7], 12, MTPChainProposer(head, spec), k=3)
     assert result.tokens == reference and result.stats.proposed[0] > 0

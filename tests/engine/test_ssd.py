@@ -213,14 +213,14 @@ def head_parts():
 
     from mtptrain.engine.ssd import HeadParts
     from mtptrain.heads import FrozenTarget
-    from mtptrain.heads.checkpoint import HeadSpec, build_head
+    from mtptrain.heads.spec import HeadSpec
     from mtptrain.heads.eagle3 import DraftVocab
 
     spec = HeadSpec("eagle3", last_layer=3, feature_layers=[0, 1, 2], ttt_steps=2, draft_vocab_size=40)
     model = varied_model()
     torch.manual_seed(5)
     vocab = DraftVocab.from_counts(Counter({t: 64 - t for t in range(64)}), 40, 64)
-    head = build_head(spec, FrozenTarget.of(model), vocab).double()
+    head = spec.family.build(spec, FrozenTarget.of(model), vocab).double()
     for param in head.parameters():  # random weights large enough that the head's choices vary
         param.data.normal_(0, 0.3) if param.dim() > 1 else None
     return HeadParts(head, spec, 64)

@@ -2,7 +2,6 @@
 checked, results written as JSON, Markdown and PNG (and to W&B)."""
 
 import json
-from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -12,16 +11,15 @@ from typer.testing import CliRunner
 from mtptrain.cli import app
 from mtptrain.config import TargetConfig
 from mtptrain.heads import FrozenTarget
-from mtptrain.heads.checkpoint import HeadSpec, build_head, save_head
-from mtptrain.heads.eagle3 import DraftVocab
+from mtptrain.heads.checkpoint import save_head
+from mtptrain.heads.spec import HeadSpec
 from mtptrain.target import load_target
 
 
 def save_random_head(target_dir: Path, out: Path, spec: HeadSpec) -> Path:
     target = load_target(TargetConfig(model=str(target_dir)))
     torch.manual_seed(0)
-    vocab = DraftVocab.from_counts(Counter(), spec.draft_vocab_size, target.vocab_size) if spec.kind == "eagle3" else None
-    save_head(out, build_head(spec, FrozenTarget.of(target.model), vocab), spec, target.identity())
+    save_head(out, spec.family.build(spec, FrozenTarget.of(target.model)), spec, target.identity())
     return out
 
 

@@ -9,7 +9,8 @@ import torch
 from conftest import make_tiny_llama, make_tokenizer
 
 from mtptrain.heads import FrozenTarget
-from mtptrain.heads.checkpoint import HeadSpec, build_head, save_head
+from mtptrain.heads.checkpoint import save_head
+from mtptrain.heads.spec import HeadSpec
 from mtptrain.heads.eagle3 import DraftVocab
 
 EAGLE3 = HeadSpec("eagle3", last_layer=5, feature_layers=[1, 2, 4], ttt_steps=2, draft_vocab_size=64)
@@ -63,7 +64,7 @@ def save_trained_like_head(target_dir: Path, out: Path, spec: HeadSpec, seed: in
     counts = Counter({i: 1000 - i for i in range(0, model.config.vocab_size, 5)})
     vocab = DraftVocab.from_counts(counts, spec.draft_vocab_size, model.config.vocab_size) if spec.draft_vocab_size else None
     torch.manual_seed(seed)
-    head = build_head(spec, FrozenTarget.of(model), vocab)
+    head = spec.family.build(spec, FrozenTarget.of(model), vocab)
     with torch.no_grad():
         for p in head.parameters():
             p.add_(torch.randn_like(p) * 0.05)

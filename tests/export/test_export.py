@@ -4,6 +4,7 @@ exports fail with the reason; layer ids are numbered as each engine counts them;
 import json
 import re
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 import torch
@@ -13,8 +14,6 @@ from typer.testing import CliRunner
 
 from mtptrain.cli import app
 from mtptrain.engine.generate import generate
-from mtptrain.engine.head_chain import HeadChainProposer
-from mtptrain.engine.mtp_chain import MTPChainProposer
 from mtptrain.engine.runner import TargetRunner
 from mtptrain.config import ExportConfig
 from mtptrain.export.run import export_head
@@ -24,7 +23,8 @@ from mtptrain.export.formats.eagle3 import sglang_layer_ids, vllm_layer_ids
 from mtptrain.export.source import open_head
 from mtptrain.heads import FrozenTarget
 from mtptrain.export.source import load_head_directory
-from mtptrain.heads.checkpoint import HeadSpec, build_head, save_head
+from mtptrain.heads.checkpoint import save_head
+from mtptrain.heads.spec import HeadSpec
 from mtptrain.heads.eagle3 import DraftVocab
 from mtptrain.target import LayerCapture
 
@@ -33,7 +33,7 @@ from export_helpers import (EAGLE3, SPECS, eval_args, identity, save_trained_lik
 
 def drafts(model, head, spec, prompt: list[int], k: int = 3) -> list[list[int]]:
     """Every draft the head proposes while greedy decoding runs 24 tokens."""
-    proposer = MTPChainProposer(head, spec) if spec.kind == "mtp" else HeadChainProposer(head, spec)
+    proposer = spec.family.chain(head, spec)
     seen, propose = [], proposer.propose
 
     def logged(tokens, kk):
@@ -42,8 +42,7 @@ def drafts(model, head, spec, prompt: list[int], k: int = 3) -> list[list[int]]:
         return draft, probs
 
     proposer.propose = logged
-    capture = sorted({spec.last_layer, *spec.feature_layers})
-    generate(TargetRunner(model, capture=capture), prompt, 24, proposer, k=min(k, spec.draft_positions + 2))
+    generate(TargetRunner(model, capture=spec.layers), prompt, 24, proposer, k=min(k, spec.draft_positions + 2))
     return seen
 
 
@@ -209,7 +208,7 @@ def test_a_qwen2_layer_is_refused_by_the_llama_eagle3_formats(tmp_path):
     Qwen2ForCausalLM(config).save_pretrained(target)
     spec = HeadSpec("eagle3", last_layer=5, feature_layers=[1, 2, 4], draft_vocab_size=32)
     model = Qwen2ForCausalLM.from_pretrained(target)
-    head = build_head(spec, FrozenTarget.of(model), DraftVocab.from_counts(Counter(), 32, 300))
+    head = spec.family.build(spec, FrozenTarget.of(model), DraftVocab.from_counts(Counter(), 32, 300))
     save_head(tmp_path / "head", head, spec, identity(target), {"train": {"recipe": {"target": {"model": str(target)}}}})
     with pytest.raises(ExportError, match=r"qwen2 layer with tensors a Llama layer lacks \(self_attn.k_proj.bias"):
         export_head(tmp_path / "head", tmp_path / "out", ExportConfig(format="eagle3"))
@@ -291,8 +290,8 @@ def test_mtp_depth_one_reads_the_final_normed_state_when_normed():
     frozen = FrozenTarget.of(model)
     spec = HeadSpec("mtp", last_layer=3, mtp_depths=1)
     torch.manual_seed(0)
-    normed = build_head(HeadSpec(**{**spec.__dict__, "mtp_input": "normed"}), frozen)
-    raw = build_head(HeadSpec(**{**spec.__dict__, "mtp_input": "raw"}), frozen)
+    normed = spec.family.build(replace(spec, mtp_input="normed"), frozen)
+    raw = spec.family.build(replace(spec, mtp_input="raw"), frozen)
     raw.load_state_dict(normed.state_dict())
     hidden, ids = torch.randn(1, 5, 64) * 3, torch.randint(0, 100, (1, 5))
     assert torch.allclose(normed.step(1, hidden, ids), raw.step(1, frozen.final_norm(hidden), ids))

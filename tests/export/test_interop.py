@@ -17,7 +17,7 @@ from mtptrain.config import ExportConfig
 from mtptrain.export.run import export_head
 from mtptrain.heads import FrozenTarget
 from mtptrain.export.source import load_head_directory
-from mtptrain.heads.checkpoint import HeadSpec
+from mtptrain.heads.spec import HeadSpec
 from mtptrain.target import LayerCapture
 
 from export_helpers import identity, save_trained_like_head, target_dir, target_model  # noqa: F401

@@ -6,7 +6,8 @@ from conftest import make_tiny_llama
 from safetensors.torch import load_file
 
 from mtptrain.heads import FrozenTarget
-from mtptrain.heads.checkpoint import HeadCheckpointError, HeadSpec, build_head, load_head, save_head
+from mtptrain.heads.checkpoint import HeadCheckpointError, load_head, save_head
+from mtptrain.heads.spec import HeadSpec
 from mtptrain.heads.eagle3 import DraftVocab
 
 IDENTITY = {"name": "tiny", "fingerprint": "aaa", "tokenizer_fingerprint": "ttt"}
@@ -20,7 +21,7 @@ def test_saved_head_loads_back_identical_and_refuses_another_target(spec, tmp_pa
     frozen = FrozenTarget.of(make_tiny_llama(400))
     torch.manual_seed(0)
     vocab = DraftVocab.from_counts(Counter({i: 400 - i for i in range(0, 400, 3)}), 50, 400)
-    head = build_head(spec, frozen, vocab if spec.kind == "eagle3" else None)
+    head = spec.family.build(spec, frozen, vocab if spec.kind == "eagle3" else None)
     with torch.no_grad():
         for p in head.parameters():
             p.add_(torch.randn_like(p) * 0.01)  # not the initial values

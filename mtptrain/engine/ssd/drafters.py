@@ -9,7 +9,6 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from mtptrain.engine.head_chain import head_features
 from mtptrain.engine.runner import cut_cache
 from mtptrain.engine.ssd.policy import saguaro_distribution
 from mtptrain.engine.verify import Sampling, distribution
@@ -135,8 +134,6 @@ class HeadDraft(_Drafter):
     """
 
     def __init__(self, head, spec, sampling: Sampling, factor: float, seed: int, vocab_size: int):
-        if spec.kind not in ("eagle", "eagle3"):
-            raise ValueError(f"SSD drafts with an eagle or eagle3 head, not {spec.kind!r}")
         super().__init__(sampling, factor, seed)
         self.head, self.spec, self.vocab_size = head.eval(), spec, vocab_size
         self.to_target = getattr(head, "draft_to_target", None)
@@ -154,7 +151,7 @@ class HeadDraft(_Drafter):
         """The target's states [n, H] at positions true_length .. +n-1, and the n tokens that follow them."""
         cut_cache(self.cache, true_length)
         self.base = self.base[: true_length + 1] + list(next_tokens)
-        features = head_features(self.head, self.spec, hidden)
+        features = self.head.draft_input(hidden, self.spec)
         ids = torch.tensor([next_tokens], device=self.device)
         self.outs = [self.head(features, ids, cache=self.cache)[:, -1:]]
         self.cached = list(self.base)

@@ -22,17 +22,17 @@ from mtptrain.export.formats.eagle import Eagle
 from mtptrain.export.formats.eagle3 import Eagle3, Speculators
 from mtptrain.export.formats.mtp import DeepSeekMTP
 from mtptrain.export.sidecar import SIDECAR, ExportError, read_sidecar, sidecar_weights
+from mtptrain.heads.spec import HeadSpec
 
 FORMATS: dict[str, Format] = {f.name: f for f in (Eagle3(), Speculators(), Eagle(), DeepSeekMTP())}
 
 __all__ = ["FORMATS", "Format", "Written", "format_for", "read_export"]
 
 
-def format_for(name: str, kind: str) -> Format:
-    """The format `name`, refused when it cannot hold a head of family `kind` (naming those that can)."""
-    form = FORMATS[name]
-    if kind not in form.kinds:
-        fits = [f.name for f in FORMATS.values() if kind in f.kinds]
+def format_for(name: str, spec: HeadSpec) -> Format:
+    """The format `name`, refused when it cannot hold the head `spec` describes (naming those that can)."""
+    form, fits, kind = FORMATS[name], spec.family.export_formats, spec.kind
+    if name not in fits:
         raise ExportError(f"a {kind} head cannot be exported as {form.name} ({form.title}), which holds "
                           f"{' or '.join(form.kinds)} heads only; formats for {kind} heads: {', '.join(fits) or 'none'}")
     return form

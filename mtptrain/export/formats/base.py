@@ -10,6 +10,7 @@ import torch
 
 from mtptrain.config import ExportConfig
 from mtptrain.export.sidecar import ExportError
+from mtptrain.heads.spec import FAMILIES
 
 if TYPE_CHECKING:
     from mtptrain.export.source import HeadSource
@@ -30,7 +31,11 @@ class Written:
 class Format(ABC):
     name = ""
     title = ""
-    kinds: tuple[str, ...] = ()
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The head families this format holds: each family lists the formats that hold it."""
+        return tuple(kind for kind, family in FAMILIES.items() if self.name in family.export_formats)
 
     def check(self, src: HeadSource, cfg: ExportConfig) -> None:
         """Raise ExportError when the format cannot express this head (its family is checked by `format_for`)."""

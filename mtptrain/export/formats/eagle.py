@@ -24,7 +24,6 @@ def eagle_names() -> dict[str, str]:
 class Eagle(Format):
     name = "eagle"
     title = "EAGLE-1/2 draft for the official EAGLE code and SGLang"
-    kinds = ("eagle",)
 
     def check(self, src, cfg):
         super().check(src, cfg)

@@ -85,7 +85,6 @@ NORM_FLAGS = {"norm_before_residual": False, "norm_before_fc": False, "fc_norm":
 class Eagle3(Format):
     name = "eagle3"
     title = "EAGLE-3 draft for SGLang and vLLM"
-    kinds = ("eagle3",)
     layer_prefix = "midlayer."
 
     def check(self, src, cfg):
@@ -95,7 +94,7 @@ class Eagle3(Format):
 
     def write(self, src: HeadSource, cfg: ExportConfig) -> Written:
         vllm_ids = vllm_layer_ids(src)
-        sglang_ids = sglang_layer_ids(src.spec.feature_layers, cfg.sglang_ids)
+        sglang_ids = sglang_layer_ids(list(src.spec.feature_layers), cfg.sglang_ids)
         tensors = renamed(src.state, eagle3_names(self.layer_prefix)) | vocab_maps(src)
         config = {
             "architectures": ["LlamaForCausalLMEagle3"],
@@ -108,7 +107,7 @@ class Eagle3(Format):
             "bias": False,
             **NORM_FLAGS,
         }
-        notes = [f"feature layers (0-based outputs) {src.spec.feature_layers}: vLLM ids {vllm_ids} "
+        notes = [f"feature layers (0-based outputs) {list(src.spec.feature_layers)}: vLLM ids {vllm_ids} "
                  f"(top-level eagle_aux_hidden_state_layer_ids), SGLang ids {sglang_ids} "
                  "(eagle_config.eagle_aux_hidden_state_layer_ids)",
                  "no embedding: both engines use the target's own",
@@ -174,7 +173,7 @@ class Speculators(Eagle3):
             "torch_dtype": layer["torch_dtype"],
         }
         notes = [f"verifier: {verifier} (vllm serve loads it as the target; it must resolve on the serving machine)",
-                 f"feature layers (0-based outputs) {src.spec.feature_layers}: eagle_aux_hidden_state_layer_ids "
+                 f"feature layers (0-based outputs) {list(src.spec.feature_layers)}: eagle_aux_hidden_state_layer_ids "
                  f"{vllm_ids}",
                  "no top-level model_type: vLLM recognises the format by speculators_config",
                  "embed_tokens is the target's own embedding: speculators needs it in the file; vLLM shares the "

@@ -39,7 +39,6 @@ def mtp_names(layer_names: list[str], n_layers: int, modules: int) -> dict[str, 
 class DeepSeekMTP(Format):
     name = "deepseek-mtp"
     title = "DeepSeek-V3 style MTP layers"
-    kinds = ("mtp",)
 
     def check(self, src, cfg):
         super().check(src, cfg)

@@ -5,10 +5,10 @@ import pytest
 import torch
 from conftest import make_tiny_llama
 
-import mtptrain.train.objective as objective
+import mtptrain.heads.objective as objective
 from mtptrain.heads import FrozenTarget
-from mtptrain.heads.checkpoint import HeadSpec, build_head
 from mtptrain.heads.losses import DistillStats, distill_loss
+from mtptrain.heads.spec import HeadSpec
 
 LENGTHS = [7, 4]  # the second sample is right-padded to 7
 
@@ -37,12 +37,11 @@ def test_position_p_at_t_is_matched_to_state_t_plus_p_and_mask_of_token_t_plus_1
         return DistillStats(predicted.sum() * 0.0, 0.0, 0, 0)
 
     monkeypatch.setattr(objective, "distill_loss", record)
-    head = build_head(spec, FrozenTarget.of(make_tiny_llama(400)))
+    head = spec.family.build(spec, FrozenTarget.of(make_tiny_llama(400)))
     if spec.kind == "eagle3":  # its target logits are tabled once per batch: let the table carry the coordinates
         head.target_tables = lambda hidden, chunk: (hidden[..., 0].long(), hidden)
     batch = _batch()
-    objective.batch_objective(head, batch, 3, spec.feature_layers, [1.0] * spec.draft_positions, 0.1,
-                              spec.ttt_steps, 64)
+    spec.family.objective(head, batch, spec, [1.0] * spec.draft_positions, 0.1, 64)
     assert len(calls) == spec.draft_positions
     for p, (target, mask, width) in enumerate(calls, start=1):
         for b, n in enumerate(LENGTHS):
@@ -59,7 +58,7 @@ def test_eagle3_agreement_is_the_targets_full_vocabulary_choice_at_each_position
     torch.manual_seed(0)
     target = make_tiny_llama(400)
     spec = HeadSpec("eagle3", last_layer=3, feature_layers=[0, 1, 2], ttt_steps=3, draft_vocab_size=50)
-    head = build_head(spec, FrozenTarget.of(target))
+    head = spec.family.build(spec, FrozenTarget.of(target))
     batch = _batch()
     batch["hidden"] = {k: torch.randn_like(v) for k, v in batch["hidden"].items()}
     batch["loss_mask"] = (torch.arange(7)[None] < torch.tensor(LENGTHS)[:, None]).long()
@@ -71,7 +70,7 @@ def test_eagle3_agreement_is_the_targets_full_vocabulary_choice_at_each_position
         assert 300 not in head.draft_to_target.tolist()
         for t in range(7):
             batch["hidden"][3][:, t] = 10 * target.model.embed_tokens.weight[tokens[t % 3]]
-        result = objective.batch_objective(head, batch, 3, [0, 1, 2], [1.0] * 3, 0.1, 3, chunk=3)
+        result = spec.family.objective(head, batch, spec, [1.0] * 3, 0.1, chunk=3)
         fused = head.fuse([batch["hidden"][layer] for layer in (0, 1, 2)])
         outputs = head.unroll(fused, batch["input_ids"], 3)
         last = batch["hidden"][3]
@@ -85,7 +84,7 @@ def test_eagle3_agreement_is_the_targets_full_vocabulary_choice_at_each_position
                         count += 1
             assert (stats.correct, stats.count) == (correct, count)
             # the loss from the batch's one LM-head pass equals the loss from the head's own draft-vocab rows
-            m = objective._target_mask(batch["loss_mask"], p, out.shape[1])
+            m = objective.target_mask(batch["loss_mask"], p, out.shape[1])
             direct = distill_loss(head.logits, head.target_logits, out, last[:, p:p + out.shape[1]], m, 3)
             assert torch.allclose(stats.loss, direct.loss, atol=1e-5) and abs(stats.kl - direct.kl) < 1e-5
     assert 0 < sum(s.correct for s in result.positions) < sum(s.count for s in result.positions)
