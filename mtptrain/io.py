@@ -11,11 +11,8 @@ import json
 import os
 import secrets
 import socket
-
 from pathlib import Path
 from typing import Any, Callable
-
-from mtptrain.errors import MtptrainError
 
 _CHUNK = 8 << 20
 
@@ -56,11 +53,7 @@ def atomic_write_json(path: Path, obj: Any) -> None:
     atomic_write_text(Path(path), json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
 
-class UnsafePathError(MtptrainError, ValueError):
-    """A file names a path that leaves the directory it belongs to."""
-
-
-def contained(directory: Path, name: object, listed_in: Path, entry: str, error: type[Exception] = UnsafePathError,
+def contained(directory: Path, name: object, listed_in: Path, entry: str, error: type[Exception],
               fix: str = "") -> Path:
     """`directory / name` for a `name` read from the file `listed_in` (at `entry`), refused with `error` unless it
     is a relative path that stays inside `directory` once every symlink is resolved.
