@@ -29,11 +29,11 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-
-from mtptrain.config import load_recipe
+from mtptrain.config import Recipe, load_recipe
 from mtptrain.features.store import FeatureStore
 from mtptrain.train.data import BatchPlan
+
+REPO = Path(__file__).resolve().parents[1]
 
 ARMS = {
     "eagle3": [],
@@ -80,7 +80,7 @@ def chain_rows(results: dict) -> list[dict]:
     return [m for m in results["methods"] if m["method"] == "chain"]
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipe", default="recipes/reference.yaml")
     parser.add_argument("--out", default="runs/ablations")
@@ -98,16 +98,19 @@ def main() -> None:
                         "(benchmarks/head_agreement.py); empty to skip")
     parser.add_argument("--set", action="append", default=[], dest="sets", help="extra recipe override")
     args = parser.parse_args()
-    out = Path(args.out)
-    recipe_sets = ["--recipe", args.recipe]
-    base = load_recipe(args.recipe, args.sets)
-    started = time.perf_counter()
-
-    arms = [a for a in args.arms.split(",") if a]
-    unknown = [a for a in arms if a not in ARMS]
+    unknown = [a for a in arm_names(args) if a not in ARMS]
     if unknown:
         parser.error(f"unknown arm(s) {', '.join(unknown)}; choose from {', '.join(ARMS)}")
-    # Data: the regenerated answers (reference) and the original ones, one feature store each.
+    return args
+
+
+def arm_names(args) -> list[str]:
+    return [a for a in args.arms.split(",") if a]
+
+
+def prepare_stores(args, arms: list[str], base: Recipe, out: Path) -> dict[str, str]:
+    """The data of the arms: the regenerated answers (reference) and the original ones, one feature store each."""
+    recipe_sets = ["--recipe", args.recipe]
     stores = {"regenerated": base.precompute.output_dir, "original": str(out / "features-original")}
     if arms and base.data.regenerated:
         cli("regenerate", *recipe_sets, "--no-progress", sets=args.sets)
@@ -116,48 +119,74 @@ def main() -> None:
     if any("data.regenerated=null" in ARMS[a] for a in arms):
         cli("precompute", *recipe_sets, "--no-progress",
             sets=args.sets + ["data.regenerated=null", f"precompute.output_dir={stores['original']}"])
+    return stores
 
-    rows = []
-    for arm in arms:
-        overrides = ARMS[arm]
-        store = stores["original"] if "data.regenerated=null" in overrides else stores["regenerated"]
-        run_dir = out / arm
-        sets = args.sets + overrides + [f"train.features={store}", f"train.output_dir={run_dir / 'train'}",
-                                        f"train.epochs={args.epochs}", "train.head_snapshots=false",
-                                        f"head.mtp_depths={args.mtp_depths}"]
-        cli("train", *recipe_sets, "--no-wandb", "--no-progress", sets=sets)
-        head = run_dir / "train" / "head"
-        if not evaluated(run_dir / "eval", head, args):
-            cli("eval", *recipe_sets, "--no-wandb", "--no-progress", sets=sets + eval_sets(args, head, run_dir / "eval"))
-        # One yardstick for every arm: the reference store's held-out answers and the reference eval's MT-bench
-        # answers (each arm's own validation split holds other text when its data differ).
-        agreement = run_dir / "agreement.json"
-        if args.agreement_eval and not agreement.is_file():
-            subprocess.run([sys.executable, "benchmarks/head_agreement.py", "--recipe", args.recipe, "--head", str(head),
-                            "--eval", args.agreement_eval, "--out", str(out / "eval-answers"), "--report",
-                            str(agreement)], cwd=REPO, check=True)
-        summary = json.loads((run_dir / "train" / "summary.json").read_text())
-        results = json.loads((run_dir / "eval" / "results.json").read_text())
-        rows.append({"arm": arm, "steps": summary["steps"], "tokens": tokens_seen(run_dir / "train", summary["steps"]),
-                     "val_acc": [v for k, v in sorted(summary.items()) if k.startswith("val/acc_")],
-                     "agreement": json.loads(agreement.read_text()) if agreement.is_file() else None,
-                     "chains": chain_rows(results)})
 
+def run_arm(args, arm: str, stores: dict[str, str], out: Path) -> dict:
+    """Trains and evaluates one arm (reusing what a previous run finished); its row of the report."""
+    overrides = ARMS[arm]
+    store = stores["original"] if "data.regenerated=null" in overrides else stores["regenerated"]
+    run_dir = out / arm
+    sets = args.sets + overrides + [f"train.features={store}", f"train.output_dir={run_dir / 'train'}",
+                                    f"train.epochs={args.epochs}", "train.head_snapshots=false",
+                                    f"head.mtp_depths={args.mtp_depths}"]
+    cli("train", "--recipe", args.recipe, "--no-wandb", "--no-progress", sets=sets)
+    head = run_dir / "train" / "head"
+    if not evaluated(run_dir / "eval", head, args):
+        cli("eval", "--recipe", args.recipe, "--no-wandb", "--no-progress",
+            sets=sets + eval_sets(args, head, run_dir / "eval"))
+    agreement = score_agreement(args, head, run_dir / "agreement.json", out)
+    summary = json.loads((run_dir / "train" / "summary.json").read_text())
+    results = json.loads((run_dir / "eval" / "results.json").read_text())
+    return {"arm": arm, "steps": summary["steps"], "tokens": tokens_seen(run_dir / "train", summary["steps"]),
+            "val_acc": [v for k, v in sorted(summary.items()) if k.startswith("val/acc_")],
+            "agreement": json.loads(agreement.read_text()) if agreement.is_file() else None,
+            "chains": chain_rows(results)}
+
+
+def score_agreement(args, head: Path, agreement: Path, out: Path) -> Path:
+    """One yardstick for every arm: the reference store's held-out answers and the reference eval's MT-bench
+    answers, teacher-forced (each arm's own validation split holds other text when its data differ)."""
+    if args.agreement_eval and not agreement.is_file():
+        subprocess.run([sys.executable, "benchmarks/head_agreement.py", "--recipe", args.recipe, "--head", str(head),
+                        "--eval", args.agreement_eval, "--out", str(out / "eval-answers"), "--report",
+                        str(agreement)], cwd=REPO, check=True)
+    return agreement
+
+
+def learning_curve(args, base: Recipe, out: Path) -> list[dict]:
+    """tau of the reference run's head snapshots against the training tokens each had seen."""
     curve = []
     snapshots = sorted((Path(base.train.output_dir) / "snapshots").glob("step-*")) if args.curve else []
     for snap in snapshots:
         info = json.loads((snap / "config.json").read_text())
         if not evaluated(out / "curve" / snap.name, snap, args):
-            cli("eval", *recipe_sets, "--no-wandb", "--no-progress",
+            cli("eval", "--recipe", args.recipe, "--no-wandb", "--no-progress",
                 sets=args.sets + eval_sets(args, snap, out / "curve" / snap.name))
         results = json.loads((out / "curve" / snap.name / "results.json").read_text())
         curve.append({"step": info["train"]["steps"], "tokens": info["train"]["tokens"],
                       "chains": chain_rows(results)})
+    return curve
 
-    report = format_report(rows, curve, args, time.perf_counter() - started)
+
+def write_report(args, rows: list[dict], curve: list[dict], out: Path, seconds: float) -> None:
+    """ablations.md and ablations.json in --out; the report printed."""
+    report = format_report(rows, curve, args, seconds)
     (out / "ablations.md").write_text(report)
     (out / "ablations.json").write_text(json.dumps({"arms": rows, "curve": curve, "args": vars(args)}, indent=2))
     print(report)
+
+
+def main() -> None:
+    args = parse_args()
+    out = Path(args.out)
+    base = load_recipe(args.recipe, args.sets)
+    started = time.perf_counter()
+    arms = arm_names(args)
+    stores = prepare_stores(args, arms, base, out)
+    rows = [run_arm(args, arm, stores, out) for arm in arms]
+    curve = learning_curve(args, base, out)
+    write_report(args, rows, curve, out, time.perf_counter() - started)
 
 
 def format_report(rows: list[dict], curve: list[dict], args, seconds: float) -> str:

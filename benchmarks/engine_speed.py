@@ -14,6 +14,8 @@ Speculative decoding, same prompts, temperature 0:
   ngram-stock             n-gram lookup with stock linear layers (what the swap buys verification)
   hf-prompt-lookup        transformers' generate(prompt_lookup_num_tokens=K), stock layers
   chain / tree            this engine with a trained head, when --head exists
+ngram, suffix, chain and tree are eval's own configurations: mtptrain.eval.run.build_configs builds them from the
+default recipe with eval.k=[--k], eval.tree.budgets=[--tree-budget] and eval.head=--head.
 
 Every method runs on every prompt before the next prompt starts (interleaved), so a machine that speeds
 up or slows down during the run affects all of them alike; every method is warmed up once first.
@@ -30,22 +32,34 @@ from pathlib import Path
 
 import torch
 
+from mtptrain.config import Recipe, load_recipe
 from mtptrain.data.chat import prompt_ids, stop_tokens
-from mtptrain.eval.prompts import load_prompts
-from mtptrain.config import TargetConfig
 from mtptrain.engine.cpu_matmul import skinny_linears
 from mtptrain.engine.generate import generate
-from mtptrain.engine.ngram import NgramProposer
 from mtptrain.engine.runner import TargetRunner
-from mtptrain.engine.suffix_index import SuffixIndexProposer
+from mtptrain.engine.verify import Sampling
+from mtptrain.eval.prompts import load_prompts
+from mtptrain.eval.run import Config, build_configs
 from mtptrain.target import embedded_gguf_path, load_target
 
 
 class Method:
+    """One measured method and its totals over the prompts."""
+
     def __init__(self, name, run, compare=True, skinny=True):
         self.name, self.run, self.compare, self.skinny = name, run, compare, skinny
         self.tokens = self.emitted = self.steps = self.same = self.count = 0
         self.seconds = 0.0
+
+    def add(self, out, stats, seconds, same):
+        """One prompt's generation: its tokens, the engine's stats (None for the others), its time."""
+        self.seconds += seconds
+        self.tokens += len(out)
+        if stats is not None:  # the engine's methods: tau = tokens per verification forward
+            self.emitted += stats.emitted
+            self.steps += stats.steps
+        self.count += 1
+        self.same += same
 
 
 def engine(runner, proposer_factory=None, k=1):
@@ -83,72 +97,90 @@ def llama_cpp(threads: int):
     return run
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", type=int, default=8, help="MT-bench first turns")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--k", type=int, default=4, help="draft length of the chain methods")
     parser.add_argument("--tree-budget", type=int, default=16)
     parser.add_argument("--head", default="runs/quickstart/train/head", help="trained head for chain/tree")
-    args = parser.parse_args()
-    logging.basicConfig(level=logging.WARNING)
+    return parser.parse_args()
 
-    target = load_target(TargetConfig())
-    model, tok = target.model, target.tokenizer
-    stops = stop_tokens(tok, model)
-    threads = torch.get_num_threads()
-    plain = TargetRunner(model)
-    methods = [Method("engine", engine(plain)), Method("engine-stock", engine(plain), skinny=False),
+
+def eval_recipe(args) -> Recipe:
+    """The default recipe with eval's methods, K, tree budget and head set to this benchmark's."""
+    methods = "ngram,suffix,chain,tree"
+    if not (Path(args.head) / "config.json").is_file():
+        print(f"(no head at {args.head}: chain and tree are not measured; run `make quickstart` first)")
+        methods = "ngram,suffix"
+    return load_recipe(None, [f"eval.methods=[{methods}]", f"eval.k=[{args.k}]", f"eval.head={args.head}",
+                              f"eval.tree.budgets=[{args.tree_budget}]"])
+
+
+def eval_configs(recipe: Recipe, target) -> tuple[dict[str, Config], tuple[TargetRunner, TargetRunner], list]:
+    """eval's baseline and methods as eval builds them, by method; the plain runner and the one a head method
+    reads the target's states from (as eval runs them); the drafting modules besides the target (the head)."""
+    configs, head_info, notes, modules = build_configs(recipe, target, Sampling())
+    for note in notes:
+        print(f"({note})")
+    capture = head_info.spec.layers if head_info is not None else []
+    runners = TargetRunner(target.model), TargetRunner(target.model, capture=capture)
+    return {c.method: c for c in configs}, runners, modules
+
+
+def engine_method(name: str, config: Config, runners, skinny: bool = True) -> Method:
+    """This engine running one of eval's configurations, with one proposer for the whole run."""
+    plain, reading = runners
+    runner = reading if config.uses_head else plain
+    return Method(name, engine(runner, config.make, config.k or 1), skinny=skinny)
+
+
+def build_methods(args, recipe: Recipe, target) -> tuple[list[Method], list, bool]:
+    """Every method in table order; the drafting modules; whether llama.cpp is installed."""
+    configs, runners, modules = eval_configs(recipe, target)
+    model, k = target.model, args.k
+    methods = [engine_method("engine", configs["baseline"], runners),
+               engine_method("engine-stock", configs["baseline"], runners, skinny=False),
                Method("hf-generate", hf(model), skinny=False)]
-    cpp = llama_cpp(threads)
+    cpp = llama_cpp(torch.get_num_threads())
     if cpp is not None:
         methods.append(Method("llama.cpp", cpp, compare=False, skinny=False))
-    methods += [Method(f"ngram K={args.k}", engine(plain, lambda: NgramProposer(1, 3), args.k)),
-                Method(f"ngram-stock K={args.k}", engine(plain, lambda: NgramProposer(1, 3), args.k), skinny=False),
-                Method(f"suffix K={args.k}", engine(plain, SuffixIndexProposer, args.k)),
-                Method(f"hf-prompt-lookup K={args.k}", hf(model, prompt_lookup_num_tokens=args.k), skinny=False)]
-    head_dir, extra = Path(args.head), []  # extra: the head's own layers, swapped like the target's
-    if (head_dir / "config.json").is_file():
-        from mtptrain.heads import FrozenTarget
-        from mtptrain.export.source import load_head_directory
+    methods += [engine_method(configs["ngram"].label, configs["ngram"], runners),
+                engine_method(f"ngram-stock K={k}", configs["ngram"], runners, skinny=False),
+                engine_method(configs["suffix"].label, configs["suffix"], runners),
+                Method(f"hf-prompt-lookup K={k}", hf(model, prompt_lookup_num_tokens=k), skinny=False)]
+    methods += [engine_method(c.label, c, runners) for c in configs.values() if c.uses_head]  # chain, tree
+    return methods, modules, cpp is not None
 
-        head, spec = load_head_directory(head_dir, FrozenTarget.of(model), target.identity())
-        reading, family = TargetRunner(model, capture=spec.layers), spec.family
-        methods.append(Method(f"chain K={args.k}", engine(reading, lambda: family.chain(head, spec), args.k)))
-        if family.no_tree is None:
-            methods.append(Method(f"tree N={args.tree_budget}", engine(
-                reading, lambda: family.tree(head, spec, 4, 5, args.tree_budget), 5)))
-        extra = [head]
-    else:
-        print(f"(no head at {head_dir}: chain and tree are not measured; run `make quickstart` first)")
 
-    prompts = [prompt_ids(tok, [{"role": "user", "content": p.turns[0]}]) for p in load_prompts("mtbench", args.prompts)]
-    warm = prompt_ids(tok, [{"role": "user", "content": "Hello!"}])
-    def timed(m, ids, n):
-        with skinny_linears(model, *extra, enabled=m.skinny):
-            start = time.perf_counter()
-            out, stats = m.run(ids, n, stops)
-            return out, stats, time.perf_counter() - start
+def timed(m: Method, ids, n, linears, stops):
+    """One generation by m, with the linear layers of `linears` swapped as m runs them: (tokens, stats, s)."""
+    with skinny_linears(*linears, enabled=m.skinny):
+        start = time.perf_counter()
+        out, stats = m.run(ids, n, stops)
+        return out, stats, time.perf_counter() - start
 
+
+def warm_up(methods, tokenizer, linears, stops) -> None:
+    """Every method once on a short prompt, untimed."""
+    warm = prompt_ids(tokenizer, [{"role": "user", "content": "Hello!"}])
     for m in methods:
-        timed(m, warm, 8)
-    print(f"SmolLM2-135M-Instruct, {len(prompts)} MT-bench prompts x up to {args.new_tokens} new tokens, greedy, "
-          f"batch 1, {threads} threads ({target.device}, {next(model.parameters()).dtype})")
+        timed(m, warm, 8, linears, stops)
+
+
+def measure(methods, prompts, new_tokens, linears, stops) -> None:
+    """Every method on every prompt before the next prompt starts (interleaved); outputs compared to the first's."""
     for index, ids in enumerate(prompts):
         reference = None
         for m in methods:
-            out, stats, seconds = timed(m, ids, args.new_tokens)
-            m.seconds += seconds
-            m.tokens += len(out)
-            if stats is not None:  # the engine's methods: tau = tokens per verification forward
-                m.emitted += stats.emitted
-                m.steps += stats.steps
-            m.count += 1
+            out, stats, seconds = timed(m, ids, new_tokens, linears, stops)
             if reference is None:
                 reference = out
-            m.same += out == reference
+            m.add(out, stats, seconds, out == reference)
         print(f"  prompt {index + 1}/{len(prompts)} done", flush=True)
 
+
+def print_table(methods, has_cpp: bool) -> None:
     base = methods[0].tokens / methods[0].seconds
     print(f"\n{'method':<24}{'tokens':>8}{'tok/s':>9}{'vs engine':>11}{'tau':>7}  same as engine")
     for m in methods:
@@ -156,8 +188,25 @@ def main() -> None:
         tau = f"{m.emitted / m.steps:.2f}" if m.steps else "-"
         same = f"{m.same}/{m.count}" if m.compare else "(quantised)"
         print(f"{m.name:<24}{m.tokens:>8}{tps:>9.1f}{tps / base:>10.2f}x{tau:>7}  {same}")
-    if cpp is None:
+    if not has_cpp:
         print("llama.cpp: not installed (pip install -e .[bench]), not measured")
+
+
+def main() -> None:
+    args = parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    recipe = eval_recipe(args)
+    target = load_target(recipe.target)
+    model, tok = target.model, target.tokenizer
+    methods, modules, has_cpp = build_methods(args, recipe, target)
+    stops, linears = stop_tokens(tok, model), (model, *modules)
+    prompts = [prompt_ids(tok, [{"role": "user", "content": p.turns[0]}])
+               for p in load_prompts("mtbench", args.prompts)]
+    warm_up(methods, tok, linears, stops)
+    print(f"SmolLM2-135M-Instruct, {len(prompts)} MT-bench prompts x up to {args.new_tokens} new tokens, greedy, "
+          f"batch 1, {torch.get_num_threads()} threads ({target.device}, {next(model.parameters()).dtype})")
+    measure(methods, prompts, args.new_tokens, linears, stops)
+    print_table(methods, has_cpp)
 
 
 if __name__ == "__main__":
