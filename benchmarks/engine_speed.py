@@ -1,32 +1,35 @@
-"""Decoding speed of the engine against transformers and llama.cpp, on the same prompts, in one run.
+"""Decoding speed of the target's runtime against transformers and llama.cpp, on the same prompts, in one run.
 
-    python benchmarks/engine_speed.py [--prompts 8] [--new-tokens 128] [--k 4] [--head runs/quickstart/train/head]
+    python benchmarks/engine_speed.py [--prompts 8] [--new-tokens 128] [--k 3] [--repeats 3]
+                                      [--dtype auto] [--head pretrained/smollm2-135m-instruct-eagle3]
 
-Autoregressive greedy decoding of the embedded SmolLM2-135M-Instruct:
-  engine        this engine with no proposer (the eval baseline), linear layers as eval runs them on CPU
-                (W @ x.T for short inputs, mtptrain/engine/cpu_matmul.py)
-  engine-stock  the same with torch's stock linear layers
-  hf-generate   transformers' model.generate(do_sample=False), stock layers
-  llama.cpp     llama-cpp-python's greedy decoding of the same GGUF (quantised weights; install with
-                `pip install -e .[bench]`, it compiles in about 5 minutes)
-Speculative decoding, same prompts, temperature 0:
-  ngram / suffix          this engine's n-gram prompt lookup and suffix index over past outputs
-  ngram-stock             n-gram lookup with stock linear layers (what the swap buys verification)
-  hf-prompt-lookup        transformers' generate(prompt_lookup_num_tokens=K), stock layers
-  chain / tree            this engine with a trained head, when --head exists
-ngram, suffix, chain and tree are eval's own configurations: mtptrain.eval.run.build_configs builds them from the
-default recipe with eval.k=[--k], eval.tree.budgets=[--tree-budget] and eval.head=--head.
+Greedy decoding of the embedded SmolLM2-135M-Instruct, batch 1:
+  runtime AR        mtptrain's runtime (mtptrain/runtime/), no drafting: the baseline of every ratio
+  transformers AR   the same engine loop on transformers' forward (target.runtime=transformers)
+  hf-generate       transformers' model.generate(do_sample=False)
+  llama.cpp         llama-cpp-python's greedy decoding of the same GGUF (quantised weights; install with
+                    `pip install -e .[bench]`; not compared for exactness)
+  ngram / suffix    the runtime with n-gram prompt lookup / the suffix index over past outputs, K = --k
+  hf-prompt-lookup  transformers' generate(prompt_lookup_num_tokens=K)
+  chain / tree      the runtime with the trained head (--head), chain K and a tree of --tree-budget nodes
+The engine's methods are eval's own configurations (mtptrain.eval.run.build_configs).
 
-Every method runs on every prompt before the next prompt starts (interleaved), so a machine that speeds
-up or slows down during the run affects all of them alike; every method is warmed up once first.
-Ratios are tokens/s against the engine's own autoregressive baseline measured in this run. "same" counts
-outputs identical to that baseline (llama.cpp runs quantised weights: its text differs and is not compared).
+Every method runs on every prompt before the next prompt starts, in an order reversed every other repeat;
+each is warmed up first. A ratio is tokens/s against the runtime's AR in the same repeat; the table shows the
+median over the repeats and their spread. "same" counts outputs identical to the runtime's AR; where one
+differs, the first differing position and the target's top-2 logit gap there are printed (a gap within the
+dtype's rounding is a near-tie, anything else a bug).
+
+Then: the machine's copy bandwidth and the roofline (weight bytes / bandwidth, the fastest a step can stream
+the weights once), the runtime AR's share of it, and the cost of one forward over 1, 2, 4, 8, 16 new tokens
+after a 200-token prefix relative to one token, on both forwards.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import statistics
 import time
 from pathlib import Path
 
@@ -36,37 +39,36 @@ from mtptrain.config import Recipe, load_recipe
 from mtptrain.data.chat import prompt_ids, stop_tokens
 from mtptrain.engine.cpu_matmul import skinny_linears
 from mtptrain.engine.generate import generate
-from mtptrain.engine.runner import TargetRunner
 from mtptrain.engine.verify import Sampling
 from mtptrain.eval.prompts import load_prompts
-from mtptrain.eval.run import Config, build_configs
+from mtptrain.eval.run import build_configs
+from mtptrain.heads.checkpoint import PRETRAINED_HEAD
+from mtptrain.machine import describe_cpu
+from mtptrain.runtime.runner import open_runner, runtime_description
 from mtptrain.target import embedded_gguf_path, load_target
+
+WIDTHS = (1, 2, 4, 8, 16)
 
 
 class Method:
-    """One measured method and its totals over the prompts."""
+    """One measured method: its run function and, per repeat, tokens and seconds summed over the prompts."""
 
-    def __init__(self, name, run, compare=True, skinny=True):
-        self.name, self.run, self.compare, self.skinny = name, run, compare, skinny
-        self.tokens = self.emitted = self.steps = self.same = self.count = 0
-        self.seconds = 0.0
+    def __init__(self, name, run, compare=True):
+        self.name, self.run, self.compare = name, run, compare
+        self.tokens: list[int] = []
+        self.seconds: list[float] = []
+        self.emitted = self.steps = 0
+        self.outputs: list[list[int]] = []  # first repeat's, per prompt
 
-    def add(self, out, stats, seconds, same):
-        """One prompt's generation: its tokens, the engine's stats (None for the others), its time."""
-        self.seconds += seconds
-        self.tokens += len(out)
-        if stats is not None:  # the engine's methods: tau = tokens per verification forward
-            self.emitted += stats.emitted
-            self.steps += stats.steps
-        self.count += 1
-        self.same += same
+    def tps(self) -> list[float]:
+        return [t / s for t, s in zip(self.tokens, self.seconds)]
 
 
-def engine(runner, proposer_factory=None, k=1):
-    state = {"proposer": proposer_factory() if proposer_factory else None}
+def engine(runner, make=None, k=1):
+    proposer = make() if make else None
 
     def run(ids, n, stops):
-        result = generate(runner, ids, n, state["proposer"], k=k, eos=stops)
+        result = generate(runner, ids, n, proposer, k=k, eos=stops)
         return result.tokens, result.stats
     return run
 
@@ -101,95 +103,146 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", type=int, default=8, help="MT-bench first turns")
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--k", type=int, default=4, help="draft length of the chain methods")
-    parser.add_argument("--tree-budget", type=int, default=16)
-    parser.add_argument("--head", default="runs/quickstart/train/head", help="trained head for chain/tree")
+    parser.add_argument("--k", type=int, default=3, help="draft length of the chain methods")
+    parser.add_argument("--tree-budget", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="target.dtype (auto: what this machine measured fastest)")
+    parser.add_argument("--head", default=str(PRETRAINED_HEAD), help="trained head for chain/tree")
     return parser.parse_args()
 
 
 def eval_recipe(args) -> Recipe:
-    """The default recipe with eval's methods, K, tree budget and head set to this benchmark's."""
+    """The default recipe with eval's methods, K, tree budget, head and the target's dtype set."""
     methods = "ngram,suffix,chain,tree"
     if not (Path(args.head) / "config.json").is_file():
-        print(f"(no head at {args.head}: chain and tree are not measured; run `make quickstart` first)")
+        print(f"(no head at {args.head}: chain and tree are not measured)")
         methods = "ngram,suffix"
     return load_recipe(None, [f"eval.methods=[{methods}]", f"eval.k=[{args.k}]", f"eval.head={args.head}",
-                              f"eval.tree.budgets=[{args.tree_budget}]"])
-
-
-def eval_configs(recipe: Recipe, target) -> tuple[dict[str, Config], tuple[TargetRunner, TargetRunner], list]:
-    """eval's baseline and methods as eval builds them, by method; the plain runner and the one a head method
-    reads the target's states from (as eval runs them); the drafting modules besides the target (the head)."""
-    configs, head_info, notes, modules = build_configs(recipe, target, Sampling())
-    for note in notes:
-        print(f"({note})")
-    capture = head_info.spec.layers if head_info is not None else []
-    runners = TargetRunner(target.model), TargetRunner(target.model, capture=capture)
-    return {c.method: c for c in configs}, runners, modules
-
-
-def engine_method(name: str, config: Config, runners, skinny: bool = True) -> Method:
-    """This engine running one of eval's configurations, with one proposer for the whole run."""
-    plain, reading = runners
-    runner = reading if config.uses_head else plain
-    return Method(name, engine(runner, config.make, config.k or 1), skinny=skinny)
+                              f"eval.tree.budgets=[{args.tree_budget}]", f"target.dtype={args.dtype}"])
 
 
 def build_methods(args, recipe: Recipe, target) -> tuple[list[Method], list, bool]:
-    """Every method in table order; the drafting modules; whether llama.cpp is installed."""
-    configs, runners, modules = eval_configs(recipe, target)
-    model, k = target.model, args.k
-    methods = [engine_method("engine", configs["baseline"], runners),
-               engine_method("engine-stock", configs["baseline"], runners, skinny=False),
-               Method("hf-generate", hf(model), skinny=False)]
+    """Every method in table order; the drafting modules (the head); whether llama.cpp is installed."""
+    configs, head_info, notes, modules = build_configs(recipe, target, Sampling())
+    for note in notes:
+        print(f"({note})")
+    model = target.model
+    capture = head_info.spec.layers if head_info is not None else []
+    plain, reading = open_runner(model), open_runner(model, capture)
+    methods = [Method("runtime AR", engine(plain)),
+               Method("transformers AR", engine(open_runner(model, runtime="transformers"))),
+               Method("hf-generate", hf(model))]
     cpp = llama_cpp(torch.get_num_threads())
     if cpp is not None:
-        methods.append(Method("llama.cpp", cpp, compare=False, skinny=False))
-    methods += [engine_method(configs["ngram"].label, configs["ngram"], runners),
-                engine_method(f"ngram-stock K={k}", configs["ngram"], runners, skinny=False),
-                engine_method(configs["suffix"].label, configs["suffix"], runners),
-                Method(f"hf-prompt-lookup K={k}", hf(model, prompt_lookup_num_tokens=k), skinny=False)]
-    methods += [engine_method(c.label, c, runners) for c in configs.values() if c.uses_head]  # chain, tree
+        methods.append(Method("llama.cpp", cpp, compare=False))
+    for c in configs[1:]:
+        methods.append(Method(c.label, engine(reading if c.uses_head else plain, c.make, c.k or 1)))
+        if c.method == "ngram":
+            methods.append(Method(f"hf-prompt-lookup K={c.k}", hf(model, prompt_lookup_num_tokens=c.k)))
     return methods, modules, cpp is not None
 
 
-def timed(m: Method, ids, n, linears, stops):
-    """One generation by m, with the linear layers of `linears` swapped as m runs them: (tokens, stats, s)."""
-    with skinny_linears(*linears, enabled=m.skinny):
-        start = time.perf_counter()
-        out, stats = m.run(ids, n, stops)
-        return out, stats, time.perf_counter() - start
-
-
-def warm_up(methods, tokenizer, linears, stops) -> None:
-    """Every method once on a short prompt, untimed."""
-    warm = prompt_ids(tokenizer, [{"role": "user", "content": "Hello!"}])
-    for m in methods:
-        timed(m, warm, 8, linears, stops)
-
-
-def measure(methods, prompts, new_tokens, linears, stops) -> None:
-    """Every method on every prompt before the next prompt starts (interleaved); outputs compared to the first's."""
-    for index, ids in enumerate(prompts):
-        reference = None
+def measure(methods, prompts, args, modules, stops) -> None:
+    """Every method on every prompt, interleaved, --repeats times; outputs of the first repeat kept."""
+    warm = prompts[0][:16]
+    with skinny_linears(*modules):  # the head's own layers, as eval runs them
         for m in methods:
-            out, stats, seconds = timed(m, ids, new_tokens, linears, stops)
-            if reference is None:
-                reference = out
-            m.add(out, stats, seconds, out == reference)
-        print(f"  prompt {index + 1}/{len(prompts)} done", flush=True)
+            m.run(warm, 8, stops)
+        for repeat in range(args.repeats):
+            order = methods if repeat % 2 == 0 else methods[::-1]
+            for m in methods:
+                m.tokens.append(0), m.seconds.append(0.0)
+            for ids in prompts:
+                for m in order:
+                    start = time.perf_counter()
+                    out, stats = m.run(ids, args.new_tokens, stops)
+                    m.seconds[-1] += time.perf_counter() - start
+                    m.tokens[-1] += len(out)
+                    if repeat == 0:
+                        m.outputs.append(out)
+                        if stats is not None:
+                            m.emitted += stats.emitted
+                            m.steps += stats.steps
+            print(f"  repeat {repeat + 1}/{args.repeats} done", flush=True)
 
 
-def print_table(methods, has_cpp: bool) -> None:
-    base = methods[0].tokens / methods[0].seconds
-    print(f"\n{'method':<24}{'tokens':>8}{'tok/s':>9}{'vs engine':>11}{'tau':>7}  same as engine")
+def top2_gap(runner, context: list[int]) -> float:
+    runner.reset()
+    top = runner.forward(context, last_only=True)[-1].float().topk(2).values
+    return float(top[0] - top[1])
+
+
+def print_table(methods, prompts, plain) -> None:
+    base = methods[0]
+    print(f"\n{'method':<22}{'tokens':>7}{'tok/s':>8}{'vs runtime AR':>15}{'spread':>8}{'tau':>6}  same")
     for m in methods:
-        tps = m.tokens / m.seconds
+        ratios = [a / b for a, b in zip(m.tps(), base.tps())]
+        ratio = statistics.median(ratios)
+        spread = (max(ratios) - min(ratios)) / ratio
         tau = f"{m.emitted / m.steps:.2f}" if m.steps else "-"
-        same = f"{m.same}/{m.count}" if m.compare else "(quantised)"
-        print(f"{m.name:<24}{m.tokens:>8}{tps:>9.1f}{tps / base:>10.2f}x{tau:>7}  {same}")
-    if not has_cpp:
-        print("llama.cpp: not installed (pip install -e .[bench]), not measured")
+        same = f"{sum(a == b for a, b in zip(m.outputs, base.outputs))}/{len(prompts)}" if m.compare else "(quantised)"
+        print(f"{m.name:<22}{m.tokens[0]:>7}{statistics.median(m.tps()):>8.1f}{ratio:>14.2f}x{spread:>7.0%}{tau:>6}  "
+              f"{same}")
+    for m in methods[1:]:
+        if not m.compare:
+            continue
+        for ids, ours, theirs in zip(prompts, m.outputs, base.outputs):
+            if ours != theirs:
+                at = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+                print(f"  {m.name}: differs from runtime AR at token {at}, top-2 gap there "
+                      f"{top2_gap(plain, ids + theirs[:at]):.4f}")
+
+
+def bandwidth() -> float:
+    """GB/s of a 512 MiB copy (bytes read + bytes written), median of 7."""
+    src = torch.ones(256 << 20, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(7):
+        start = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - start)
+    return 2 * src.numel() / statistics.median(times) / 1e9
+
+
+def forward_costs(model, repeats: int = 9) -> dict[str, list[float]]:
+    """Median ms of one forward over w new tokens after a 200-token prefix, per width, on both forwards
+    (interleaved)."""
+    prefix = list(range(1000, 1200))
+    runners = {"runtime": open_runner(model), "transformers": open_runner(model, runtime="transformers")}
+    times = {name: {w: [] for w in WIDTHS} for name in runners}
+    for runner in runners.values():
+        runner.reset()
+        runner.forward(prefix, last_only=True)
+    for _ in range(repeats):
+        for w in WIDTHS:
+            for name, runner in runners.items():
+                runner.rollback(len(prefix))
+                start = time.perf_counter()
+                runner.forward(list(range(2000, 2000 + w)))
+                times[name][w].append(time.perf_counter() - start)
+    return {name: [1000 * statistics.median(per[w]) for w in WIDTHS] for name, per in times.items()}
+
+
+def print_machine(target, runner, methods, args) -> None:
+    cpu = describe_cpu()
+    model = target.model
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    gbs = bandwidth()
+    roofline_ms = weight_bytes / gbs / 1e6
+    step_ms = 1000 / statistics.median(methods[0].tps())
+    print(f"\nCPU {cpu['model']} ({cpu['logical_cores']} logical cores, torch kernels {cpu['capability']}, "
+          f"{' '.join(cpu['extensions'] or [])}); {torch.get_num_threads()} threads")
+    print(f"target: {runtime_description(runner)}")
+    print(f"copy bandwidth {gbs:.1f} GB/s (read + write); weights {weight_bytes / 1e6:.0f} MB "
+          f"({str(next(model.parameters()).dtype).removeprefix('torch.')}): roofline {roofline_ms:.1f} ms/token; "
+          f"runtime AR {step_ms:.1f} ms/token = {roofline_ms / step_ms:.0%} of the roofline")
+    costs = forward_costs(model)
+    print(f"\nforward over w new tokens after 200, ms (relative to w=1):")
+    print(f"{'':<14}" + "".join(f"{'w=' + str(w):>14}" for w in WIDTHS))
+    for name, ms in costs.items():
+        print(f"{name:<14}" + "".join(f"{t:>8.1f} ({t / ms[0]:.2f})" for t in ms))
 
 
 def main() -> None:
@@ -197,16 +250,19 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     recipe = eval_recipe(args)
     target = load_target(recipe.target)
-    model, tok = target.model, target.tokenizer
+    tok = target.tokenizer
     methods, modules, has_cpp = build_methods(args, recipe, target)
-    stops, linears = stop_tokens(tok, model), (model, *modules)
+    stops = stop_tokens(tok, target.model)
     prompts = [prompt_ids(tok, [{"role": "user", "content": p.turns[0]}])
                for p in load_prompts("mtbench", args.prompts)]
-    warm_up(methods, tok, linears, stops)
+    plain = open_runner(target.model)
     print(f"SmolLM2-135M-Instruct, {len(prompts)} MT-bench prompts x up to {args.new_tokens} new tokens, greedy, "
-          f"batch 1, {torch.get_num_threads()} threads ({target.device}, {next(model.parameters()).dtype})")
-    measure(methods, prompts, args.new_tokens, linears, stops)
-    print_table(methods, has_cpp)
+          f"batch 1, {args.repeats} repeats; {runtime_description(plain)}")
+    measure(methods, prompts, args, modules, stops)
+    print_table(methods, prompts, plain)
+    if not has_cpp:
+        print("llama.cpp: not installed (pip install -e .[bench]), not measured")
+    print_machine(target, plain, methods, args)
 
 
 if __name__ == "__main__":

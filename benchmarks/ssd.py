@@ -41,7 +41,7 @@ from mtptrain.config import Recipe, load_recipe
 from mtptrain.data.chat import prompt_ids, stop_tokens
 from mtptrain.engine.cpu_matmul import skinny_linears
 from mtptrain.engine.generate import generate
-from mtptrain.engine.runner import TargetRunner
+from mtptrain.runtime.runner import Runner, open_runner
 from mtptrain.engine.ssd import SSDProposer, SSDSettings
 from mtptrain.engine.verify import Sampling
 from mtptrain.eval.drafters import draft_lm, head_parts
@@ -84,7 +84,7 @@ class Drafter:
     """One drafter: the runner its methods verify with, eval's in-process (sd) and SSD configurations, and the
     SSD worker's `make` with the target layers it reads (for the sweeps' own SSD settings)."""
 
-    runner: TargetRunner
+    runner: Runner
     sd: Config
     ssd: Config
     make: Callable
@@ -148,11 +148,11 @@ def load_drafters(recipe: Recipe, target) -> tuple[dict[str, Drafter], list]:
         spec = head_info.spec
         layers = spec.family.draft_layers(spec)
         make = functools.partial(head_parts, str(head_info.path), recipe.target, target.identity(), "cpu")
-        drafters["head"] = Drafter(TargetRunner(target.model, capture=layers), by_method["chain"], by_method["ssd"],
+        drafters["head"] = Drafter(open_runner(target.model, capture=layers), by_method["chain"], by_method["ssd"],
                                    make, layers)
     if "draft" in by_method:
         make = functools.partial(draft_lm, recipe.target, None, recipe.eval.draft.layers, "cpu")
-        drafters["draft"] = Drafter(TargetRunner(target.model), by_method["draft"], by_method["ssd-draft"], make, None)
+        drafters["draft"] = Drafter(open_runner(target.model), by_method["draft"], by_method["ssd-draft"], make, None)
     return drafters, modules
 
 
@@ -258,7 +258,7 @@ def main() -> None:
           f"tokens; target {args.target_threads} thread(s), SSD drafter {args.draft_threads} in its own process; "
           f"drafters: head = {Path(args.head).name}, draft = first {args.draft_layers} of 30 layers")
     with skinny_linears(target.model, *modules):
-        compare(args, TargetRunner(target.model), drafters, names, prompts, target.tokenizer, stops)
+        compare(args, open_runner(target.model), drafters, names, prompts, target.tokenizer, stops)
         for name in swept:
             budget_sweep(args, name, drafters[name], prompts, stops)
             factor_sweep(args, name, drafters[name], prompts, stops)

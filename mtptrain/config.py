@@ -47,8 +47,12 @@ class TargetConfig(_Section):
     )
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit).")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="Compute dtype; auto = bfloat16 on CUDA, float32 on CPU."
-    )
+        "auto", description="Compute dtype; auto = bfloat16 on CUDA; on CPU the faster of bfloat16 and float32 "
+        "for this model's shapes, measured once per machine (mtptrain/runtime/choice.py).")
+    runtime: Literal["auto", "native", "transformers"] = Field(
+        "auto", description="Forward that runs the target: native = mtptrain's runtime (Llama, Mistral, Qwen2, "
+        "Qwen3 families: fused products, preallocated KV cache); transformers = the model's own forward; auto = "
+        "native where the architecture allows, else transformers (one log line says which).")
     attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = Field(
         "auto", description="auto = flash_attention_2 when flash-attn imports on CUDA, else sdpa."
     )
@@ -306,6 +310,10 @@ class EvalConfig(_Truncation):
                                   "(read from /proc/stat; unknown elsewhere, which the report says).")
     near_tie: float = Field(1e-3, ge=0, description="At temperature 0 a divergence from the baseline is accepted "
                             "only where the baseline's top-2 logit gap is below this (a float near-tie).")
+    near_tie_ulps: float = Field(4, ge=0, description="In bfloat16 or float16 the near-tie bound is at least this "
+                                 "many rounding steps (units in the last place) of the top logit: the logits "
+                                 "themselves are rounded that coarsely, so a batched and a one-token forward can "
+                                 "order two of them either way.")
     cpu_matmul: Literal["skinny", "stock"] = Field(
         "skinny", description="On CPU, compute short (verification) inputs of linear layers as W @ x.T, which is "
         "2-3x faster there than torch's stock GEMM path (see mtptrain/engine/cpu_matmul.py); stock = torch's path.")

@@ -17,6 +17,11 @@ from typing import Any, Callable
 _CHUNK = 8 << 20
 
 
+def cache_root() -> Path:
+    """Where derived files are kept between runs (converted GGUF targets, this machine's measured choices)."""
+    return Path(os.environ.get("MTPTRAIN_CACHE", Path.home() / ".cache" / "mtptrain"))
+
+
 def tmp_name(path: Path) -> Path:
     """A sibling name no other writer uses, even ranks on other hosts sharing the file system."""
     return path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}")

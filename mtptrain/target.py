@@ -42,7 +42,8 @@ from mtptrain.config import EMBEDDED_TARGET, TargetConfig
 from mtptrain.dist import DistInfo, pick_device
 from mtptrain.embedded import wheel_file
 from mtptrain.errors import MtptrainError
-from mtptrain.io import contained, tmp_name
+from mtptrain.io import cache_root, contained, tmp_name
+from mtptrain.runtime.choice import choose
 
 # transformers (~0.7 s to import) and huggingface_hub's download client (~0.1 s) are imported inside the
 # functions that read a model, tokenizer or config: every stage imports this module, and a command's checks of
@@ -120,10 +121,6 @@ class Target:
 
 
 # --------------------------------------------------------------------------- sources
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("MTPTRAIN_CACHE", Path.home() / ".cache" / "mtptrain"))
 
 
 def embedded_gguf_path() -> Path:
@@ -261,10 +258,16 @@ def _convert_gguf(gguf_path: Path, out: Path) -> None:
 # --------------------------------------------------------------------------- loading
 
 
-def pick_dtype(requested: str, device: torch.device) -> torch.dtype:
+def pick_dtype(requested: str, device: torch.device, config=None) -> torch.dtype:
+    """target.dtype, or for auto: bfloat16 on a GPU; on a CPU, the faster dtype for the model's shapes as this
+    machine measured it (float32 when the config is unknown or the model is not one the runtime runs)."""
     if requested != "auto":
         return getattr(torch, requested)
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if device.type == "cuda":
+        return torch.bfloat16
+    if config is None:
+        return torch.float32
+    return choose(config, device).dtype
 
 
 def pick_attention(requested: str, device: torch.device) -> str:
@@ -292,12 +295,13 @@ def load_target(cfg: TargetConfig, dist: DistInfo | None = None) -> Target:
     dist = dist or DistInfo()
     source, name = resolve_local_dir(cfg)
     devices = rank_devices(cfg, dist)
-    dtype = pick_dtype(cfg.dtype, devices[0])
+    config = load_config(cfg, source)
+    dtype = pick_dtype(cfg.dtype, devices[0], config)
     attention = pick_attention(cfg.attn_implementation, devices[0])
     tokenizer = load_tokenizer(cfg)
     placement = {}
     if len(devices) > 1:
-        placement["device_map"] = split_device_map(_skeleton(load_config(cfg, source), dtype, cfg), devices)
+        placement["device_map"] = split_device_map(_skeleton(config, dtype, cfg), devices)
     try:
         model = AutoModelForCausalLM.from_pretrained(
             source,

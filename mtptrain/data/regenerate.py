@@ -22,8 +22,9 @@ generator per conversation and turn. A killed job therefore finishes with
 the same file as an uninterrupted one. Output written with other settings or
 by another target is refused, never mixed.
 
-Decoding is batched: finished rows leave the batch (their cache rows are
-dropped), so a long answer does not keep short ones computing.
+Decoding is batched on the target's runtime (mtptrain/runtime/batch.py):
+finished rows leave the batch (their cache rows are dropped), so a long
+answer does not keep short ones computing.
 """
 
 from __future__ import annotations
@@ -39,7 +40,6 @@ from pathlib import Path
 
 import torch
 from tqdm import tqdm
-from transformers import DynamicCache
 
 from mtptrain.data.chat import prompt_ids, stop_tokens
 from mtptrain.data.conversations import BadRow, normalise, unique_key
@@ -51,6 +51,7 @@ from mtptrain.engine.cpu_matmul import skinny_linears
 from mtptrain.engine.verify import Sampling, distribution
 from mtptrain.errors import MtptrainError
 from mtptrain.io import atomic_write_json, fsync_dir
+from mtptrain.runtime.batch import decode_batch
 from mtptrain.target import identity_mismatch, load_target, tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
@@ -141,59 +142,17 @@ def turn_seed(seed: int, conversation_id: str, turn: int) -> int:
     return int.from_bytes(digest[:8], "big") >> 1
 
 
-@torch.inference_mode()
 def generate_batch(model, prompts: list[list[int]], budgets: list[int], stops: set[int], sampling: Sampling,
                    generators: list[torch.Generator | None], pad_id: int) -> list[tuple[list[int], bool]]:
-    """Decode each prompt for at most its budget of tokens. Returns (new ids without the stop token, stopped)."""
-    device = next(model.parameters()).device
-    n = len(prompts)
-    width = max(len(p) for p in prompts)
-    ids = torch.full((n, width), pad_id, dtype=torch.long)
-    mask = torch.zeros((n, width), dtype=torch.long)
-    for i, p in enumerate(prompts):  # left padding: every row's next token lands in the same column
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
-    ids, mask = ids.to(device), mask.to(device)
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    cache = DynamicCache()
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True,
-                logits_to_keep=1)
-    logits = out.logits[:, -1].float()
-    rows = list(range(n))  # rows[j] = original index of live row j
-    results: list[tuple[list[int], bool]] = [([], False) for _ in range(n)]
-    next_pos = positions[:, -1] + 1
-    while rows:
-        chosen = []
-        for j, i in enumerate(rows):
-            if sampling.greedy:
-                chosen.append(int(logits[j].argmax()))
-            else:
-                q = distribution(logits[j], sampling).cpu()  # CPU generators: the same stream on any device
-                chosen.append(int(torch.multinomial(q, 1, generator=generators[i])))
-        keep = []
-        for j, (i, token) in enumerate(zip(rows, chosen)):
-            tokens, _ = results[i]
-            if token in stops:
-                results[i] = (tokens, True)
-                continue
-            tokens.append(token)
-            if len(tokens) < budgets[i]:
-                keep.append(j)
-        if not keep:
-            break
-        if len(keep) < len(rows):
-            index = torch.tensor(keep, device=device)
-            cache.batch_select_indices(index)
-            mask, next_pos = mask[index], next_pos[index]
-            chosen = [chosen[j] for j in keep]
-            rows = [rows[j] for j in keep]
-        step = torch.tensor(chosen, device=device).unsqueeze(1)
-        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-        out = model(input_ids=step, attention_mask=mask, position_ids=next_pos.unsqueeze(1), past_key_values=cache,
-                    use_cache=True)
-        logits = out.logits[:, -1].float()
-        next_pos = next_pos + 1
-    return results
+    """Decode each prompt for at most its budget of tokens (greedy, or sampled from each row's own generator).
+    Returns (new ids without the stop token, stopped)."""
+    def pick(row: int, logits: torch.Tensor) -> int:
+        if sampling.greedy:
+            return int(logits.argmax())
+        q = distribution(logits, sampling).cpu()  # CPU generators: the same stream on any device
+        return int(torch.multinomial(q, 1, generator=generators[row]))
+
+    return decode_batch(model, prompts, budgets, stops, pick, pad_id)
 
 
 def regenerate_jobs(model, tokenizer, batch: list[Job], recipe: Recipe, stops: set[int]) -> int:

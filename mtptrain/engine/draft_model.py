@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from mtptrain.engine.proposer import ProposerBase
-from mtptrain.engine.runner import TargetRunner
+from mtptrain.runtime.runner import open_runner
 from mtptrain.engine.verify import Sampling, choose
 
 
@@ -22,7 +22,7 @@ class DraftModelProposer(ProposerBase):
     name = "draft-model"
 
     def __init__(self, model, sampling: Sampling = Sampling(), seed: int = 0):
-        self.runner = TargetRunner(model)
+        self.runner = open_runner(model)
         self.sampling = sampling
         self.generator = torch.Generator().manual_seed(seed)
         self.cached: list[int] = []  # the tokens whose keys and values the draft cache holds

@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 import torch
 
 from mtptrain.engine.proposer import Proposer
-from mtptrain.engine.runner import TargetRunner
 from mtptrain.engine.tree import DraftTree, verify_tree_greedy, verify_tree_sampling
 from mtptrain.engine.verify import Sampling, distribution, verify_greedy, verify_sampling
+from mtptrain.runtime.runner import Runner
 
 
 @dataclass
@@ -76,16 +76,16 @@ class Generation:
     stats: GenerationStats
 
 
-def generate(runner: TargetRunner, prompt: list[int], max_new_tokens: int, proposer: Proposer | None = None, k: int = 4,
+def generate(runner: Runner, prompt: list[int], max_new_tokens: int, proposer: Proposer | None = None, k: int = 4,
              sampling: Sampling = Sampling(), eos: set[int] = frozenset(), seed: int = 0) -> Generation:
     generator = torch.Generator().manual_seed(seed)
     stats = GenerationStats()
     runner.reset()
+    observes = proposer is not None and proposer.reads_states
     if proposer is not None:
         proposer.reset(prompt)
-    first = _pick(runner.forward(prompt)[-1:], sampling, generator)
+    first = _pick(runner.forward(prompt, last_only=True), sampling, generator)
     out = [first]
-    observes = proposer is not None and proposer.reads_states
     if observes:  # drafters that read the target's states see them for every committed position
         proposer.observe(0, runner.hidden, prompt[1:] + [first])
     sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)  # honest step timings

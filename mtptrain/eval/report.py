@@ -129,8 +129,9 @@ def run_line(results: dict) -> str:
     s, machine = results["settings"], results["machine"]
     sampling = "greedy" if s["temperature"] == 0 else f"temperature {s['temperature']}, top-k {s['top_k']}, top-p {s['top_p']}"
     gpu = f"{machine['gpu']}, " if machine.get("gpu") else ""
+    runtime = f", {machine['runtime']}" if machine.get("runtime") else ""
     return (f"Target `{results['target']}` on {machine['device']} ({gpu}{machine['dtype']}, {machine['threads']} "
-            f"threads), CPU {cpu_text(machine)}. Prompts: `{s['prompts']}`, {s['prompt_count']} prompts, "
+            f"threads{runtime}), CPU {cpu_text(machine)}. Prompts: `{s['prompts']}`, {s['prompt_count']} prompts, "
             f"{s['requests']} requests, up to {s['max_new_tokens']} new tokens each, {sampling}, batch size 1.")
 
 
@@ -257,13 +258,15 @@ def _divergence_section(results: dict) -> list[str]:
     lines = ["", "## Divergences from the baseline", "",
              "At temperature 0 every method must reproduce the baseline, and every later repeat its first one. A "
              "divergence is tolerated only where the baseline's top-2 logit gap is below "
-             f"{results['settings']['near_tie']:g} (batched and one-token forwards round differently and can break "
-             "a near-tie either way).", ""]
+             f"{results['settings']['near_tie']:g}, or in bfloat16 / float16 below "
+             f"{results['settings'].get('near_tie_ulps', 0):g} rounding steps of the top logit (batched and "
+             "one-token forwards round differently and can break a near-tie either way).", ""]
     for label, d, kind in divergences:
         verdict = "FAILURE" if kind == "failures" else "near-tie"
         repeat = f" (repeat {d['repeat']} against the first)" if "repeat" in d else ""
+        bound = f" < {d['bound']:.2e}" if kind == "near_ties" and "bound" in d else ""
         lines.append(f"- {label}, request {d['request']}{repeat}, token {d['position']}: top-2 gap "
-                     f"{d['top2_gap']:.2e} ({verdict})")
+                     f"{d['top2_gap']:.2e}{bound} ({verdict})")
     return lines
 
 

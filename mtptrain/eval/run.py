@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import statistics
 import time
 from contextlib import contextmanager
@@ -35,7 +36,6 @@ from mtptrain.engine.cpu_matmul import skinny_linears
 from mtptrain.engine.draft_model import DraftModelProposer, truncated_target
 from mtptrain.engine.generate import GenerationStats, generate
 from mtptrain.engine.ngram import NgramProposer
-from mtptrain.engine.runner import TargetRunner
 from mtptrain.engine.ssd import SSDProposer, SSDSettings
 from mtptrain.engine.suffix_index import SuffixIndexProposer
 from mtptrain.engine.verify import Sampling
@@ -45,6 +45,7 @@ from mtptrain.heads.checkpoint import head_directory
 from mtptrain.heads.spec import HeadSpec
 from mtptrain.io import atomic_write_json
 from mtptrain.machine import cpu_sample, describe_cpu, other_load
+from mtptrain.runtime.runner import Runner, open_runner, runtime_description
 from mtptrain.target import load_target, load_tokenizer
 from mtptrain.tracking import init_run
 
@@ -262,12 +263,23 @@ def _check_draft_choice(ev) -> None:
                         "with the target's tokenizer) or eval.draft.layers (the target cut to its first N layers)")
 
 
-@torch.inference_mode()
-def top2_gap(model, context: list[int]) -> float:
-    """The baseline's margin between its two best next tokens after `context`."""
-    device = model.get_input_embeddings().weight.device
-    top = model(torch.tensor([context], device=device)).logits[0, -1].float().topk(2).values
-    return float(top[0] - top[1])
+def top2(runner: Runner, context: list[int]) -> tuple[float, float]:
+    """The baseline's best next-token logit after `context` and its margin over the second best, by the forward
+    the baseline decodes with."""
+    runner.reset()
+    top = runner.forward(context, last_only=True)[-1].float().topk(2).values
+    return float(top[0]), float(top[0] - top[1])
+
+
+MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10}
+
+
+def near_tie_bound(ev, dtype: torch.dtype, top: float) -> float:
+    """eval.near_tie, or in a half-precision dtype eval.near_tie_ulps rounding steps of the top logit if more."""
+    bits = MANTISSA_BITS.get(dtype)
+    if bits is None or top == 0:
+        return ev.near_tie
+    return max(ev.near_tie, ev.near_tie_ulps * 2.0 ** (math.floor(math.log2(abs(top))) - bits))
 
 
 def run_eval(recipe: Recipe, wandb: str | None = None, show_progress: bool = True) -> dict:
@@ -280,7 +292,8 @@ def run_eval(recipe: Recipe, wandb: str | None = None, show_progress: bool = Tru
     for note in notes:
         log.warning(note)
     capture = head_info.spec.layers if head_info is not None else []
-    plain, reading = TargetRunner(target.model), TargetRunner(target.model, capture=capture)
+    runtime = recipe.target.runtime
+    plain, reading = open_runner(target.model, (), runtime), open_runner(target.model, capture, runtime)
     stops = stop_tokens(target.tokenizer, target.model)
     requests = [(p, t) for p in prompts for t in range(min(len(p.turns), ev.max_turns or len(p.turns)))]
     tallies = [Tally(c) for c in configs]
@@ -313,9 +326,10 @@ def run_eval(recipe: Recipe, wandb: str | None = None, show_progress: bool = Tru
         "settings": {"prompts": ev.prompts, "prompt_count": len(prompts), "requests": len(requests),
                      "max_new_tokens": ev.max_new_tokens, "temperature": ev.temperature, "top_k": ev.top_k,
                      "top_p": ev.top_p, "seed": ev.seed, "near_tie": ev.near_tie,
+                     "near_tie_ulps": ev.near_tie_ulps,
                      "tree": {"branch": ev.tree.branch, "depth": ev.tree.depth}, "repeats": ev.repeats,
                      "max_spread": ev.max_spread, "max_other_load": ev.max_other_load},
-        "machine": _machine(target, skinny, *measured),
+        "machine": _machine(target, plain, skinny, *measured),
         "notes": notes,
         "methods": [t.summary(tallies[0].tokens_per_second()) for t in tallies],
         "conversations": answers,  # the baseline's answers: the context of every later turn
@@ -338,8 +352,8 @@ def run_eval(recipe: Recipe, wandb: str | None = None, show_progress: bool = Tru
 class _Engine:
     """What every measured generation shares."""
 
-    plain: TargetRunner
-    reading: TargetRunner
+    plain: Runner
+    reading: Runner
     target: object
     ev: object
     sampling: Sampling
@@ -405,11 +419,10 @@ def _request(tallies, i, proposer, engine: _Engine, ids, index, repeat, prompt, 
     if repeat == 0:
         tally.add(result.tokens, result.stats, prompt.category or "all")
         if i and engine.sampling.greedy:
-            _check_exact(tally, engine.target.model, ids, tallies[0].outputs[index], result.tokens, ev.near_tie,
-                         where)
+            _check_exact(tally, engine, ids, tallies[0].outputs[index], result.tokens, where)
     elif engine.sampling.greedy and result.tokens != tally.outputs[index]:
-        _divergence(tally, engine.target.model, ids, tally.outputs[index], result.tokens, ev.near_tie,
-                    {"request": where, "repeat": repeat + 1}, "its first repeat")
+        _divergence(tally, engine, ids, tally.outputs[index], result.tokens, {"request": where, "repeat": repeat + 1},
+                    "its first repeat")
 
 
 def _warm_up(configs, kept, plain, reading, ids, ev, sampling, stops) -> None:
@@ -435,22 +448,23 @@ def _threads(count: int | None):
         torch.set_num_threads(previous)
 
 
-def _check_exact(tally: Tally, model, prompt: list[int], reference: list[int], tokens: list[int], bound: float,
+def _check_exact(tally: Tally, engine: _Engine, prompt: list[int], reference: list[int], tokens: list[int],
                  where: str) -> None:
     tally.checked += 1
     if tokens == reference:
         tally.identical += 1
         return
-    _divergence(tally, model, prompt, reference, tokens, bound, {"request": where}, "the baseline")
+    _divergence(tally, engine, prompt, reference, tokens, {"request": where}, "the baseline")
 
 
-def _divergence(tally: Tally, model, prompt: list[int], expected: list[int], tokens: list[int], bound: float,
+def _divergence(tally: Tally, engine: _Engine, prompt: list[int], expected: list[int], tokens: list[int],
                 entry: dict, against: str) -> None:
-    """Records where `tokens` leave `expected`: a near-tie when the target's top-2 gap there is below `bound`, a
-    failure otherwise."""
+    """Records where `tokens` leave `expected`: a near-tie when the baseline's top-2 gap there is below the
+    near-tie bound (near_tie_bound), a failure otherwise."""
     first = next((i for i, (a, b) in enumerate(zip(expected, tokens)) if a != b), min(len(expected), len(tokens)))
-    gap = top2_gap(model, prompt + expected[:first])
-    entry = {**entry, "position": first, "top2_gap": round(gap, 6)}
+    top, gap = top2(engine.plain, prompt + expected[:first])
+    bound = near_tie_bound(engine.ev, engine.plain.dtype, top)
+    entry = {**entry, "position": first, "top2_gap": round(gap, 6), "bound": round(bound, 6)}
     where = entry["request"] + (f" (repeat {entry['repeat']})" if "repeat" in entry else "")
     if gap < bound:
         tally.near_ties.append(entry)
@@ -463,7 +477,7 @@ def _divergence(tally: Tally, model, prompt: list[int], expected: list[int], tok
                   against, first, gap)
 
 
-def _machine(target, skinny: bool, start, end) -> dict:
+def _machine(target, runner: Runner, skinny: bool, start, end) -> dict:
     """The hardware the timings belong to, and how many cores other processes kept busy meanwhile."""
     cpu, load = describe_cpu(), other_load(start, end)
     return {"device": str(target.device), "dtype": str(next(target.model.parameters()).dtype),
@@ -471,6 +485,7 @@ def _machine(target, skinny: bool, start, end) -> dict:
             **({"gpu": torch.cuda.get_device_name(target.device)} if target.device.type == "cuda" else {}),
             "cpu": cpu["model"], "cpu_capability": cpu["capability"], "cpu_extensions": cpu["extensions"],
             "logical_cores": cpu["logical_cores"],
+            "runtime": runtime_description(runner),
             "linear_layers": "W @ x.T for short inputs" if skinny else "torch stock",
             "measured_seconds": round(end.wall - start.wall, 3),
             "other_load": None if load is None else round(load, 3)}

@@ -21,26 +21,20 @@ from mtptrain.data.samples import Sample
 from mtptrain.config import Recipe
 from mtptrain.features.plan import ShardPlan, make_batches
 from mtptrain.features.store import ShardRecord, read_complete_record, write_shard
-from mtptrain.target import LayerCapture, Target
+from mtptrain.runtime.batch import capture_states
+from mtptrain.target import Target
 
 log = logging.getLogger(__name__)
 
 
-@torch.inference_mode()
-def forward_batch(target: Target, capture: LayerCapture, batch: list[Sample]) -> dict[int, torch.Tensor]:
-    """Captured hidden states [B, T, H] of a right-padded batch.
-
-    Right padding needs no attention mask: under the causal mask a real token
-    never attends to the padding after it, so every real row is computed
-    exactly as it would be alone.
-    """
+def forward_batch(target: Target, layers: list[int], batch: list[Sample]) -> dict[int, torch.Tensor]:
+    """Captured hidden states [B, T, H] of a right-padded batch, from the target's runtime (the decoder stack
+    alone: the LM head's vocabulary-sized logits are not needed)."""
     longest = max(len(s) for s in batch)
     ids = torch.zeros(len(batch), longest, dtype=torch.long)
     for row, sample in enumerate(batch):
         ids[row, : len(sample)] = torch.from_numpy(sample.input_ids)
-    # The decoder stack alone: the LM head's vocab-sized logits are not needed.
-    target.decoder()(input_ids=ids.to(target.device), use_cache=False)
-    return capture.take()
+    return capture_states(target.model, ids, layers)
 
 
 @dataclass
@@ -135,7 +129,6 @@ def compute_shards(target: Target, shards: list[ShardPlan], layers: list[int], r
         log.info("resuming: %d of %d shards of this rank are already complete", result.shards_skipped, len(shards))
     if not todo:
         return result
-    capture = LayerCapture(target.decoder_layers(), layers)
     writer = ShardWriter(out_dir, plan_id, rank, cfg.write_queue)
     progress = tqdm(total=sum(s.tokens for s in todo), unit="tok", unit_scale=True, desc="precompute",
                     disable=not show_progress)
@@ -146,7 +139,7 @@ def compute_shards(target: Target, shards: list[ShardPlan], layers: list[int], r
             buffer = _ShardBuffer.allocate(shard, layers, target.hidden_size, dtype, len(batches))
             first_row = 0
             for batch in batches:
-                outputs = forward_batch(target, capture, batch)
+                outputs = forward_batch(target, layers, batch)
                 writer.put((buffer, first_row, batch, {k: _to_host(v, dtype) for k, v in outputs.items()}))
                 tokens = sum(len(s) for s in batch)
                 first_row += tokens
@@ -157,7 +150,6 @@ def compute_shards(target: Target, shards: list[ShardPlan], layers: list[int], r
         # Always stop the writer thread: on success it flushes the last shard, on error it
         # finishes what was queued (each shard is atomic) and exits.
         result.records = writer.close()
-        capture.close()
         progress.close()
     result.seconds = time.perf_counter() - start
     result.shards_written = len(result.records)

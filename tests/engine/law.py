@@ -3,7 +3,7 @@
 import torch
 
 from mtptrain.engine.generate import generate
-from mtptrain.engine.runner import TargetRunner
+from mtptrain.runtime.runner import open_runner
 from mtptrain.engine.verify import distribution
 
 
@@ -21,7 +21,7 @@ def engine_two_token_law(model, prompt: list[int], sampling, make_proposer, tria
                          capture: list[int] = ()):
     """Empirical law of (x1, x2) over `trials` seeds, and how many drafts were proposed and rejected."""
     vocab = model.config.vocab_size
-    runner = TargetRunner(model, capture=capture)  # the layers a head-chain drafter reads
+    runner = open_runner(model, capture=capture)  # the layers a head-chain drafter reads
     counts = torch.zeros(vocab * vocab, dtype=torch.float64)
     drafted = rejected = 0
     for seed in range(trials):

@@ -6,7 +6,7 @@ from conftest import make_tiny_llama
 from mtptrain.engine.cpu_matmul import skinny_linears
 from mtptrain.engine.generate import generate
 from mtptrain.engine.ngram import NgramProposer
-from mtptrain.engine.runner import TargetRunner
+from mtptrain.runtime.runner import open_runner
 
 
 def test_skinny_linears_match_the_stock_layers_and_are_restored():
@@ -27,6 +27,6 @@ def test_skinny_linears_match_the_stock_layers_and_are_restored():
 def test_speculative_output_is_unchanged_with_skinny_linears():
     model = make_tiny_llama(400, seed=3).double()
     prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
-    reference = generate(TargetRunner(model), prompt, 30).tokens
+    reference = generate(open_runner(model), prompt, 30).tokens
     with skinny_linears(model):
-        assert generate(TargetRunner(model), prompt, 30, NgramProposer(), k=4).tokens == reference
+        assert generate(open_runner(model), prompt, 30, NgramProposer(), k=4).tokens == reference

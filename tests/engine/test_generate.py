@@ -9,7 +9,7 @@ from law import engine_two_token_law, exact_two_token_law
 from mtptrain.engine.proposer import ProposerBase
 from mtptrain.engine.generate import generate
 from mtptrain.engine.ngram import NgramProposer
-from mtptrain.engine.runner import TargetRunner
+from mtptrain.runtime.runner import open_runner
 from mtptrain.engine.verify import Sampling, distribution
 
 
@@ -27,7 +27,7 @@ def _prompts():
 
 @pytest.mark.parametrize("k", [1, 3, 6])
 def test_greedy_output_equals_the_targets_own_greedy_decoding(model64, k):
-    runner = TargetRunner(model64)
+    runner = open_runner(model64)
     for prompt in _prompts():
         reference = model64.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False, min_new_tokens=40,
                                      pad_token_id=0)[0, len(prompt):].tolist()
@@ -41,7 +41,7 @@ def test_greedy_output_equals_the_targets_own_greedy_decoding(model64, k):
 
 def test_ngram_drafts_are_accepted_on_repetitive_text(model64):
     # A target that repeats: its greedy output loops, so prompt lookup must pay off.
-    runner = TargetRunner(model64)
+    runner = open_runner(model64)
     prompt = _prompts()[0]
     result = generate(runner, prompt, 64, NgramProposer(1, 3), k=4)
     assert result.stats.tau > 1.5, result.stats
@@ -52,7 +52,7 @@ def test_ngram_drafts_are_accepted_on_repetitive_text(model64):
 
 
 def test_end_of_sequence_stops_generation(model64):
-    runner = TargetRunner(model64)
+    runner = open_runner(model64)
     prompt = _prompts()[1]
     free = generate(runner, prompt, 30).tokens
     eos = free[10]
@@ -60,17 +60,19 @@ def test_end_of_sequence_stops_generation(model64):
     assert stopped.tokens == free[: free.index(eos) + 1]
 
 
+@pytest.mark.parametrize("runtime", ["native", "transformers"])
 @torch.no_grad()
-def test_rollback_leaves_the_cache_of_a_fresh_prefill(model64):
-    runner = TargetRunner(model64)
+def test_rollback_leaves_the_cache_of_a_fresh_prefill(model64, runtime):
+    runner = open_runner(model64, runtime=runtime)
     tokens = _prompts()[0] + _prompts()[1]
     runner.forward(tokens[:10])
     runner.forward(tokens[10:25])  # as if 15 drafts were verified
     runner.rollback(17)
-    fresh = TargetRunner(model64)
+    fresh = open_runner(model64, runtime=runtime)
     fresh.forward(tokens[:17])
-    for a, b in zip(runner.cache.layers, fresh.cache.layers):
-        assert torch.allclose(a.keys, b.keys, atol=1e-12) and torch.allclose(a.values, b.values, atol=1e-12)
+    assert runner.length == fresh.length == 17
+    for (k, v), (fresh_k, fresh_v) in zip(runner.kv(), fresh.kv(), strict=True):
+        assert torch.allclose(k, fresh_k, atol=1e-12) and torch.allclose(v, fresh_v, atol=1e-12)
     assert torch.allclose(runner.forward(tokens[17:20]), fresh.forward(tokens[17:20]), atol=1e-10)
 
 

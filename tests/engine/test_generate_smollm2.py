@@ -12,7 +12,7 @@ from mtptrain.engine.head_chain import HeadChainProposer
 from mtptrain.engine.head_tree import HeadTreeProposer
 from mtptrain.engine.mtp_chain import MTPChainProposer
 from mtptrain.engine.ngram import NgramProposer
-from mtptrain.engine.runner import TargetRunner
+from mtptrain.runtime.runner import open_runner
 from mtptrain.engine.suffix_index import SuffixIndexProposer
 from mtptrain.heads import FrozenTarget
 from mtptrain.heads.spec import HeadSpec
@@ -25,7 +25,7 @@ NEW_TOKENS = 48
 
 @pytest.fixture(scope="module")
 def smollm2():
-    return load_target(TargetConfig())
+    return load_target(TargetConfig(dtype="float32"))
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +33,7 @@ def requests(smollm2):
     """Two MT-bench first turns and the baseline's greedy answers (checked against transformers' generate)."""
     tok = smollm2.tokenizer
     eos = {tok.convert_tokens_to_ids("<|im_end|>")}
-    runner = TargetRunner(smollm2.model)
+    runner = open_runner(smollm2.model)
     out = []
     for prompt in load_prompts("mtbench", limit=2):
         ids = tok.apply_chat_template([{"role": "user", "content": prompt.turns[0]}], add_generation_prompt=True)
@@ -76,7 +76,7 @@ def test_every_proposer_reproduces_greedy_decoding_up_to_near_ties(smollm2, requ
     else:
         make, k, capture = _proposers(smollm2.model)[name]
         proposer = make()
-    runner = TargetRunner(smollm2.model, capture=capture)
+    runner = open_runner(smollm2.model, capture=capture)
     drafted = accepted = 0
     for prompt_id, ids, plain in cases:
         spec = generate(runner, ids, NEW_TOKENS, proposer, k=k, eos=eos)

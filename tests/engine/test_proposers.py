@@ -9,7 +9,7 @@ from law import engine_two_token_law, exact_two_token_law
 
 from mtptrain.engine.draft_model import DraftModelProposer, truncated_target
 from mtptrain.engine.generate import generate
-from mtptrain.engine.runner import TargetRunner
+from mtptrain.runtime.runner import open_runner
 from mtptrain.engine.suffix_index import SEPARATOR, SuffixIndexProposer, build_suffix_array, match_range
 from mtptrain.engine.verify import Sampling
 
@@ -42,7 +42,7 @@ def test_truncated_target_shares_every_weight_and_computes_its_first_layers(mode
 @pytest.mark.parametrize("draft", ["other model", "truncated target"])
 def test_draft_model_output_is_the_targets_greedy_output(model64, draft):
     drafter = make_tiny_llama(400, seed=7).double() if draft == "other model" else truncated_target(model64, 2)
-    runner = TargetRunner(model64)
+    runner = open_runner(model64)
     for seed in (1, 2):
         prompt = _prompt(seed)
         reference = generate(runner, prompt, 32).tokens
@@ -94,7 +94,7 @@ def test_suffix_index_takes_the_most_frequent_continuation_and_stays_bounded():
 
 def test_suffix_index_rebuilds_in_the_background_and_pays_off_on_repeated_requests(model64):
     index = SuffixIndexProposer(min_context=2, max_context=6, background=True)
-    runner = TargetRunner(model64)
+    runner = open_runner(model64)
     prompt = _prompt(3)
     reference = generate(runner, prompt, 40).tokens
     first = generate(runner, prompt, 40, index, k=4)  # nothing indexed yet

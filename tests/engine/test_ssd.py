@@ -123,7 +123,7 @@ def test_cached_sampled_drafts_report_the_saguaro_distribution_they_were_drawn_f
 
 def test_ssd_decoding_is_the_targets_greedy_decoding_and_hits_its_cache():
     from mtptrain.engine.generate import generate
-    from mtptrain.engine.runner import TargetRunner
+    from mtptrain.runtime.runner import open_runner
     from mtptrain.engine.ssd import SSDProposer, SSDSettings
 
     target = varied_model()
@@ -131,7 +131,7 @@ def test_ssd_decoding_is_the_targets_greedy_decoding_and_hits_its_cache():
     # how fast this machine verifies (a tiny target verifies before the drafter has guessed anything).
     proposer = SSDProposer(varied_draft, SSDSettings(k=3, budget=8, complete=True))
     try:
-        runner = TargetRunner(target)
+        runner = open_runner(target)
         for prompt in ([5, 9, 13, 2, 40, 7], [1, 2, 3, 4, 5, 6, 7, 8]):
             plain = generate(runner, prompt, 40)
             ssd = generate(runner, prompt, 40, proposer, k=3)
@@ -167,7 +167,7 @@ def test_ssd_sampling_stays_exact_in_law():
     verified against a draft pre-drafted before that outcome was known (a cache hit), sampled from Saguaro's
     q'. The law of tokens 2 and 3 is still the target's own."""
     from mtptrain.engine.generate import generate
-    from mtptrain.engine.runner import TargetRunner
+    from mtptrain.runtime.runner import open_runner
     from mtptrain.engine.ssd import SSDProposer, SSDSettings
 
     vocab = 12
@@ -176,7 +176,7 @@ def test_ssd_sampling_stays_exact_in_law():
     sampling = Sampling(temperature=1.0)
     exact = exact_law_of_tokens_2_and_3(model, prompt, sampling)
     proposer = SSDProposer(law_draft, SSDSettings(k=2, budget=6, factor=0.3, sampling=sampling, complete=True))
-    runner = TargetRunner(model)
+    runner = open_runner(model)
     counts = torch.zeros(vocab * vocab, dtype=torch.float64)
     trials = 2000
     threads = torch.get_num_threads()
@@ -232,10 +232,10 @@ def head_scores_along(parts, base: list[int], path: list[int]) -> torch.Tensor:
     built step by step from the target's states for `base` and the head's own features after it."""
     from transformers import DynamicCache
 
-    from mtptrain.engine.runner import TargetRunner
+    from mtptrain.runtime.runner import open_runner
 
     head, spec = parts.head, parts.spec
-    runner = TargetRunner(varied_model(), capture=spec.feature_layers)
+    runner = open_runner(varied_model(), capture=spec.feature_layers)
     runner.forward(base[:-1])
     cache = DynamicCache()
     feature = head.fuse([runner.hidden[layer][None] for layer in spec.feature_layers])
@@ -250,14 +250,14 @@ def head_scores_along(parts, base: list[int], path: list[int]) -> torch.Tensor:
 
 
 def observed_head_speculator(settings, base):
-    from mtptrain.engine.runner import TargetRunner
+    from mtptrain.runtime.runner import open_runner
     from mtptrain.engine.ssd import HeadDraft, Speculator
 
     parts = head_parts()
     drafter = HeadDraft(parts.head, parts.spec, settings.sampling, settings.factor, 0, parts.vocab_size)
     speculator = Speculator(drafter, settings)
     speculator.reset(base)
-    runner = TargetRunner(varied_model(), capture=parts.spec.feature_layers)
+    runner = open_runner(varied_model(), capture=parts.spec.feature_layers)
     runner.forward(base[:-1])
     drafter.observe(0, runner.hidden, base[1:])
     return parts, speculator
@@ -268,7 +268,7 @@ def test_a_heads_cached_continuations_read_its_own_features_for_the_guessed_draf
     its own predicted features for them. Each cached draft equals that, built step by step without a batch,
     a copied cache or a cut; the first draft equals the head chain's."""
     from mtptrain.engine.head_chain import HeadChainProposer
-    from mtptrain.engine.runner import TargetRunner
+    from mtptrain.runtime.runner import open_runner
     from mtptrain.engine.ssd import SSDSettings
 
     settings = SSDSettings(k=3, budget=8)
@@ -277,7 +277,7 @@ def test_a_heads_cached_continuations_read_its_own_features_for_the_guessed_draf
     first = speculator.next_draft(base, 3)
     chain = HeadChainProposer(parts.head, parts.spec)
     chain.reset(base)
-    runner = TargetRunner(varied_model(), capture=parts.spec.feature_layers)
+    runner = open_runner(varied_model(), capture=parts.spec.feature_layers)
     runner.forward(base[:-1])
     chain.observe(0, runner.hidden, base[1:])
     assert first.tokens == chain.propose(base, 3)[0]
@@ -310,15 +310,15 @@ def test_a_heads_cached_sampled_drafts_carry_their_saguaro_distributions():
 def test_ssd_with_a_head_is_the_targets_greedy_decoding_and_hits_its_cache():
     """The head reads each verification's states in the worker; every output equals the target's own."""
     from mtptrain.engine.generate import generate
-    from mtptrain.engine.runner import TargetRunner
+    from mtptrain.runtime.runner import open_runner
     from mtptrain.engine.ssd import SSDProposer, SSDSettings
 
     target = varied_model()
     proposer = SSDProposer(head_parts, SSDSettings(k=3, budget=16, complete=True), layers=[0, 1, 2])
     try:
-        runner = TargetRunner(target, capture=[0, 1, 2])
+        runner = open_runner(target, capture=[0, 1, 2])
         for prompt in ([5, 9, 13, 2, 40, 7], [1, 2, 3, 4, 5, 6, 7, 8]):
-            plain = generate(TargetRunner(target), prompt, 40)
+            plain = generate(open_runner(target), prompt, 40)
             ssd = generate(runner, prompt, 40, proposer, k=3)
             assert ssd.tokens == plain.tokens
         stats = proposer.stats()

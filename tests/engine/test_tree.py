@@ -10,7 +10,7 @@ from law import engine_two_token_law, exact_two_token_law
 
 from mtptrain.engine.proposer import ProposerBase
 from mtptrain.engine.generate import generate
-from mtptrain.engine.runner import TargetRunner
+from mtptrain.runtime.runner import open_runner
 from mtptrain.engine.tree import DraftTree, verify_tree_greedy
 from mtptrain.engine.verify import Sampling, verify_greedy
 
@@ -49,25 +49,33 @@ def _path(tree: DraftTree, node: int) -> list[int]:
     return path[::-1]
 
 
+def _logits(model, ids: list[int], runtime: str) -> torch.Tensor:
+    """[len(ids), V]: a fresh forward over `ids` alone, on the given runtime."""
+    runner = open_runner(model, runtime=runtime)
+    runner.reset()
+    return runner.forward(ids)
+
+
+@pytest.mark.parametrize("runtime", ["native", "transformers"])
 @torch.no_grad()
-def test_the_tree_forward_scores_every_node_like_a_sequential_forward_over_its_path(model64):
+def test_the_tree_forward_scores_every_node_like_a_sequential_forward_over_its_path(model64, runtime):
     rng = random.Random(0)
     prefix = [rng.randrange(VOCAB) for _ in range(11)]
     for size in (1, 5, 17):
         tree = _random_tree(rng, size, VOCAB)
-        runner = TargetRunner(model64)
+        runner = open_runner(model64, runtime=runtime)
         runner.forward(prefix[:-1])
         logits = runner.forward_tree(prefix[-1], tree)
         assert runner.length == len(prefix) + size
-        fresh = model64(torch.tensor([prefix])).logits[0, -1]
-        assert torch.allclose(logits[0], fresh, atol=1e-10)
+        assert torch.allclose(logits[0], _logits(model64, prefix, runtime)[-1], atol=1e-10)
         for node in range(size):
             ids = prefix + [tree.tokens[n] for n in _path(tree, node)]
-            assert torch.allclose(logits[node + 1], model64(torch.tensor([ids])).logits[0, -1], atol=1e-10)
+            assert torch.allclose(logits[node + 1], _logits(model64, ids, runtime)[-1], atol=1e-10)
 
 
+@pytest.mark.parametrize("runtime", ["native", "transformers"])
 @torch.no_grad()
-def test_tree_verification_equals_sequential_verification_of_its_best_path(model64):
+def test_tree_verification_equals_sequential_verification_of_its_best_path(model64, runtime):
     """Greedy: the tree keeps the longest root path that chain verification accepts, with the same
     correction token; the cache then equals a fresh prefill of the committed text."""
     rng = random.Random(1)
@@ -79,24 +87,24 @@ def test_tree_verification_equals_sequential_verification_of_its_best_path(model
         if favoured and trial % 3 == 0:
             favoured = favoured[:-1] + [(favoured[-1] + 1) % VOCAB]  # a near miss at the end
         tree = _random_tree(rng, 12, VOCAB, favoured)
-        runner = TargetRunner(model64)
+        runner = open_runner(model64, runtime=runtime)
         runner.forward(prefix[:-1])
         verdict = verify_tree_greedy(tree, runner.forward_tree(prefix[-1], tree))
         best = None
         for leaf in range(len(tree)):
             chain = [tree.tokens[n] for n in _path(tree, leaf)]
-            sequential = verify_greedy(chain, model64(torch.tensor([prefix + chain])).logits[0, len(prefix) - 1:])
+            sequential = verify_greedy(chain, _logits(model64, prefix + chain, runtime)[len(prefix) - 1:])
             if best is None or sequential.accepted > best.accepted:
                 best = sequential
         assert verdict.emitted == best.emitted
         assert verdict.emitted == greedy[: len(verdict.emitted)]
         runner.keep(len(prefix), verdict.path)
         committed = prefix + verdict.emitted[:-1]
-        reference = TargetRunner(model64)
+        reference = open_runner(model64, runtime=runtime)
         reference.forward(committed)
-        for ours, theirs in zip(runner.cache.layers, reference.cache.layers):
-            assert torch.allclose(ours.keys, theirs.keys, atol=1e-10)
-            assert torch.allclose(ours.values, theirs.values, atol=1e-10)
+        for (keys, values), (their_keys, their_values) in zip(runner.kv(), reference.kv(), strict=True):
+            assert torch.allclose(keys, their_keys, atol=1e-10)
+            assert torch.allclose(values, their_values, atol=1e-10)
 
 
 _TOP: dict = {}  # (model, branch, context) -> top tokens: the law tests draft from the same contexts thousands of times
@@ -136,9 +144,9 @@ class TargetTreeDrafter(ProposerBase):
 
 def test_generation_with_draft_trees_is_the_targets_greedy_output(model64):
     prompt = torch.randint(0, VOCAB, (10,), generator=torch.Generator().manual_seed(4)).tolist()
-    reference = generate(TargetRunner(model64), prompt, 40).tokens
-    deep = generate(TargetRunner(model64), prompt, 40, TargetTreeDrafter(model64), k=3)
-    noisy = generate(TargetRunner(model64), prompt, 40, TargetTreeDrafter(model64, noise=0.5, seed=1), k=3)
+    reference = generate(open_runner(model64), prompt, 40).tokens
+    deep = generate(open_runner(model64), prompt, 40, TargetTreeDrafter(model64), k=3)
+    noisy = generate(open_runner(model64), prompt, 40, TargetTreeDrafter(model64, noise=0.5, seed=1), k=3)
     assert deep.tokens == noisy.tokens == reference
     assert deep.stats.tau == pytest.approx(4.0, abs=0.2)  # three accepted drafts and a bonus per step
     assert 1.0 < noisy.stats.tau < deep.stats.tau
@@ -192,7 +200,8 @@ def test_trees_are_refused_when_a_child_precedes_its_parent():
 
 
 def test_tree_verification_refuses_an_attention_that_ignores_the_tree_mask(model64):
-    runner = TargetRunner(model64)
+    """transformers' forward with flash attention drops an arbitrary mask (the native runtime builds its own)."""
+    runner = open_runner(model64, runtime="transformers")
     runner.forward([1, 2, 3])
     model64.config._attn_implementation = "flash_attention_2"
     try:

@@ -14,7 +14,7 @@ REFERENCE = "recipes/reference.yaml"
 # Sections of the recipe that decide the head's weights (output paths and export settings aside).
 TRAINING_SECTIONS = ("target", "data", "regenerate", "precompute", "head")
 # Recipe fields added after the shipped head was trained, none of which changes its weights.
-ADDED_SINCE = {"head": {"mtp_input"}, "target": {"gpus_per_rank"}}
+ADDED_SINCE = {"head": {"mtp_input"}, "target": {"gpus_per_rank", "runtime"}}
 TRAIN_KEYS_IGNORED = {"features", "output_dir", "head_dtype", "head_snapshots", "log_every", "eval_every",
                       "checkpoint_every", "target_check"}
 
@@ -58,7 +58,9 @@ def test_eval_on_the_embedded_default_measures_the_shipped_head(tmp_path):
     results = run_eval(recipe, show_progress=False)
     assert results["head"]["path"] == str(PRETRAINED_HEAD)
     chain = next(m for m in results["methods"] if m["method"] == "chain")
-    assert chain["exactness"]["identical"] == chain["exactness"]["checked"] == 3
+    exactness = chain["exactness"]  # bfloat16 where this machine runs it faster: near-ties are reported
+    assert exactness["checked"] == 3 and not exactness["failures"]
+    assert exactness["identical"] + len(exactness["near_ties"]) == 3
     # The shipped head reached tau 1.28 here; the reference run's first snapshot, after 93k tokens, 1.12 on 10
     # questions (docs/reference-run.md). A head that stopped accepting would fall to 1.0.
     assert chain["tau"] > 1.15, chain

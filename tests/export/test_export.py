@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from mtptrain.cli import app
 from mtptrain.engine.generate import generate
-from mtptrain.engine.runner import TargetRunner
+from mtptrain.runtime.runner import open_runner
 from mtptrain.config import ExportConfig
 from mtptrain.export.run import export_head
 from mtptrain.export.sidecar import ExportError
@@ -42,7 +42,7 @@ def drafts(model, head, spec, prompt: list[int], k: int = 3) -> list[list[int]]:
         return draft, probs
 
     proposer.propose = logged
-    generate(TargetRunner(model, capture=spec.layers), prompt, 24, proposer, k=min(k, spec.draft_positions + 2))
+    generate(open_runner(model, capture=spec.layers), prompt, 24, proposer, k=min(k, spec.draft_positions + 2))
     return seen
 
 

@@ -15,7 +15,7 @@ from conftest import make_tiny_llama
 
 from mtptrain.config import HeadConfig, HeadKind
 from mtptrain.engine.generate import generate
-from mtptrain.engine.runner import TargetRunner
+from mtptrain.runtime.runner import open_runner
 from mtptrain.export.formats import FORMATS
 from mtptrain.heads import FrozenTarget
 from mtptrain.heads.checkpoint import load_head, save_head
@@ -66,7 +66,7 @@ def test_each_family_builds_a_head_that_trains_drafts_exactly_and_loads_back(kin
     assert all(p.grad is not None for p in head.parameters() if p.requires_grad)
 
     prompt = ids[0, :6].tolist()
-    reference = generate(TargetRunner(model), prompt, 16).tokens
+    reference = generate(open_runner(model), prompt, 16).tokens
     drafters = [family.chain(head, spec)]
     if family.no_tree is None:
         drafters.append(family.tree(head, spec, 2, 3, 5))
@@ -75,7 +75,7 @@ def test_each_family_builds_a_head_that_trains_drafts_exactly_and_loads_back(kin
             family.tree(head, spec, 2, 3, 5)
     limit = family.chain_limit(spec)
     for drafter in drafters:
-        drafted = generate(TargetRunner(model, capture=spec.layers), prompt, 16, drafter, k=3)
+        drafted = generate(open_runner(model, capture=spec.layers), prompt, 16, drafter, k=3)
         assert drafted.tokens == reference and sum(drafted.stats.proposed) > 0
         assert limit is None or len(drafted.stats.proposed) <= limit.tokens
     assert set(family.draft_layers(spec)) <= set(spec.layers)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from mtptrain.engine.runner import cut_cache
+from mtptrain.runtime.transformers_runner import cut_cache
 from mtptrain.engine.ssd.policy import saguaro_distribution
 from mtptrain.engine.verify import Sampling, distribution
 

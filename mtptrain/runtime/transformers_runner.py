@@ -1,4 +1,5 @@
-"""The target with its KV cache: forward over new tokens, roll back to a prefix.
+"""The target run by transformers' own forward, with a DynamicCache: the fallback for architectures the
+fast decoder does not run, and the reference it is tested against. Same interface as `FastRunner`.
 
 When a drafter needs the target's hidden states (the head chain), the runner
 keeps the outputs of the requested decoder layers (0-based "output of layer
@@ -11,15 +12,17 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from mtptrain.engine.tree import DraftTree
 from mtptrain.target import LayerCapture
 
 
-class TargetRunner:
+class TransformersRunner:
+    runtime = "transformers"
+
     def __init__(self, model, capture: list[int] = ()):
         self.model = model
         self.cache = DynamicCache()
-        self._capture = LayerCapture(model.get_decoder().layers, list(capture), self.device)
+        layers = model.get_decoder().layers if capture else []  # a model without `.layers` runs, capturing nothing
+        self._capture = LayerCapture(layers, list(capture), self.device)
 
     @property
     def hidden(self) -> dict[int, torch.Tensor]:
@@ -41,16 +44,26 @@ class TargetRunner:
     def device(self) -> torch.device:
         return self.model.get_input_embeddings().weight.device
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.get_input_embeddings().weight.dtype
+
+    @property
+    def attention(self) -> str:
+        return getattr(self.model.config, "_attn_implementation", "sdpa")
+
     @torch.inference_mode()
-    def forward(self, ids: list[int]) -> torch.Tensor:
-        """Logits [n, V] for the next token after each of `ids`, appended after the cached prefix."""
-        out = self.model(torch.tensor([ids], device=self.device), past_key_values=self.cache, use_cache=True)
+    def forward(self, ids: list[int], last_only: bool = False) -> torch.Tensor:
+        """Logits [n, V] for the next token after each of `ids` (only the last with `last_only`), appended after
+        the cached prefix."""
+        out = self.model(torch.tensor([ids], device=self.device), past_key_values=self.cache, use_cache=True,
+                         logits_to_keep=1 if last_only else 0)
         return out.logits[0]
 
     @torch.inference_mode()
-    def forward_tree(self, pending: int, tree: DraftTree) -> torch.Tensor:
+    def forward_tree(self, pending: int, tree) -> torch.Tensor:
         """Logits [N+1, V] for [pending, tree nodes] under the tree mask (see engine/tree.py)."""
-        attention = getattr(self.model.config, "_attn_implementation", "sdpa")
+        attention = self.attention
         if attention not in ("sdpa", "eager"):
             raise ValueError(f"tree verification needs an attention that takes an arbitrary mask (sdpa or eager), "
                              f"and the target runs {attention}: set target.attn_implementation=sdpa")
@@ -71,6 +84,10 @@ class TargetRunner:
                 layer.keys[..., length : length + len(rows), :] = layer.keys.index_select(-2, here)
                 layer.values[..., length : length + len(rows), :] = layer.values.index_select(-2, here)
         self.rollback(length + len(rows))
+
+    def kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, the keys and values of the positions held [1, Hkv, length, D]."""
+        return [(layer.keys, layer.values) for layer in self.cache.layers]
 
     def rollback(self, length: int) -> None:
         """Keep the first `length` cached tokens: the accepted prefix after a verification."""

@@ -1,0 +1,57 @@
+"""Keys and values of every layer in tensors allocated once per generation.
+
+Rolling back to a prefix is a length change (nothing is copied or freed); keeping the accepted path of a
+verified tree moves only that path's entries next to the prefix, in place. The tensors grow (by doubling,
+one copy) only when a generation outruns the capacity it was reset with.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(self, layers: int, batch: int, kv_heads: int, head_dim: int, capacity: int, dtype, device):
+        self.shape = (batch, kv_heads, capacity, head_dim)
+        self.keys = [torch.empty(self.shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.values = [torch.empty(self.shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.length = 0  # positions filled, the same for every row of the batch
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[2]
+
+    def reserve(self, length: int) -> None:
+        """Room for `length` positions (a copy of what is held, only when it has to grow)."""
+        if length <= self.capacity:
+            return
+        size = max(length, 2 * self.capacity)
+        for store in (self.keys, self.values):
+            for i, old in enumerate(store):
+                new = old.new_empty((*old.shape[:2], size, old.shape[3]))
+                new[:, :, : self.length] = old[:, :, : self.length]
+                store[i] = new
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Put k, v [B, Hkv, T, D] at positions [start, start + T) of `layer`; return the layer's keys and values
+        up to there (views, no copy)."""
+        end = start + k.shape[2]
+        self.keys[layer][:, :, start:end] = k
+        self.values[layer][:, :, start:end] = v
+        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+
+    def keep(self, length: int, rows: list[int]) -> None:
+        """Keep the first `length` positions and, after them, the entries at length + r for r in rows, in that
+        order (the accepted path of a verified tree); only moved entries are copied."""
+        if rows != list(range(len(rows))):
+            index = length + torch.tensor(rows, dtype=torch.long, device=self.keys[0].device)
+            for store in (self.keys, self.values):
+                for tensor in store:
+                    tensor[:, :, length : length + len(rows)] = tensor.index_select(2, index)
+        self.length = length + len(rows)
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only these rows of the batch (rows that finished leave it)."""
+        for store in (self.keys, self.values):
+            for i, tensor in enumerate(store):
+                store[i] = tensor.index_select(0, rows)

@@ -1,0 +1,217 @@
+"""What this machine computes fastest, measured once and remembered.
+
+Two choices depend on the CPU more than on anything else, so they are measured rather than assumed:
+
+- the compute dtype: bfloat16 halves the bytes every decoding step streams, and on CPUs with bf16 matrix
+  or vector units (AMX, avx512_bf16) it also multiplies fast; elsewhere (AVX2 only) torch emulates it and a
+  bf16 product costs several times a float32 one;
+- the product for short inputs (the 1 to 9 rows of decoding and verification): torch's `F.linear`, or
+  `W @ x.T`, which on some BLAS builds keeps a product over a few rows near the cost of one row
+  (see mtptrain/engine/cpu_matmul.py);
+- the attention kernel for one new token and for several: torch's SDPA, or two plain products with a
+  float32 softmax between them, which on some CPUs costs a third of SDPA's bf16 kernel for one query.
+
+The products are timed on the model's own shapes (its attention and MLP projections) over 1, 4 and 8
+rows, the attention on its heads over 512 cached positions; the answer is cached in `<cache_root>/runtime-choice.json` under a key naming the CPU, torch's version, the
+thread count and the shapes, so each machine measures once. On a GPU nothing is measured: bfloat16 and
+`F.linear`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from mtptrain.io import atomic_write_json, cache_root
+from mtptrain.machine import describe_cpu
+
+log = logging.getLogger(__name__)
+
+ROWS = (1, 4, 8)
+PRODUCTS = ("linear", "skinny")
+SKINNY_ROWS = 32  # above this many rows (a prefill) every product is F.linear
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x, weight, bias)
+
+
+def skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ W.T computed as (W @ x.T).T for short inputs."""
+    rows = x.numel() // x.shape[-1]
+    if rows > SKINNY_ROWS:
+        return F.linear(x, weight, bias)
+    out = torch.matmul(weight, x.reshape(rows, x.shape[-1]).T).T
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+PRODUCT = {"linear": linear, "skinny": skinny}
+
+
+def sdpa_attention(q, k, v, mask, causal: bool):
+    """q [B, H, T, D], k and v [B, Hkv, S, D]; mask [B, 1, T, S] (True = seen) or None."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                          enable_gqa=k.shape[1] != q.shape[1])
+
+
+def plain_attention(q, k, v, mask, causal: bool):
+    """The same as two products with a float32 softmax between them; each key-value head serves its group of
+    query heads (head h reads kv head h // group), without repeating the keys."""
+    batch, heads, count, dim = q.shape
+    kv_heads, length = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    scores = torch.matmul(q.reshape(batch, kv_heads, group * count, dim), k.transpose(-1, -2)).float()
+    scores = scores.mul_(dim ** -0.5).view(batch, kv_heads, group, count, length)
+    if causal:
+        mask = torch.ones(count, length, dtype=torch.bool, device=q.device).tril(length - count)[None, None]
+    if mask is not None:
+        scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
+    weights = torch.softmax(scores.view(batch, kv_heads, group * count, length), dim=-1).to(v.dtype)
+    return torch.matmul(weights, v).view(batch, heads, count, dim)
+
+
+ATTENTION = {"sdpa": sdpa_attention, "plain": plain_attention}
+
+
+@dataclass(frozen=True)
+class Choice:
+    dtype: torch.dtype
+    product: str  # a key of PRODUCT
+    attention_one: str  # a key of ATTENTION, for a single new token
+    attention_many: str  # for several
+    source: str  # "measured", "cached", "cuda" or "set" (target.dtype named the dtype)
+    timings: dict | None = None  # dtype -> what was timed -> ms
+
+    def describe(self) -> str:
+        return (f"{str(self.dtype).removeprefix('torch.')} ({self.source}), short products {self.product}, "
+                f"attention {self.attention_one} (1 token) / {self.attention_many}")
+
+
+def shapes(config) -> list[tuple[int, int]]:
+    """[out, in] of one decoder layer's fused products: qkv, out, gate/up, down."""
+    hidden = config.hidden_size
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    q, kv = heads * head_dim, config.num_key_value_heads * head_dim
+    inter = config.intermediate_size
+    return [(q + 2 * kv, hidden), (hidden, q), (2 * inter, hidden), (hidden, inter)]
+
+
+def choose(config, device: torch.device, requested: str = "auto") -> Choice:
+    """The compute dtype (requested, or measured when "auto") and the short-input product for it."""
+    if device.type != "cpu":
+        dtype = torch.bfloat16 if requested == "auto" else getattr(torch, requested)
+        return Choice(dtype, "linear", "sdpa", "sdpa", "cuda" if requested == "auto" else "set")
+    timings, source = _cpu_timings(config)
+    if requested == "auto":
+        best = min(timings, key=lambda d: min(timings[d]["products"].values()))
+        dtype = getattr(torch, best)
+    else:
+        dtype, source = getattr(torch, requested), "set"
+    measured = timings.get(str(dtype).removeprefix("torch."))
+    if measured is None:  # float16 on a CPU: not measured, torch's defaults
+        return Choice(dtype, "linear", "sdpa", "sdpa", source, timings)
+    fastest = lambda times: min(times, key=times.get)  # noqa: E731
+    return Choice(dtype, fastest(measured["products"]), fastest(measured["attention_one"]),
+                  fastest(measured["attention_many"]), source, timings)
+
+
+def _heads(config) -> tuple[int, int, int]:
+    heads = config.num_attention_heads
+    return heads, config.num_key_value_heads, getattr(config, "head_dim", None) or config.hidden_size // heads
+
+
+def _key(config) -> str:
+    cpu = describe_cpu()
+    return "|".join([cpu["model"], str(cpu["capability"]), ",".join(cpu["extensions"] or []), torch.__version__,
+                     f"threads={torch.get_num_threads()}", ";".join(f"{o}x{i}" for o, i in shapes(config)),
+                     "heads=%dx%dx%d" % _heads(config)])
+
+
+def _cpu_timings(config) -> tuple[dict, str]:
+    """dtype name -> {"products": {product: ms}, "attention_one" / "attention_many": {kernel: ms}}; from the
+    cache when this machine measured them before."""
+    path = cache_root() / "runtime-choice.json"
+    key = _key(config)
+    try:
+        known = json.loads(path.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if key in known:
+        return known[key], "cached"
+    timings = {}
+    for name in ("float32", "bfloat16"):
+        dtype = getattr(torch, name)
+        timings[name] = {
+            "products": {p: _time_layer(shapes(config), dtype, PRODUCT[p]) for p in PRODUCTS},
+            "attention_one": {a: _time_attention(_heads(config), dtype, ATTENTION[a], 1) for a in ATTENTION},
+            "attention_many": {a: _time_attention(_heads(config), dtype, ATTENTION[a], 8) for a in ATTENTION},
+        }
+    known[key] = timings
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(path, known)
+    except OSError as exc:  # a read-only home: measured again next time
+        log.warning("could not cache the runtime's measured choice in %s: %s", path, exc)
+    log.info("measured this CPU's products (ms per layer, rows %s) and attention (ms, 512 positions): %s",
+             "/".join(map(str, ROWS)), json.dumps(timings))
+    return timings, "measured"
+
+
+STREAM_BYTES = 256 << 20  # float32 weights cycled through per timing: far more than any CPU cache holds
+MAX_COPIES = 64  # a tiny model's layer is not copied thousands of times (its weights stay in cache anyway)
+
+
+def _time_layer(layer_shapes, dtype: torch.dtype, product, repeats: int = 5) -> float:
+    """Median ms of one layer's products over inputs of each of ROWS rows. The weights are several copies of
+    the layer, cycled through, so that they stream from memory as a whole model's do rather than sit in cache."""
+    generator = torch.Generator().manual_seed(0)
+    layer_bytes = 4 * sum(o * i for o, i in layer_shapes)
+    if layer_bytes > STREAM_BYTES:  # a large model's layer: fewer output rows, the same inner sizes
+        scale = STREAM_BYTES / layer_bytes
+        layer_shapes = [(max(64, int(o * scale)), i) for o, i in layer_shapes]
+        layer_bytes = 4 * sum(o * i for o, i in layer_shapes)
+    copies = min(MAX_COPIES, max(1, -(-STREAM_BYTES // layer_bytes)))
+    weights = [[(torch.randn(o, i, generator=generator) * 0.02).to(dtype) for o, i in layer_shapes]
+               for _ in range(copies)]
+    inputs = {rows: [torch.randn(rows, i, generator=generator).to(dtype) for _, i in layer_shapes] for rows in ROWS}
+
+    def once() -> float:
+        started = time.perf_counter()
+        for rows in ROWS:
+            for layer in weights:
+                for w, x in zip(layer, inputs[rows]):
+                    product(x, w, None)
+        return (time.perf_counter() - started) / copies
+
+    once()  # first-call allocations, kernel selection
+    return round(1000 * statistics.median(once() for _ in range(repeats)), 4)
+
+
+def _time_attention(heads: tuple[int, int, int], dtype: torch.dtype, attention, count: int, repeats: int = 5) -> float:
+    """Median ms of 20 attention calls of `count` new tokens over 512 cached positions."""
+    generator = torch.Generator().manual_seed(0)
+    query_heads, kv_heads, dim = heads
+    length = 512
+    q = torch.randn(1, query_heads, count, dim, generator=generator).to(dtype)
+    k, v = (torch.randn(1, kv_heads, length, dim, generator=generator).to(dtype) for _ in range(2))
+    mask = None
+    if count > 1:
+        mask = torch.ones(count, length, dtype=torch.bool).tril(length - count)[None, None]
+
+    def once() -> float:
+        started = time.perf_counter()
+        for _ in range(20):
+            attention(q, k, v, mask, False)
+        return (time.perf_counter() - started) / 20
+
+    once()
+    return round(1000 * statistics.median(once() for _ in range(repeats)), 4)

@@ -1,0 +1,220 @@
+"""The target's decoder as one plain forward: fused products, a preallocated KV cache, SDPA.
+
+`FastDecoder.of(model)` takes a transformers Llama-family model (Llama 2/3, SmolLM, Mistral, Qwen2 with its
+q/k/v biases, Qwen3 with its q/k norms) and runs the same computation in a few tensor operations per layer:
+
+- the q, k and v projections are one product, and so are the gate and up projections: their weights are
+  concatenated once, and the transformers modules' own weights become views into the fused tensors, so the
+  model holds each weight once and both paths keep working;
+- keys and values go to a `KVCache` preallocated for the whole generation (`runtime/cache.py`);
+- rotary tables are computed once, by the model's own rotary module (every static rope scaling it knows);
+- short inputs use the products and attention kernels this machine runs fastest (`runtime/choice.py`).
+
+`FastDecoder.unsupported(model)` says why a model cannot run here (another architecture, a rope scaling that
+changes with the length, an attention that is not plain softmax); the runner then keeps transformers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+STATIC_ROPE = (None, "default", "linear", "llama3", "yarn", "longrope")
+
+
+def unsupported(model: nn.Module) -> str | None:
+    """Why `model` cannot run on the fast decoder, or None when it can."""
+    config = model.config
+    if config.model_type not in SUPPORTED:
+        return f"model_type {config.model_type} (the native runtime runs {', '.join(SUPPORTED)})"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"hidden_act {config.hidden_act}"
+    rope = getattr(config, "rope_scaling", None) or getattr(config, "rope_parameters", None) or {}
+    kind = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
+    if kind not in STATIC_ROPE:
+        return f"rope scaling {kind!r}, which changes with the sequence length"
+    if getattr(config, "attention_dropout", 0.0) or getattr(config, "pretraining_tp", 1) != 1:
+        return "attention dropout or pretraining_tp"
+    decoder = model.get_decoder()
+    devices = {p.device for p in model.parameters()}
+    if len(devices) != 1 or next(iter(devices)).type == "meta":
+        return "the model is split over several devices or not loaded"
+    if not all(hasattr(layer.self_attn, "q_proj") and hasattr(layer.mlp, "gate_proj") for layer in decoder.layers):
+        return "layers without q/k/v and gate/up projections"
+    return None
+
+
+@dataclass
+class _Layer:
+    norm_in: torch.Tensor
+    qkv: torch.Tensor  # [q + 2 kv, H]
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None  # Qwen3: RMSNorm weights over each head's dims
+    k_norm: torch.Tensor | None
+    out: torch.Tensor
+    norm_post: torch.Tensor
+    gate_up: torch.Tensor  # [2 I, H]
+    down: torch.Tensor
+
+
+def _fuse(modules: list[nn.Linear], attribute: str = "weight") -> torch.Tensor | None:
+    """One tensor holding the modules' weights (or biases) one after another; each module's own tensor becomes
+    a view into it, so the memory is not doubled. Weights fused before (a model that shares its layers with
+    another, as a truncated draft model does) are used where they are."""
+    parts = [getattr(m, attribute) for m in modules]
+    if any(p is None for p in parts):
+        return None
+    rows = sum(p.shape[0] for p in parts)
+    if _adjacent(parts):
+        return parts[0].detach().as_strided((rows, *parts[0].shape[1:]), parts[0].stride())
+    fused = torch.cat([p.detach() for p in parts])
+    start = 0
+    for part in parts:
+        end = start + part.shape[0]
+        part.data = fused[start:end]
+        start = end
+    return fused
+
+
+def _adjacent(parts: list[torch.Tensor]) -> bool:
+    """The tensors are contiguous and follow one another in one storage."""
+    if not all(p.is_contiguous() for p in parts):
+        return False
+    storage = parts[0].untyped_storage().data_ptr()
+    for a, b in zip(parts, parts[1:]):
+        if b.untyped_storage().data_ptr() != storage or b.data_ptr() != a.data_ptr() + a.numel() * a.element_size():
+            return False
+    return True
+
+
+class FastDecoder:
+    """The decoder stack and LM head of one model; `forward` runs new tokens against a `KVCache`."""
+
+    def __init__(self, model: nn.Module, product, attention_one, attention_many, choice=None):
+        why = unsupported(model)
+        if why is not None:
+            raise ValueError(f"the native runtime cannot run this model: {why}")
+        config, decoder = model.config, model.get_decoder()
+        self.model = model
+        self.config = config
+        self.product = product  # (x [..., in], weight [out, in], bias) -> [..., out]
+        self.attention_one, self.attention_many = attention_one, attention_many  # (q, k, v, mask, causal)
+        self.choice = choice  # the measured runtime.choice.Choice the product came from, for reports
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.eps = config.rms_norm_eps
+        self.window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+        self.embed = decoder.embed_tokens.weight
+        self.norm = decoder.norm.weight
+        self.lm_head = model.get_output_embeddings().weight
+        self.layers = []
+        for layer in decoder.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            projections = [attn.q_proj, attn.k_proj, attn.v_proj]
+            self.layers.append(_Layer(
+                norm_in=layer.input_layernorm.weight, qkv=_fuse(projections), qkv_bias=_fuse(projections, "bias"),
+                q_norm=attn.q_norm.weight if hasattr(attn, "q_norm") else None,
+                k_norm=attn.k_norm.weight if hasattr(attn, "k_norm") else None,
+                out=attn.o_proj.weight, norm_post=layer.post_attention_layernorm.weight,
+                gate_up=_fuse([mlp.gate_proj, mlp.up_proj]), down=mlp.down_proj.weight))
+        self.rotary = decoder.rotary_emb
+        self._cos = self._sin = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    def current(self) -> bool:
+        """The model still holds the weights this decoder runs (not moved, cast or replaced since)."""
+        decoder = self.model.get_decoder()
+        if decoder.embed_tokens.weight is not self.embed and decoder.embed_tokens.weight.data_ptr() != self.embed.data_ptr():
+            return False
+        for layer, fused in ((decoder.layers[0], self.layers[0]), (decoder.layers[-1], self.layers[-1])):
+            if layer.self_attn.q_proj.weight.data_ptr() != fused.qkv.data_ptr() or \
+                    layer.mlp.gate_proj.weight.data_ptr() != fused.gate_up.data_ptr() or \
+                    layer.self_attn.o_proj.weight.data_ptr() != fused.out.data_ptr():
+                return False
+        return True
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B, T, D] for positions [B, T], from tables the model's rotary module fills once."""
+        needed = int(positions.max()) + 1
+        if self._cos is None or self._cos.shape[0] < needed:
+            size = max(needed, 2 * (0 if self._cos is None else self._cos.shape[0]), 4096)
+            probe = torch.zeros(1, dtype=self.dtype, device=self.device)
+            cos, sin = self.rotary(probe, torch.arange(size, device=self.device)[None])
+            self._cos, self._sin = cos[0], sin[0]
+        return self._cos[positions], self._sin[positions]
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache, start: int, mask: torch.Tensor | None,
+                capture: tuple[int, ...] = (), last_only: bool = False,
+                logits: bool = True) -> tuple[torch.Tensor | None, dict]:
+        """Logits [B, T, V] (or [B, 1, V] with `last_only`; None without `logits`) for ids [B, T] at `positions`
+        [B, T], whose keys and values are written to the cache at [start, start + T) (no cache: a forward over
+        these tokens alone); `mask` [B, 1, T, start + T] (True = seen) or None for plain causal attention over
+        everything cached. Also the states after each layer of `capture`."""
+        batch, count = ids.shape
+        x = F.embedding(ids, self.embed)
+        cos, sin = self.rope(positions)
+        cos, sin = cos[:, None], sin[:, None]  # [B, 1, T, D]: broadcast over heads
+        end = start + count
+        if self.window is not None and end > self.window:
+            raise ValueError(f"context of {end} tokens is longer than the model's sliding window ({self.window}): "
+                             "the fast decoder keeps full attention only")
+        causal = mask is None and count > 1 and start == 0
+        if mask is None and count > 1 and start > 0:
+            mask = _causal(count, start, ids.device)[None, None]
+        attention = self.attention_one if count == 1 else self.attention_many
+        captured = {}
+        q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        for index, layer in enumerate(self.layers):
+            h = F.rms_norm(x, (x.shape[-1],), layer.norm_in, self.eps)
+            qkv = self.product(h, layer.qkv, layer.qkv_bias)
+            q, k, v = qkv.split((q_size, kv_size, kv_size), dim=-1)
+            q = q.view(batch, count, self.heads, self.head_dim).transpose(1, 2)
+            k = k.view(batch, count, self.kv_heads, self.head_dim).transpose(1, 2)
+            v = v.view(batch, count, self.kv_heads, self.head_dim).transpose(1, 2)
+            if layer.q_norm is not None:
+                q = F.rms_norm(q, (self.head_dim,), layer.q_norm, self.eps)
+                k = F.rms_norm(k, (self.head_dim,), layer.k_norm, self.eps)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            keys, values = (k, v) if cache is None else cache.write(index, k, v, start)
+            attended = attention(q, keys, values, mask, causal)
+            attended = attended.transpose(1, 2).reshape(batch, count, q_size)
+            x = x + self.product(attended, layer.out, None)
+            h = F.rms_norm(x, (x.shape[-1],), layer.norm_post, self.eps)
+            gate, up = self.product(h, layer.gate_up, None).chunk(2, dim=-1)
+            x = x + self.product(F.silu(gate) * up, layer.down, None)
+            if index in capture:
+                captured[index] = x
+        if not logits:
+            return None, captured
+        if last_only:
+            x = x[:, -1:]
+        x = F.rms_norm(x, (x.shape[-1],), self.norm, self.eps)
+        return self.product(x, self.lm_head, None), captured
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _causal(count: int, past: int, device) -> torch.Tensor:
+    """[count, past + count]: new token i sees everything cached and new tokens 0..i."""
+    new = torch.ones(count, count, dtype=torch.bool, device=device).tril()
+    return torch.cat([torch.ones(count, past, dtype=torch.bool, device=device), new], dim=1)

@@ -1,0 +1,186 @@
+"""The native runtime computes what transformers computes, for every architecture it claims (Llama, Mistral,
+Qwen2 with q/k/v biases, Qwen3 with q/k norms), in float32: logits within 1e-4 relative, the same captured
+layer states, the same cache after a rollback or a kept tree path; other architectures fall back."""
+
+import logging
+
+import pytest
+import torch
+
+from mtptrain.engine.generate import generate
+from mtptrain.engine.tree import DraftTree
+from mtptrain.runtime.runner import fast_decoder, open_runner
+
+TOL = 1e-4
+
+
+def _model(kind: str, seed: int = 0):
+    import transformers
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2, rms_norm_eps=1e-6)
+    if kind == "llama":
+        config = transformers.LlamaConfig(**common, tie_word_embeddings=True)
+    elif kind == "llama3-rope":
+        config = transformers.LlamaConfig(**common, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64})
+    elif kind == "mistral":
+        config = transformers.MistralConfig(**common, sliding_window=None)
+    elif kind == "qwen2":
+        config = transformers.Qwen2Config(**common, tie_word_embeddings=False)
+    elif kind == "qwen3":
+        config = transformers.Qwen3Config(**common, head_dim=32)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    if kind == "qwen2":  # random biases: the fused product must add them
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+    return model
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return float((a - b).abs().max() / b.abs().max()) < TOL
+
+
+ARCHITECTURES = ["llama", "llama3-rope", "mistral", "qwen2", "qwen3"]
+
+
+@pytest.mark.parametrize("kind", ARCHITECTURES)
+def test_logits_and_captured_states_match_transformers(kind):
+    model = _model(kind)
+    assert fast_decoder(model) is not None
+    capture = [0, 2]
+    native, reference = open_runner(model, capture), open_runner(model, capture, runtime="transformers")
+    assert (native.runtime, reference.runtime) == ("native", "transformers")
+    prompt = torch.randint(0, 96, (37,), generator=torch.Generator().manual_seed(1)).tolist()
+    for runner in (native, reference):
+        runner.reset()
+    assert _close(native.forward(prompt), reference.forward(prompt))
+    for layer in capture:
+        assert _close(native.hidden[layer], reference.hidden[layer])
+    assert _close(native.forward([5, 6, 7, 8]), reference.forward([5, 6, 7, 8]))  # a chain after the prefix
+    native.rollback(39), reference.rollback(39)  # two of the four kept
+    assert native.length == reference.length == 39
+    assert _close(native.forward([9]), reference.forward([9]))
+    assert _close(native.forward([3], last_only=True), reference.forward([3], last_only=True))
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_a_verified_tree_and_its_kept_path_match_transformers(kind):
+    model = _model(kind)
+    prompt = list(range(10, 40))
+    tree = DraftTree(tokens=[11, 12, 13, 14, 15], parents=[-1, -1, 0, 0, 2])
+    native, reference = open_runner(model), open_runner(model, runtime="transformers")
+    for runner in (native, reference):
+        runner.reset()
+        runner.forward(prompt)
+    assert _close(native.forward_tree(7, tree), reference.forward_tree(7, tree))
+    for runner in (native, reference):
+        runner.keep(len(prompt) + 1, [0, 2, 4])  # pending, then nodes 0 -> 2 -> 4
+    fresh = open_runner(model, runtime="transformers")
+    fresh.reset()
+    fresh.forward(prompt + [7, 11, 13, 15])
+    after = [native.forward([20]), reference.forward([20]), fresh.forward([20])]
+    assert _close(after[0], after[2]) and _close(after[1], after[2])
+
+
+def test_greedy_generation_equals_transformers_generate():
+    model = _model("qwen2")
+    prompt = list(range(20, 45))
+    tokens = generate(open_runner(model), prompt, 40).tokens
+    expected = model.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False, pad_token_id=0,
+                              eos_token_id=None)[0, len(prompt):].tolist()
+    assert tokens == expected
+
+
+def test_fused_weights_are_shared_not_copied():
+    model = _model("qwen2")
+    before = sum(p.numel() for p in model.parameters())
+    decoder = fast_decoder(model)
+    attn, mlp, fused = model.model.layers[1].self_attn, model.model.layers[1].mlp, decoder.layers[1]
+    assert attn.q_proj.weight.data_ptr() == fused.qkv.data_ptr()
+    assert attn.v_proj.weight.untyped_storage().data_ptr() == fused.qkv.untyped_storage().data_ptr()
+    assert attn.k_proj.bias.untyped_storage().data_ptr() == fused.qkv_bias.untyped_storage().data_ptr()
+    assert mlp.up_proj.weight.untyped_storage().data_ptr() == fused.gate_up.untyped_storage().data_ptr()
+    assert sum(p.numel() for p in model.parameters()) == before
+    assert fast_decoder(model) is decoder  # built once per model
+
+
+def test_a_cast_model_gets_a_new_decoder():
+    model = _model("llama")
+    first = fast_decoder(model)
+    model.to(torch.float64)
+    second = fast_decoder(model)
+    assert second is not first and second.dtype == torch.float64
+    prompt = list(range(5, 25))
+    native, reference = open_runner(model), open_runner(model, runtime="transformers")
+    native.reset(), reference.reset()
+    assert _close(native.forward(prompt), reference.forward(prompt))
+
+
+def test_other_architectures_fall_back_to_transformers_with_one_log_line(caplog):
+    import transformers
+
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=64)).eval()
+    with caplog.at_level(logging.INFO, logger="mtptrain.runtime.runner"):
+        runner = open_runner(model)
+        open_runner(model)
+    assert runner.runtime == "transformers"
+    lines = [r.getMessage() for r in caplog.records if "transformers' forward" in r.getMessage()]
+    assert len(lines) == 1 and "gpt2" in lines[0]
+    with pytest.raises(ValueError, match="target.runtime=native cannot run this model"):
+        open_runner(model, runtime="native")
+
+
+def test_the_cache_grows_past_its_first_capacity():
+    model = _model("llama")
+    native, reference = open_runner(model), open_runner(model, runtime="transformers")
+    native.reset(), reference.reset()
+    native.cache.reserve(0)
+    capacity = native.cache.capacity
+    prompt = torch.randint(0, 96, (capacity + 50,), generator=torch.Generator().manual_seed(2)).tolist()
+    assert _close(native.forward(prompt, last_only=True), reference.forward(prompt, last_only=True))
+    assert native.cache.capacity >= capacity + 50
+
+
+def test_the_dtype_choice_is_measured_once_per_machine_and_can_be_overridden(tmp_path, monkeypatch):
+    from mtptrain.runtime import choice
+
+    monkeypatch.setenv("MTPTRAIN_CACHE", str(tmp_path))
+    config = _model("llama").config
+    first = choice.choose(config, torch.device("cpu"))
+    assert first.source == "measured" and first.dtype in (torch.float32, torch.bfloat16)
+    timings = first.timings[str(first.dtype).removeprefix("torch.")]
+    assert first.product == min(timings["products"], key=timings["products"].get)
+    again = choice.choose(config, torch.device("cpu"))
+    assert again.source == "cached" and again.dtype == first.dtype and again.timings == first.timings
+    assert (tmp_path / "runtime-choice.json").is_file()
+    forced = choice.choose(config, torch.device("cpu"), "float32")
+    assert forced.source == "set" and forced.dtype == torch.float32
+    assert choice.choose(config, torch.device("cuda"), "auto").dtype == torch.bfloat16
+
+
+@pytest.mark.real_model
+def test_bfloat16_speculation_matches_the_runtimes_own_greedy_decoding_up_to_rounding_ties(tmp_path):
+    """In bfloat16 a verification forward over several tokens rounds differently from a one-token step: a
+    speculative output equals the runtime's autoregressive one, or first differs where the two best logits are
+    within a few bfloat16 rounding steps of each other (eval's near-tie bound)."""
+    from mtptrain.config import load_recipe
+    from mtptrain.eval.run import run_eval
+
+    recipe = load_recipe(None, ["target.dtype=bfloat16", "eval.methods=[ngram,chain,tree]", "eval.k=[3]",
+                                "eval.tree.budgets=[8]", "eval.max_prompts=4", "eval.max_turns=1",
+                                "eval.max_new_tokens=48", "eval.repeats=1", f"eval.output_dir={tmp_path}",
+                                "tracking.wandb=disabled", f"train.output_dir={tmp_path / 'none'}"])
+    results = run_eval(recipe, show_progress=False)
+    assert results["machine"]["dtype"] == "torch.bfloat16" and results["machine"]["runtime"].startswith("mtptrain")
+    for m in results["methods"][1:]:
+        e = m["exactness"]
+        assert e["checked"] == 4 and not e["failures"], m["label"]
+        assert e["identical"] + len(e["near_ties"]) == 4
+        for tie in e["near_ties"]:
+            assert tie["top2_gap"] < tie["bound"] <= 4 * 2.0 ** -7 * 64  # 4 steps of a logit below 64
+    assert any(m["tau"] > 1.1 for m in results["methods"][1:])
