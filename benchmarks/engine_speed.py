@@ -37,13 +37,13 @@ import torch
 
 from mtptrain.config import Recipe, load_recipe
 from mtptrain.data.chat import prompt_ids, stop_tokens
-from mtptrain.engine.cpu_matmul import skinny_linears
 from mtptrain.engine.generate import generate
 from mtptrain.engine.verify import Sampling
 from mtptrain.eval.prompts import load_prompts
-from mtptrain.eval.run import build_configs
+from mtptrain.eval.run import build_configs, cpu_product
 from mtptrain.heads.checkpoint import PRETRAINED_HEAD
 from mtptrain.machine import describe_cpu
+from mtptrain.runtime.linears import fast_linears
 from mtptrain.runtime.runner import open_runner, runtime_description
 from mtptrain.target import embedded_gguf_path, load_target
 
@@ -65,11 +65,14 @@ class Method:
 
 
 def engine(runner, make=None, k=1):
-    proposer = make() if make else None
+    """The engine's generation with a proposer made afresh for each repeat (`run.renew()`), so that a suffix
+    index does not draft a repeated prompt from its own earlier answer."""
+    proposer = [make() if make else None]
 
     def run(ids, n, stops):
-        result = generate(runner, ids, n, proposer, k=k, eos=stops)
+        result = generate(runner, ids, n, proposer[0], k=k, eos=stops)
         return result.tokens, result.stats
+    run.renew = lambda: proposer.__setitem__(0, make() if make else None)
     return run
 
 
@@ -128,31 +131,36 @@ def build_methods(args, recipe: Recipe, target) -> tuple[list[Method], list, boo
     for note in notes:
         print(f"({note})")
     model = target.model
+    # transformers' methods run on a second copy: the runtime's packed layers would be restored and packed
+    # again at every switch if both ran one model (runtime/weights.py).
+    reference = load_target(recipe.target).model
     capture = head_info.spec.layers if head_info is not None else []
     plain, reading = open_runner(model), open_runner(model, capture)
     methods = [Method("runtime AR", engine(plain)),
-               Method("transformers AR", engine(open_runner(model, runtime="transformers"))),
-               Method("hf-generate", hf(model))]
+               Method("transformers AR", engine(open_runner(reference, runtime="transformers"))),
+               Method("hf-generate", hf(reference))]
     cpp = llama_cpp(torch.get_num_threads())
     if cpp is not None:
         methods.append(Method("llama.cpp", cpp, compare=False))
     for c in configs[1:]:
         methods.append(Method(c.label, engine(reading if c.uses_head else plain, c.make, c.k or 1)))
         if c.method == "ngram":
-            methods.append(Method(f"hf-prompt-lookup K={c.k}", hf(model, prompt_lookup_num_tokens=c.k)))
-    return methods, modules, cpp is not None
+            methods.append(Method(f"hf-prompt-lookup K={c.k}", hf(reference, prompt_lookup_num_tokens=c.k)))
+    return methods, modules, cpp is not None, reference
 
 
-def measure(methods, prompts, args, modules, stops) -> None:
+def measure(methods, prompts, args, modules, product, stops) -> None:
     """Every method on every prompt, interleaved, --repeats times; outputs of the first repeat kept."""
     warm = prompts[0][:16]
-    with skinny_linears(*modules):  # the head's own layers, as eval runs them
+    with fast_linears(*modules, product=product):  # the head's own layers, as eval runs them
         for m in methods:
             m.run(warm, 8, stops)
         for repeat in range(args.repeats):
             order = methods if repeat % 2 == 0 else methods[::-1]
             for m in methods:
                 m.tokens.append(0), m.seconds.append(0.0)
+                if hasattr(m.run, "renew"):
+                    m.run.renew()
             for ids in prompts:
                 for m in order:
                     start = time.perf_counter()
@@ -195,22 +203,22 @@ def print_table(methods, prompts, plain) -> None:
 
 
 def bandwidth() -> float:
-    """GB/s of a 512 MiB copy (bytes read + bytes written), median of 7."""
+    """GB/s of a 512 MiB copy (bytes read + bytes written), the best of 9: the most the machine gave."""
     src = torch.ones(256 << 20, dtype=torch.uint8)
-    dst = torch.empty_like(src)
+    dst = torch.zeros_like(src)
     times = []
-    for _ in range(7):
+    for _ in range(9):
         start = time.perf_counter()
         dst.copy_(src)
         times.append(time.perf_counter() - start)
-    return 2 * src.numel() / statistics.median(times) / 1e9
+    return 2 * src.numel() / min(times) / 1e9
 
 
-def forward_costs(model, repeats: int = 9) -> dict[str, list[float]]:
+def forward_costs(model, reference, repeats: int = 9) -> dict[str, list[float]]:
     """Median ms of one forward over w new tokens after a 200-token prefix, per width, on both forwards
     (interleaved)."""
     prefix = list(range(1000, 1200))
-    runners = {"runtime": open_runner(model), "transformers": open_runner(model, runtime="transformers")}
+    runners = {"runtime": open_runner(model), "transformers": open_runner(reference, runtime="transformers")}
     times = {name: {w: [] for w in WIDTHS} for name in runners}
     for runner in runners.values():
         runner.reset()
@@ -225,9 +233,9 @@ def forward_costs(model, repeats: int = 9) -> dict[str, list[float]]:
     return {name: [1000 * statistics.median(per[w]) for w in WIDTHS] for name, per in times.items()}
 
 
-def print_machine(target, runner, methods, args) -> None:
+def print_machine(reference, runner, methods) -> None:
     cpu = describe_cpu()
-    model = target.model
+    model = reference  # the same weights in their plain form (the runtime's are packed)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     gbs = bandwidth()
     roofline_ms = weight_bytes / gbs / 1e6
@@ -238,7 +246,7 @@ def print_machine(target, runner, methods, args) -> None:
     print(f"copy bandwidth {gbs:.1f} GB/s (read + write); weights {weight_bytes / 1e6:.0f} MB "
           f"({str(next(model.parameters()).dtype).removeprefix('torch.')}): roofline {roofline_ms:.1f} ms/token; "
           f"runtime AR {step_ms:.1f} ms/token = {roofline_ms / step_ms:.0%} of the roofline")
-    costs = forward_costs(model)
+    costs = forward_costs(runner.model, reference)
     print(f"\nforward over w new tokens after 200, ms (relative to w=1):")
     print(f"{'':<14}" + "".join(f"{'w=' + str(w):>14}" for w in WIDTHS))
     for name, ms in costs.items():
@@ -251,18 +259,18 @@ def main() -> None:
     recipe = eval_recipe(args)
     target = load_target(recipe.target)
     tok = target.tokenizer
-    methods, modules, has_cpp = build_methods(args, recipe, target)
+    methods, modules, has_cpp, reference = build_methods(args, recipe, target)
     stops = stop_tokens(tok, target.model)
     prompts = [prompt_ids(tok, [{"role": "user", "content": p.turns[0]}])
                for p in load_prompts("mtbench", args.prompts)]
     plain = open_runner(target.model)
     print(f"SmolLM2-135M-Instruct, {len(prompts)} MT-bench prompts x up to {args.new_tokens} new tokens, greedy, "
           f"batch 1, {args.repeats} repeats; {runtime_description(plain)}")
-    measure(methods, prompts, args, modules, stops)
+    measure(methods, prompts, args, modules, cpu_product("auto", target), stops)
     print_table(methods, prompts, plain)
     if not has_cpp:
         print("llama.cpp: not installed (pip install -e .[bench]), not measured")
-    print_machine(target, plain, methods, args)
+    print_machine(reference, plain, methods)
 
 
 if __name__ == "__main__":

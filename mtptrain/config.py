@@ -120,9 +120,10 @@ class RegenerateConfig(_Truncation):
     batch_size: int = Field(32, ge=1, description="Conversations generated together (finished rows leave the batch).")
     temperature: float = Field(0.0, ge=0, description="0 = greedy; above 0, sampled with per-conversation seeds.")
     seed: int = Field(0, description="Seed of the sampling streams (one per conversation and turn).")
-    cpu_matmul: Literal["skinny", "stock"] = Field(
-        "skinny", description="On CPU, compute linear layers of decoding steps of <= 8 rows as W @ x.T "
-        "(see mtptrain/engine/cpu_matmul.py); stock = torch's path.")
+    cpu_matmul: Literal["auto", "skinny", "packed", "stock"] = Field(
+        "auto", description="On CPU, the product of short inputs for linear layers the runtime does not run itself "
+        "(the transformers fallback): skinny = W @ x.T, packed = oneDNN with packed weights, stock = torch's "
+        "path, auto = what this machine measured fastest (mtptrain/runtime/linears.py).")
 
 
 class PrecomputeConfig(_Section):
@@ -314,9 +315,11 @@ class EvalConfig(_Truncation):
                                  "many rounding steps (units in the last place) of the top logit: the logits "
                                  "themselves are rounded that coarsely, so a batched and a one-token forward can "
                                  "order two of them either way.")
-    cpu_matmul: Literal["skinny", "stock"] = Field(
-        "skinny", description="On CPU, compute short (verification) inputs of linear layers as W @ x.T, which is "
-        "2-3x faster there than torch's stock GEMM path (see mtptrain/engine/cpu_matmul.py); stock = torch's path.")
+    cpu_matmul: Literal["auto", "skinny", "packed", "stock"] = Field(
+        "auto", description="On CPU, the product of short (verification) inputs for the linear layers of draft "
+        "heads and draft models, and of the target under the transformers fallback: skinny = W @ x.T, packed = "
+        "oneDNN with packed weights, stock = torch's path, auto = what this machine measured fastest for the "
+        "target's shapes (mtptrain/runtime/linears.py).")
     output_dir: str = Field("runs/quickstart/eval", description="Where results.json, report.md and plots go.")
 
 

@@ -47,11 +47,12 @@ from mtptrain.data.samples import NoUsableData, RowStats
 from mtptrain.data.readers import read_rows
 from mtptrain.config import Recipe
 from mtptrain.dist import DistInfo
-from mtptrain.engine.cpu_matmul import skinny_linears
 from mtptrain.engine.verify import Sampling, distribution
 from mtptrain.errors import MtptrainError
 from mtptrain.io import atomic_write_json, fsync_dir
 from mtptrain.runtime.batch import decode_batch
+from mtptrain.runtime.linears import fast_linears, measured_product
+from mtptrain.runtime.runner import fast_decoder
 from mtptrain.target import identity_mismatch, load_target, tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
@@ -226,8 +227,12 @@ def run_regenerate(recipe: Recipe, show_progress: bool = True) -> dict:
     progress = tqdm(total=len(jobs), initial=conversations_done, desc="regenerating", unit=" conv",
                     disable=not show_progress)
     started, tokens_now = time.perf_counter(), 0
-    # Up to 8 rows the W @ x.T swap is faster on CPU; wider decoding batches are compute-bound and keep torch's GEMM.
-    with skinny_linears(model, max_rows=8, enabled=recipe.regenerate.cpu_matmul == "skinny"):
+    # The transformers fallback only (the native runtime has its own products): up to 8 rows the swap is faster on
+    # CPU; wider decoding batches are compute-bound and keep torch's GEMM.
+    setting = recipe.regenerate.cpu_matmul
+    product = "linear" if setting == "stock" or target.device.type != "cpu" else \
+        measured_product(next(model.parameters()).dtype, model.config) if setting == "auto" else setting
+    with fast_linears(model, product=product, max_rows=8, enabled=fast_decoder(model) is None):
         for b in range(done, len(batches)):
             batch = batches[b]
             tokens_now += regenerate_jobs(model, tokenizer, batch, recipe, stops)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from mtptrain.config import TargetConfig
-from mtptrain.engine.cpu_matmul import skinny_linears
+from mtptrain.runtime.linears import fast_linears, measured_product
 from mtptrain.engine.draft_model import truncated_target
 from mtptrain.engine.ssd import HeadParts
 from mtptrain.export.source import load_head_directory
@@ -24,7 +24,7 @@ def draft_lm(target: TargetConfig, draft_model: str | None = None, layers: int |
     model = load_target(cfg).model
     if layers is not None:
         model = truncated_target(model, layers)
-    return _cpu_linears(model)
+    return _cpu_linears(model, model.config)
 
 
 def head_parts(directory: str, target: TargetConfig, identity: dict, device: str = "cpu") -> HeadParts:
@@ -35,10 +35,13 @@ def head_parts(directory: str, target: TargetConfig, identity: dict, device: str
     loaded = load_frozen_target(cfg) or load_target(cfg)
     head, spec = load_head_directory(Path(directory), FrozenTarget.of(loaded.model), identity)
     head.to(dtype=loaded.model.get_input_embeddings().weight.dtype)
-    return HeadParts(_cpu_linears(head), spec, loaded.model.config.vocab_size)
+    return HeadParts(_cpu_linears(head, loaded.model.config), spec, loaded.model.config.vocab_size)
 
 
-def _cpu_linears(model):
-    """On CPU, the short-input linear layers eval uses (engine/cpu_matmul.py), for the life of the worker."""
-    skinny_linears(model).__enter__()  # never exited: the process exists only to draft
+def _cpu_linears(model, config):
+    """On CPU, the short-input linear layers eval uses (runtime/linears.py), for the life of the worker; `config`:
+    the target's, whose shapes the product was measured on."""
+    weight = next(model.parameters())
+    if weight.device.type == "cpu":  # never exited: the process exists only to draft
+        fast_linears(model, product=measured_product(weight.dtype, config)).__enter__()
     return model

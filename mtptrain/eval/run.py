@@ -32,7 +32,6 @@ from mtptrain.eval.drafters import draft_lm, head_parts
 from mtptrain.eval.prompts import load_prompts
 from mtptrain.eval.report import write_report
 from mtptrain.config import Recipe, TargetConfig
-from mtptrain.engine.cpu_matmul import skinny_linears
 from mtptrain.engine.draft_model import DraftModelProposer, truncated_target
 from mtptrain.engine.generate import GenerationStats, generate
 from mtptrain.engine.ngram import NgramProposer
@@ -45,6 +44,7 @@ from mtptrain.heads.checkpoint import head_directory
 from mtptrain.heads.spec import HeadSpec
 from mtptrain.io import atomic_write_json
 from mtptrain.machine import cpu_sample, describe_cpu, other_load
+from mtptrain.runtime.linears import fast_linears, measured_product
 from mtptrain.runtime.runner import Runner, open_runner, runtime_description
 from mtptrain.target import load_target, load_tokenizer
 from mtptrain.tracking import init_run
@@ -217,6 +217,15 @@ def _ssd_configs(method, recipe, target, spec, head_info, sampling, seed, notes)
     return configs
 
 
+def cpu_product(setting: str, target) -> str:
+    """eval.cpu_matmul as a product of runtime/linears.py ("linear" off the CPU)."""
+    if target.device.type != "cpu" or setting == "stock":
+        return "linear"
+    if setting == "auto":
+        return measured_product(next(target.model.parameters()).dtype, target.config)
+    return setting
+
+
 def ssd_device(choice: str, target_device: torch.device) -> str:
     """The SSD drafter's device: eval.ssd.device, or (auto) a GPU other than the target's when there is one."""
     if choice != "auto":
@@ -298,7 +307,10 @@ def run_eval(recipe: Recipe, wandb: str | None = None, show_progress: bool = Tru
     requests = [(p, t) for p in prompts for t in range(min(len(p.turns), ev.max_turns or len(p.turns)))]
     tallies = [Tally(c) for c in configs]
 
-    skinny = ev.cpu_matmul == "skinny" and target.device.type == "cpu"
+    product = cpu_product(ev.cpu_matmul, target)
+    # The native runtime multiplies with its own measured product; the swap serves the drafting modules (and the
+    # target itself under the transformers fallback).
+    linears = (target.model, *modules) if plain.runtime == "transformers" else modules
     kept = {}  # ssd: a drafter process per configuration, started once, closed below
     try:
         for i, c in enumerate(configs):
@@ -307,7 +319,7 @@ def run_eval(recipe: Recipe, wandb: str | None = None, show_progress: bool = Tru
                     kept[i] = c.make()
                 except RuntimeError as exc:
                     raise EvalError(f"{c.label}: {exc}") from exc
-        with skinny_linears(target.model, *modules, enabled=skinny):
+        with fast_linears(*linears, product=product):
             _warm_up(configs, kept, plain, reading, prompt_ids(target.tokenizer, [{"role": "user", "content": "Hello!"}]),
                      ev, sampling, stops)
             engine = _Engine(plain, reading, target, ev, sampling, stops)
@@ -329,7 +341,7 @@ def run_eval(recipe: Recipe, wandb: str | None = None, show_progress: bool = Tru
                      "near_tie_ulps": ev.near_tie_ulps,
                      "tree": {"branch": ev.tree.branch, "depth": ev.tree.depth}, "repeats": ev.repeats,
                      "max_spread": ev.max_spread, "max_other_load": ev.max_other_load},
-        "machine": _machine(target, plain, skinny, *measured),
+        "machine": _machine(target, plain, product, *measured),
         "notes": notes,
         "methods": [t.summary(tallies[0].tokens_per_second()) for t in tallies],
         "conversations": answers,  # the baseline's answers: the context of every later turn
@@ -477,7 +489,7 @@ def _divergence(tally: Tally, engine: _Engine, prompt: list[int], expected: list
                   against, first, gap)
 
 
-def _machine(target, runner: Runner, skinny: bool, start, end) -> dict:
+def _machine(target, runner: Runner, product: str, start, end) -> dict:
     """The hardware the timings belong to, and how many cores other processes kept busy meanwhile."""
     cpu, load = describe_cpu(), other_load(start, end)
     return {"device": str(target.device), "dtype": str(next(target.model.parameters()).dtype),
@@ -486,7 +498,8 @@ def _machine(target, runner: Runner, skinny: bool, start, end) -> dict:
             "cpu": cpu["model"], "cpu_capability": cpu["capability"], "cpu_extensions": cpu["extensions"],
             "logical_cores": cpu["logical_cores"],
             "runtime": runtime_description(runner),
-            "linear_layers": "W @ x.T for short inputs" if skinny else "torch stock",
+            "linear_layers": {"skinny": "W @ x.T for short inputs", "packed": "oneDNN packed weights",
+                              "linear": "torch stock"}[product],
             "measured_seconds": round(end.wall - start.wall, 3),
             "other_load": None if load is None else round(load, 3)}
 

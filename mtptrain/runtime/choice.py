@@ -5,9 +5,10 @@ Two choices depend on the CPU more than on anything else, so they are measured r
 - the compute dtype: bfloat16 halves the bytes every decoding step streams, and on CPUs with bf16 matrix
   or vector units (AMX, avx512_bf16) it also multiplies fast; elsewhere (AVX2 only) torch emulates it and a
   bf16 product costs several times a float32 one;
-- the product for short inputs (the 1 to 9 rows of decoding and verification): torch's `F.linear`, or
+- the product for short inputs (the 1 to 9 rows of decoding and verification): torch's `F.linear`;
   `W @ x.T`, which on some BLAS builds keeps a product over a few rows near the cost of one row
-  (see mtptrain/engine/cpu_matmul.py);
+  (see mtptrain/engine/cpu_matmul.py); or oneDNN with weights packed once in its own layout
+  (runtime/weights.py), which spares `F.linear`'s re-layout of the weight on every call;
 - the attention kernel for one new token and for several: torch's SDPA, or two plain products with a
   float32 softmax between them, which on some CPUs costs a third of SDPA's bf16 kernel for one query.
 
@@ -30,11 +31,12 @@ import torch.nn.functional as F
 
 from mtptrain.io import atomic_write_json, cache_root
 from mtptrain.machine import describe_cpu
+from mtptrain.runtime.weights import pack, packed_product
 
 log = logging.getLogger(__name__)
 
 ROWS = (1, 4, 8)
-PRODUCTS = ("linear", "skinny")
+PRODUCTS = ("linear", "skinny", "packed") if torch.backends.mkldnn.is_available() else ("linear", "skinny")
 SKINNY_ROWS = 32  # above this many rows (a prefill) every product is F.linear
 
 
@@ -53,7 +55,7 @@ def skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
-PRODUCT = {"linear": linear, "skinny": skinny}
+PRODUCT = {"linear": linear, "skinny": skinny, "packed": packed_product}
 
 
 def sdpa_attention(q, k, v, mask, causal: bool):
@@ -180,7 +182,8 @@ def _time_layer(layer_shapes, dtype: torch.dtype, product, repeats: int = 5) -> 
         layer_shapes = [(max(64, int(o * scale)), i) for o, i in layer_shapes]
         layer_bytes = 4 * sum(o * i for o, i in layer_shapes)
     copies = min(MAX_COPIES, max(1, -(-STREAM_BYTES // layer_bytes)))
-    weights = [[(torch.randn(o, i, generator=generator) * 0.02).to(dtype) for o, i in layer_shapes]
+    prepare = pack if product is packed_product else (lambda w: w)
+    weights = [[prepare((torch.randn(o, i, generator=generator) * 0.02).to(dtype)) for o, i in layer_shapes]
                for _ in range(copies)]
     inputs = {rows: [torch.randn(rows, i, generator=generator).to(dtype) for _, i in layer_shapes] for rows in ROWS}
 

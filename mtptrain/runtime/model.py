@@ -3,9 +3,8 @@
 `FastDecoder.of(model)` takes a transformers Llama-family model (Llama 2/3, SmolLM, Mistral, Qwen2 with its
 q/k/v biases, Qwen3 with its q/k norms) and runs the same computation in a few tensor operations per layer:
 
-- the q, k and v projections are one product, and so are the gate and up projections: their weights are
-  concatenated once, and the transformers modules' own weights become views into the fused tensors, so the
-  model holds each weight once and both paths keep working;
+- the q, k and v projections are one product, and so are the gate and up projections, with their weights
+  held once (fused in place, or packed for oneDNN where that is faster: runtime/weights.py);
 - keys and values go to a `KVCache` preallocated for the whole generation (`runtime/cache.py`);
 - rotary tables are computed once, by the model's own rotary module (every static rope scaling it knows);
 - short inputs use the products and attention kernels this machine runs fastest (`runtime/choice.py`).
@@ -16,11 +15,11 @@ changes with the length, an attention that is not plain softmax); the runner the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from mtptrain.runtime.weights import STATE, layer_weights, lm_head_weights
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 STATIC_ROPE = (None, "default", "linear", "llama3", "yarn", "longrope")
@@ -40,55 +39,15 @@ def unsupported(model: nn.Module) -> str | None:
     if getattr(config, "attention_dropout", 0.0) or getattr(config, "pretraining_tp", 1) != 1:
         return "attention dropout or pretraining_tp"
     decoder = model.get_decoder()
-    devices = {p.device for p in model.parameters()}
+    # Weights the runtime never releases (runtime/weights.py packs and releases the projections).
+    kept = [decoder.embed_tokens.weight, decoder.norm.weight, model.get_output_embeddings().weight,
+            *(layer.input_layernorm.weight for layer in getattr(decoder, "layers", []))]
+    devices = {p.device for p in kept}
     if len(devices) != 1 or next(iter(devices)).type == "meta":
         return "the model is split over several devices or not loaded"
     if not all(hasattr(layer.self_attn, "q_proj") and hasattr(layer.mlp, "gate_proj") for layer in decoder.layers):
         return "layers without q/k/v and gate/up projections"
     return None
-
-
-@dataclass
-class _Layer:
-    norm_in: torch.Tensor
-    qkv: torch.Tensor  # [q + 2 kv, H]
-    qkv_bias: torch.Tensor | None
-    q_norm: torch.Tensor | None  # Qwen3: RMSNorm weights over each head's dims
-    k_norm: torch.Tensor | None
-    out: torch.Tensor
-    norm_post: torch.Tensor
-    gate_up: torch.Tensor  # [2 I, H]
-    down: torch.Tensor
-
-
-def _fuse(modules: list[nn.Linear], attribute: str = "weight") -> torch.Tensor | None:
-    """One tensor holding the modules' weights (or biases) one after another; each module's own tensor becomes
-    a view into it, so the memory is not doubled. Weights fused before (a model that shares its layers with
-    another, as a truncated draft model does) are used where they are."""
-    parts = [getattr(m, attribute) for m in modules]
-    if any(p is None for p in parts):
-        return None
-    rows = sum(p.shape[0] for p in parts)
-    if _adjacent(parts):
-        return parts[0].detach().as_strided((rows, *parts[0].shape[1:]), parts[0].stride())
-    fused = torch.cat([p.detach() for p in parts])
-    start = 0
-    for part in parts:
-        end = start + part.shape[0]
-        part.data = fused[start:end]
-        start = end
-    return fused
-
-
-def _adjacent(parts: list[torch.Tensor]) -> bool:
-    """The tensors are contiguous and follow one another in one storage."""
-    if not all(p.is_contiguous() for p in parts):
-        return False
-    storage = parts[0].untyped_storage().data_ptr()
-    for a, b in zip(parts, parts[1:]):
-        if b.untyped_storage().data_ptr() != storage or b.data_ptr() != a.data_ptr() + a.numel() * a.element_size():
-            return False
-    return True
 
 
 class FastDecoder:
@@ -110,18 +69,11 @@ class FastDecoder:
         self.eps = config.rms_norm_eps
         self.window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
         self.embed = decoder.embed_tokens.weight
+        self._embed_at = (self.embed.data_ptr(), self.embed.dtype, self.embed.device)  # to notice a cast or move
         self.norm = decoder.norm.weight
-        self.lm_head = model.get_output_embeddings().weight
-        self.layers = []
-        for layer in decoder.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            projections = [attn.q_proj, attn.k_proj, attn.v_proj]
-            self.layers.append(_Layer(
-                norm_in=layer.input_layernorm.weight, qkv=_fuse(projections), qkv_bias=_fuse(projections, "bias"),
-                q_norm=attn.q_norm.weight if hasattr(attn, "q_norm") else None,
-                k_norm=attn.k_norm.weight if hasattr(attn, "k_norm") else None,
-                out=attn.o_proj.weight, norm_post=layer.post_attention_layernorm.weight,
-                gate_up=_fuse([mlp.gate_proj, mlp.up_proj]), down=mlp.down_proj.weight))
+        self.packed = getattr(choice, "product", None) == "packed"
+        self.lm_head = lm_head_weights(model, self.packed)
+        self.layers = [layer_weights(layer, self.packed) for layer in decoder.layers]
         self.rotary = decoder.rotary_emb
         self._cos = self._sin = None
 
@@ -130,16 +82,14 @@ class FastDecoder:
         return self.embed.dtype
 
     def current(self) -> bool:
-        """The model still holds the weights this decoder runs (not moved, cast or replaced since)."""
+        """The model still holds the weights this decoder runs (not moved, cast, replaced or restored since)."""
         decoder = self.model.get_decoder()
-        if decoder.embed_tokens.weight is not self.embed and decoder.embed_tokens.weight.data_ptr() != self.embed.data_ptr():
+        weight = decoder.embed_tokens.weight
+        if (weight.data_ptr(), weight.dtype, weight.device) != self._embed_at:
             return False
-        for layer, fused in ((decoder.layers[0], self.layers[0]), (decoder.layers[-1], self.layers[-1])):
-            if layer.self_attn.q_proj.weight.data_ptr() != fused.qkv.data_ptr() or \
-                    layer.mlp.gate_proj.weight.data_ptr() != fused.gate_up.data_ptr() or \
-                    layer.self_attn.o_proj.weight.data_ptr() != fused.out.data_ptr():
-                return False
-        return True
+        if self.packed and self.lm_head is not lm_head_weights(self.model, True):
+            return False
+        return all(layer.__dict__.get(STATE) is mine for layer, mine in zip(decoder.layers, self.layers))
 
     @property
     def device(self) -> torch.device:

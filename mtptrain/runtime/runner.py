@@ -124,6 +124,11 @@ class FastRunner:
         self.hidden = {}
 
     def reset(self) -> None:
+        """A new generation: the cache emptied (its tensors kept), the decoder rebuilt if the model's weights
+        changed since (a cast, or transformers' forward restoring packed layers)."""
+        if not self.decoder.current():
+            self.decoder = fast_decoder(self.model)
+            self.cache = None
         if self.cache is None:
             d = self.decoder
             self.cache = KVCache(d.num_layers, 1, d.kv_heads, d.head_dim, INITIAL_CAPACITY, d.dtype, d.device)

@@ -14,7 +14,9 @@ REFERENCE = "recipes/reference.yaml"
 # Sections of the recipe that decide the head's weights (output paths and export settings aside).
 TRAINING_SECTIONS = ("target", "data", "regenerate", "precompute", "head")
 # Recipe fields added after the shipped head was trained, none of which changes its weights.
-ADDED_SINCE = {"head": {"mtp_input"}, "target": {"gpus_per_rank", "runtime"}}
+# Keys added since the head was trained, or (regenerate.cpu_matmul) whose default changed since: a choice of
+# product that changes float rounding, not the method.
+ADDED_SINCE = {"head": {"mtp_input"}, "target": {"gpus_per_rank", "runtime"}, "regenerate": {"cpu_matmul"}}
 TRAIN_KEYS_IGNORED = {"features", "output_dir", "head_dtype", "head_snapshots", "log_every", "eval_every",
                       "checkpoint_every", "target_check"}
 

@@ -184,3 +184,52 @@ def test_bfloat16_speculation_matches_the_runtimes_own_greedy_decoding_up_to_rou
         for tie in e["near_ties"]:
             assert tie["top2_gap"] < tie["bound"] <= 4 * 2.0 ** -7 * 64  # 4 steps of a logit below 64
     assert any(m["tau"] > 1.1 for m in results["methods"][1:])
+
+
+@pytest.fixture
+def packed(monkeypatch):
+    """The runtime packs weights for oneDNN whatever this machine measured."""
+    from mtptrain.runtime import choice, runner
+
+    def packing(config, device, requested="auto"):
+        dtype = torch.float32 if requested == "auto" else getattr(torch, requested)
+        return choice.Choice(dtype, "packed", "plain", "sdpa", "set")
+    monkeypatch.setattr(runner, "choose", packing)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_packed_weights_replace_the_plain_ones_and_come_back_exactly(packed, kind):
+    model = _model(kind)
+    prompt = list(range(10, 42))
+    with torch.no_grad():
+        before = model(torch.tensor([prompt])).logits[0]
+    plain = {name: p.detach().clone() for name, p in model.named_parameters()}
+    native = open_runner(model)
+    assert native.decoder.packed
+    released = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+    assert len(released) == 7 * model.config.num_hidden_layers  # q, k, v, o, gate, up, down of every layer
+    native.reset()
+    assert _close(native.forward(prompt), before)
+    with torch.no_grad():  # transformers' forward restores every layer's plain weights first, bit for bit
+        assert torch.equal(model(torch.tensor([prompt])).logits[0], before)
+    for name, p in model.named_parameters():
+        assert p.device.type == "cpu" and torch.equal(p, plain[name]), name
+    native.reset()  # and the runtime packs again
+    assert _close(native.forward(prompt), before)
+    assert native.decoder.packed and any(p.device.type == "meta" for p in model.parameters())
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")
+def test_a_truncated_draft_model_shares_the_packed_layers(packed):
+    from mtptrain.engine.draft_model import truncated_target
+
+    model = _model("llama")
+    main = open_runner(model)
+    draft = open_runner(truncated_target(model, 2))
+    assert draft.runtime == "native" and draft.decoder.layers == main.decoder.layers[:2]
+    prompt = list(range(5, 30))
+    for runner in (main, draft, main):
+        runner.reset()
+        runner.forward(prompt)
+    assert main.decoder.current() and draft.decoder.current()  # no restore, no repack between them

@@ -1,0 +1,87 @@
+"""Throughput of `mtptrain regenerate` and `mtptrain precompute` on the target's runtime against the path they
+took before it (transformers' forward in float32 with the W @ x.T swap), in one run.
+
+    python benchmarks/stage_speed.py [--recipe recipes/reference.yaml] [--conversations 64] [--rounds 2]
+
+Each stage runs for real (run_regenerate / run_precompute) on the recipe's data, cut to --conversations,
+into a fresh directory, alternately with the old settings and with the defaults (target.runtime and
+target.dtype auto, eval's products measured), --rounds times each; tokens/s are the stages' own counts
+over their own timings (regenerate: new tokens; precompute: tokens computed). The regenerated files of
+both paths are compared: greedy answers equal token for token in float32, and in bfloat16 equal until a
+rounding near-tie, so the share of identical answers is printed, not asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import tempfile
+from pathlib import Path
+
+import torch
+
+from mtptrain.config import load_recipe
+from mtptrain.data.regenerate import run_regenerate
+from mtptrain.features.precompute import run_precompute
+from mtptrain.machine import describe_cpu
+from mtptrain.runtime.choice import choose
+from mtptrain.target import load_config
+
+BEFORE = ["target.runtime=transformers", "target.dtype=float32", "regenerate.cpu_matmul=skinny"]
+AFTER = ["target.runtime=auto", "target.dtype=auto", "regenerate.cpu_matmul=auto"]
+
+
+def regenerate(args, settings: list[str], out: Path) -> tuple[float, list]:
+    recipe = load_recipe(args.recipe, [f"data.max_conversations={args.conversations}",
+                                       f"data.regenerated={out / 'regenerated.jsonl'}", *settings, *args.sets])
+    summary = run_regenerate(recipe, show_progress=False)
+    answers = [[m["content"] for m in json.loads(line)["messages"] if m["role"] == "assistant"]
+               for line in (out / "regenerated.jsonl").read_text().splitlines()]
+    return summary["tokens_this_run"] / summary["seconds_this_run"], answers
+
+
+def precompute(args, settings: list[str], out: Path) -> float:
+    recipe = load_recipe(args.recipe, [f"data.max_conversations={args.conversations}", "data.regenerated=null",
+                                       f"precompute.output_dir={out / 'features'}", *settings, *args.sets])
+    summary = run_precompute(recipe, show_progress=False)
+    return summary["tokens_per_second"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--recipe", default="recipes/reference.yaml")
+    parser.add_argument("--conversations", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--set", dest="sets", action="append", default=[], help="extra recipe override")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    recipe = load_recipe(args.recipe, args.sets)
+    choice = choose(load_config(recipe.target), torch.device("cpu"))
+    cpu = describe_cpu()
+    print(f"CPU {cpu['model']} ({cpu['logical_cores']} logical cores, torch kernels {cpu['capability']}, "
+          f"{' '.join(cpu['extensions'] or [])}), {torch.get_num_threads()} threads; runtime choice: "
+          f"{choice.describe()}")
+    speeds = {(stage, path): [] for stage in ("regenerate", "precompute") for path in ("before", "after")}
+    answers = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.rounds):
+            for path, settings in (("before", BEFORE), ("after", AFTER)):
+                out = Path(tmp) / f"{path}-{r}"
+                tps, answers[path] = regenerate(args, settings, out)
+                speeds["regenerate", path].append(tps)
+                speeds["precompute", path].append(precompute(args, settings, out))
+                print(f"  round {r + 1}, {path}: regenerate {tps:.0f} tok/s, precompute "
+                      f"{speeds['precompute', path][-1]:.0f} tok/s", flush=True)
+    print(f"\n{'stage':<12}{'before tok/s':>14}{'after tok/s':>13}{'ratio':>8}")
+    for stage in ("regenerate", "precompute"):
+        before, after = (statistics.median(speeds[stage, p]) for p in ("before", "after"))
+        print(f"{stage:<12}{before:>14.0f}{after:>13.0f}{after / before:>7.2f}x")
+    pairs = [(a, b) for x, y in zip(answers["before"], answers["after"]) for a, b in zip(x, y)]
+    print(f"\nregenerated answers identical before/after: {sum(a == b for a, b in pairs)}/{len(pairs)} "
+          f"(after computes in {str(choice.dtype).removeprefix('torch.')})")
+
+
+if __name__ == "__main__":
+    main()
