@@ -144,7 +144,8 @@ def turn_seed(seed: int, conversation_id: str, turn: int) -> int:
 
 
 def generate_batch(model, prompts: list[list[int]], budgets: list[int], stops: set[int], sampling: Sampling,
-                   generators: list[torch.Generator | None], pad_id: int) -> list[tuple[list[int], bool]]:
+                   generators: list[torch.Generator | None], pad_id: int,
+                   runtime: str = "auto") -> list[tuple[list[int], bool]]:
     """Decode each prompt for at most its budget of tokens (greedy, or sampled from each row's own generator).
     Returns (new ids without the stop token, stopped)."""
     def pick(row: int, logits: torch.Tensor) -> int:
@@ -153,7 +154,7 @@ def generate_batch(model, prompts: list[list[int]], budgets: list[int], stops: s
         q = distribution(logits, sampling).cpu()  # CPU generators: the same stream on any device
         return int(torch.multinomial(q, 1, generator=generators[row]))
 
-    return decode_batch(model, prompts, budgets, stops, pick, pad_id)
+    return decode_batch(model, prompts, budgets, stops, pick, pad_id, runtime)
 
 
 def regenerate_jobs(model, tokenizer, batch: list[Job], recipe: Recipe, stops: set[int]) -> int:
@@ -181,7 +182,8 @@ def regenerate_jobs(model, tokenizer, batch: list[Job], recipe: Recipe, stops: s
         if not live:
             break
         for job, (tokens, stopped), budget in zip(live, generate_batch(model, prompts, budgets, stops, sampling,
-                                                                       generators, pad_id), budgets):
+                                                                       generators, pad_id, recipe.target.runtime),
+                                                        budgets):
             text = tokenizer.decode(tokens, skip_special_tokens=True).strip()
             total += len(tokens)
             if not text:  # an empty answer cannot be a training turn; the conversation ends before it
@@ -232,7 +234,8 @@ def run_regenerate(recipe: Recipe, show_progress: bool = True) -> dict:
     setting = recipe.regenerate.cpu_matmul
     product = "linear" if setting == "stock" or target.device.type != "cpu" else \
         measured_product(next(model.parameters()).dtype, model.config) if setting == "auto" else setting
-    with fast_linears(model, product=product, max_rows=8, enabled=fast_decoder(model) is None):
+    native = recipe.target.runtime != "transformers" and fast_decoder(model) is not None
+    with fast_linears(model, product=product, max_rows=8, enabled=not native):
         for b in range(done, len(batches)):
             batch = batches[b]
             tokens_now += regenerate_jobs(model, tokenizer, batch, recipe, stops)

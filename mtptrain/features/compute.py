@@ -27,14 +27,14 @@ from mtptrain.target import Target
 log = logging.getLogger(__name__)
 
 
-def forward_batch(target: Target, layers: list[int], batch: list[Sample]) -> dict[int, torch.Tensor]:
+def forward_batch(target: Target, layers: list[int], batch: list[Sample], runtime: str = "auto") -> dict[int, torch.Tensor]:
     """Captured hidden states [B, T, H] of a right-padded batch, from the target's runtime (the decoder stack
     alone: the LM head's vocabulary-sized logits are not needed)."""
     longest = max(len(s) for s in batch)
     ids = torch.zeros(len(batch), longest, dtype=torch.long)
     for row, sample in enumerate(batch):
         ids[row, : len(sample)] = torch.from_numpy(sample.input_ids)
-    return capture_states(target.model, ids, layers)
+    return capture_states(target.model, ids, layers, runtime)
 
 
 @dataclass
@@ -139,7 +139,7 @@ def compute_shards(target: Target, shards: list[ShardPlan], layers: list[int], r
             buffer = _ShardBuffer.allocate(shard, layers, target.hidden_size, dtype, len(batches))
             first_row = 0
             for batch in batches:
-                outputs = forward_batch(target, layers, batch)
+                outputs = forward_batch(target, layers, batch, recipe.target.runtime)
                 writer.put((buffer, first_row, batch, {k: _to_host(v, dtype) for k, v in outputs.items()}))
                 tokens = sum(len(s) for s in batch)
                 first_row += tokens

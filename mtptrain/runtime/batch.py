@@ -20,10 +20,11 @@ from mtptrain.target import LayerCapture
 
 
 @torch.inference_mode()
-def capture_states(model, ids: torch.Tensor, layers: list[int]) -> dict[int, torch.Tensor]:
-    """States [B, T, H] after each decoder layer of `layers` for right-padded ids [B, T]. Right padding needs no
-    mask: under the causal mask a real token never attends to the padding after it."""
-    decoder = fast_decoder(model)
+def capture_states(model, ids: torch.Tensor, layers: list[int], runtime: str = "auto") -> dict[int, torch.Tensor]:
+    """States [B, T, H] after each decoder layer of `layers` for right-padded ids [B, T], on the native decoder
+    unless `runtime` (target.runtime) says transformers. Right padding needs no mask: under the causal mask a
+    real token never attends to the padding after it."""
+    decoder = _decoder(model, runtime)
     ids = ids.to(model.get_input_embeddings().weight.device)
     if decoder is not None:
         positions = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
@@ -42,10 +43,10 @@ Pick = Callable[[int, torch.Tensor], int]  # (row's index among the prompts, its
 
 @torch.inference_mode()
 def decode_batch(model, prompts: list[list[int]], budgets: list[int], stops: set[int], pick: Pick,
-                 pad_id: int) -> list[tuple[list[int], bool]]:
+                 pad_id: int, runtime: str = "auto") -> list[tuple[list[int], bool]]:
     """Decode each prompt for at most its budget of tokens, choosing each token with `pick`. Returns, per
     prompt, (new ids without the stop token, whether a stop token ended it)."""
-    decoder = fast_decoder(model)
+    decoder = _decoder(model, runtime)
     rows = _NativeRows(decoder, prompts, max(budgets)) if decoder is not None else _TransformersRows(model, prompts, pad_id)
     logits = rows.start()
     live = list(range(len(prompts)))  # live[j] = the prompt index of batch row j
@@ -69,6 +70,17 @@ def decode_batch(model, prompts: list[list[int]], budgets: list[int], stops: set
             live = [live[j] for j in keep]
         logits = rows.step(chosen)
     return results
+
+
+def _decoder(model, runtime: str):
+    """The native decoder for target.runtime auto / native (None where it cannot run the model), or None for
+    transformers."""
+    if runtime == "transformers":
+        return None
+    decoder = fast_decoder(model)
+    if decoder is None and runtime == "native":
+        raise ValueError("target.runtime=native cannot run this model: set target.runtime=auto or transformers")
+    return decoder
 
 
 def _left_padded(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
