@@ -36,6 +36,7 @@ bench: setup
 	$(BIN)/python benchmarks/precompute_throughput.py
 	$(BIN)/python benchmarks/train_throughput.py
 	$(BIN)/python benchmarks/engine_speed.py
+	$(BIN)/python benchmarks/stage_speed.py
 
 clean:
 	rm -rf runs .pytest_cache

@@ -27,21 +27,21 @@ from mtptrain.data.prepare import prepare_samples
 from mtptrain.config import load_recipe
 from mtptrain.features.plan import make_batches, plan_shards, resolve_layers
 from mtptrain.features.precompute import run_precompute
+from mtptrain.runtime.batch import capture_states
 from mtptrain.target import load_target
 
 
-def bare_forward_tokens_per_second(target, batches) -> float:
-    decoder = target.decoder()
+def bare_forward_tokens_per_second(target, batches, runtime: str) -> float:
+    """The decoder stack over the batches on the runtime precompute uses, nothing captured or written."""
     tokens = 0
     start = time.perf_counter()
-    with torch.inference_mode():
-        for batch in batches:
-            longest = max(len(s) for s in batch)
-            ids = torch.zeros(len(batch), longest, dtype=torch.long)
-            for row, sample in enumerate(batch):
-                ids[row, : len(sample)] = torch.from_numpy(sample.input_ids)
-            decoder(input_ids=ids.to(target.device), use_cache=False)
-            tokens += sum(len(s) for s in batch)
+    for batch in batches:
+        longest = max(len(s) for s in batch)
+        ids = torch.zeros(len(batch), longest, dtype=torch.long)
+        for row, sample in enumerate(batch):
+            ids[row, : len(sample)] = torch.from_numpy(sample.input_ids)
+        capture_states(target.model, ids, [], runtime)
+        tokens += sum(len(s) for s in batch)
     return tokens / (time.perf_counter() - start)
 
 
@@ -68,15 +68,15 @@ def main() -> None:
     print(f"target {target.name}, {len(samples)} samples, {n_tokens:,} tokens, {len(batches)} batches, "
           f"layers {layers}, {recipe.precompute.dtype}, {torch.get_num_threads()} threads")
 
-    bare_forward_tokens_per_second(target, batches[:1])  # warm-up
-    bare = [bare_forward_tokens_per_second(target, batches)]
+    bare_forward_tokens_per_second(target, batches[:1], recipe.target.runtime)  # warm-up
+    bare = [bare_forward_tokens_per_second(target, batches, recipe.target.runtime)]
     full = []
     for _ in range(args.rounds):
         with tempfile.TemporaryDirectory() as out:
             summary = run_precompute(recipe.model_copy(update={"precompute": recipe.precompute.model_copy(
                 update={"output_dir": out})}), show_progress=False)
         full.append(summary["tokens_per_second"])
-        bare.append(bare_forward_tokens_per_second(target, batches))
+        bare.append(bare_forward_tokens_per_second(target, batches, recipe.target.runtime))
 
     mean_bare, mean_full = sum(bare) / len(bare), sum(full) / len(full)
     print(f"bare forward      {mean_bare:10,.0f} tok/s  (passes: {', '.join(f'{x:,.0f}' for x in bare)})")

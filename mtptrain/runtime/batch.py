@@ -101,7 +101,8 @@ class _NativeRows:
         self.ids, self.seen = ids.to(device), self.seen.to(device)
         self.positions = (self.seen.long().cumsum(-1) - 1).clamp(min=0)
         d = decoder
-        self.cache = KVCache(d.num_layers, len(prompts), d.kv_heads, d.head_dim, ids.shape[1] + budget, d.dtype, device)
+        self.cache = KVCache(d.num_layers, len(prompts), d.kv_heads, d.head_dim, ids.shape[1] + budget, d.cache_dtype,
+                             device)
 
     def start(self) -> torch.Tensor:
         width = self.ids.shape[1]

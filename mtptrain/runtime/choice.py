@@ -7,7 +7,7 @@ Two choices depend on the CPU more than on anything else, so they are measured r
   bf16 product costs several times a float32 one;
 - the product for short inputs (the 1 to 9 rows of decoding and verification): torch's `F.linear`;
   `W @ x.T`, which on some BLAS builds keeps a product over a few rows near the cost of one row
-  (see mtptrain/engine/cpu_matmul.py); or oneDNN with weights packed once in its own layout
+  (see mtptrain/runtime/linears.py); or oneDNN with weights packed once in its own layout
   (runtime/weights.py), which spares `F.linear`'s re-layout of the weight on every call;
 - the attention kernel for one new token and for several: torch's SDPA, or two plain products with a
   float32 softmax between them, which on some CPUs costs a third of SDPA's bf16 kernel for one query.
@@ -80,7 +80,18 @@ def plain_attention(q, k, v, mask, causal: bool):
     return torch.matmul(weights, v).view(batch, heads, count, dim)
 
 
-ATTENTION = {"sdpa": sdpa_attention, "plain": plain_attention}
+def _in_float32(attention):
+    """The kernel over a float32 KV cache: queries (and keys and values not yet float32) cast up, the output
+    cast back. In bfloat16 this keeps the cache twice as large and the attention products in float32, which
+    some CPUs run several times faster for the few rows of a decoding step."""
+    def attend(q, k, v, mask, causal: bool):
+        return attention(q.float(), k.float(), v.float(), mask, causal).to(q.dtype)
+    return attend
+
+
+ATTENTION = {"sdpa": sdpa_attention, "plain": plain_attention,
+             "sdpa-f32": _in_float32(sdpa_attention), "plain-f32": _in_float32(plain_attention)}
+F32_CACHE = ("sdpa-f32", "plain-f32")  # kernels that read a float32 cache
 
 
 @dataclass(frozen=True)
@@ -88,9 +99,13 @@ class Choice:
     dtype: torch.dtype
     product: str  # a key of PRODUCT
     attention_one: str  # a key of ATTENTION, for a single new token
-    attention_many: str  # for several
+    attention_many: str  # for several (both read the same cache: both in F32_CACHE or neither)
     source: str  # "measured", "cached", "cuda" or "set" (target.dtype named the dtype)
     timings: dict | None = None  # dtype -> what was timed -> ms
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        return torch.float32 if self.attention_one in F32_CACHE else self.dtype
 
     def describe(self) -> str:
         return (f"{str(self.dtype).removeprefix('torch.')} ({self.source}), short products {self.product}, "
@@ -122,8 +137,22 @@ def choose(config, device: torch.device, requested: str = "auto") -> Choice:
     if measured is None:  # float16 on a CPU: not measured, torch's defaults
         return Choice(dtype, "linear", "sdpa", "sdpa", source, timings)
     fastest = lambda times: min(times, key=times.get)  # noqa: E731
-    return Choice(dtype, fastest(measured["products"]), fastest(measured["attention_one"]),
-                  fastest(measured["attention_many"]), source, timings)
+    one, many = _attention_pair(measured["attention_one"], measured["attention_many"])
+    return Choice(dtype, fastest(measured["products"]), one, many, source, timings)
+
+
+def _attention_pair(one: dict, many: dict) -> tuple[str, str]:
+    """The fastest kernels for one and for several tokens that read the same cache (float32 or the model's
+    dtype), the cache chosen by their summed time."""
+    pairs = []
+    for f32 in (False, True):
+        ones = {k: v for k, v in one.items() if (k in F32_CACHE) == f32}
+        manys = {k: v for k, v in many.items() if (k in F32_CACHE) == f32}
+        if ones and manys:
+            a, b = min(ones, key=ones.get), min(manys, key=manys.get)
+            pairs.append((ones[a] + manys[b], a, b))
+    _, a, b = min(pairs)
+    return a, b
 
 
 def _heads(config) -> tuple[int, int, int]:
@@ -152,10 +181,11 @@ def _cpu_timings(config) -> tuple[dict, str]:
     timings = {}
     for name in ("float32", "bfloat16"):
         dtype = getattr(torch, name)
+        kernels = [a for a in ATTENTION if dtype != torch.float32 or a not in F32_CACHE]
         timings[name] = {
             "products": {p: _time_layer(shapes(config), dtype, PRODUCT[p]) for p in PRODUCTS},
-            "attention_one": {a: _time_attention(_heads(config), dtype, ATTENTION[a], 1) for a in ATTENTION},
-            "attention_many": {a: _time_attention(_heads(config), dtype, ATTENTION[a], 8) for a in ATTENTION},
+            "attention_one": {a: _time_attention(_heads(config), dtype, a, 1) for a in kernels},
+            "attention_many": {a: _time_attention(_heads(config), dtype, a, 8) for a in kernels},
         }
     known[key] = timings
     try:
@@ -199,13 +229,17 @@ def _time_layer(layer_shapes, dtype: torch.dtype, product, repeats: int = 5) -> 
     return round(1000 * statistics.median(once() for _ in range(repeats)), 4)
 
 
-def _time_attention(heads: tuple[int, int, int], dtype: torch.dtype, attention, count: int, repeats: int = 5) -> float:
-    """Median ms of 20 attention calls of `count` new tokens over 512 cached positions."""
+def _time_attention(heads: tuple[int, int, int], dtype: torch.dtype, kernel: str, count: int,
+                    repeats: int = 5) -> float:
+    """Median ms of 20 attention calls of `count` new tokens over 512 cached positions (a cache of the kernel's
+    dtype)."""
     generator = torch.Generator().manual_seed(0)
     query_heads, kv_heads, dim = heads
     length = 512
+    attention = ATTENTION[kernel]
+    cache = torch.float32 if kernel in F32_CACHE else dtype
     q = torch.randn(1, query_heads, count, dim, generator=generator).to(dtype)
-    k, v = (torch.randn(1, kv_heads, length, dim, generator=generator).to(dtype) for _ in range(2))
+    k, v = (torch.randn(1, kv_heads, length, dim, generator=generator).to(cache) for _ in range(2))
     mask = None
     if count > 1:
         mask = torch.ones(count, length, dtype=torch.bool).tril(length - count)[None, None]

@@ -75,6 +75,7 @@ class FastDecoder:
         self.lm_head = lm_head_weights(model, self.packed)
         self.layers = [layer_weights(layer, self.packed) for layer in decoder.layers]
         self.rotary = decoder.rotary_emb
+        self._qk_norms: dict[int, torch.Tensor] = {}
         self._cos = self._sin = None
 
     @property
@@ -90,6 +91,17 @@ class FastDecoder:
         if self.packed and self.lm_head is not lm_head_weights(self.model, True):
             return False
         return all(layer.__dict__.get(STATE) is mine for layer, mine in zip(decoder.layers, self.layers))
+
+    def _qk_norm(self, layer) -> torch.Tensor:
+        weight = self._qk_norms.get(id(layer))
+        if weight is None:
+            weight = self._qk_norms[id(layer)] = _qk_norm_weight(layer, self.heads, self.kv_heads)
+        return weight
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """The KV cache's dtype: float32 where the measured attention kernel reads a float32 cache."""
+        return self.choice.cache_dtype if self.choice is not None else self.dtype
 
     @property
     def device(self) -> torch.device:
@@ -119,7 +131,7 @@ class FastDecoder:
         batch, count = ids.shape
         x = F.embedding(ids, self.embed)
         cos, sin = self.rope(positions)
-        cos, sin = cos[:, None], sin[:, None]  # [B, 1, T, D]: broadcast over heads
+        cos, sin = cos[:, :, None], sin[:, :, None]  # [B, T, 1, D]: broadcast over heads
         end = start + count
         if self.window is not None and end > self.window:
             raise ValueError(f"context of {end} tokens is longer than the model's sliding window ({self.window}): "
@@ -133,15 +145,13 @@ class FastDecoder:
         for index, layer in enumerate(self.layers):
             h = F.rms_norm(x, (x.shape[-1],), layer.norm_in, self.eps)
             qkv = self.product(h, layer.qkv, layer.qkv_bias)
-            q, k, v = qkv.split((q_size, kv_size, kv_size), dim=-1)
-            q = q.view(batch, count, self.heads, self.head_dim).transpose(1, 2)
-            k = k.view(batch, count, self.kv_heads, self.head_dim).transpose(1, 2)
-            v = v.view(batch, count, self.kv_heads, self.head_dim).transpose(1, 2)
+            # q and k as one [B, T, H + Hkv, D] tensor: their norms (Qwen3) and rotations in one pass each
+            qk = qkv[..., : q_size + kv_size].view(batch, count, self.heads + self.kv_heads, self.head_dim)
+            v = qkv[..., q_size + kv_size :].view(batch, count, self.kv_heads, self.head_dim).transpose(1, 2)
             if layer.q_norm is not None:
-                q = F.rms_norm(q, (self.head_dim,), layer.q_norm, self.eps)
-                k = F.rms_norm(k, (self.head_dim,), layer.k_norm, self.eps)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+                qk = F.rms_norm(qk, (self.head_dim,), None, self.eps) * self._qk_norm(layer)
+            qk = qk * cos + _rotate_half(qk) * sin
+            q, k = qk[:, :, : self.heads].transpose(1, 2), qk[:, :, self.heads :].transpose(1, 2)
             keys, values = (k, v) if cache is None else cache.write(index, k, v, start)
             attended = attention(q, keys, values, mask, causal)
             attended = attended.transpose(1, 2).reshape(batch, count, q_size)
@@ -157,6 +167,11 @@ class FastDecoder:
             x = x[:, -1:]
         x = F.rms_norm(x, (x.shape[-1],), self.norm, self.eps)
         return self.product(x, self.lm_head, None), captured
+
+
+def _qk_norm_weight(layer, heads: int, kv_heads: int) -> torch.Tensor:
+    """[H + Hkv, D]: Qwen3's q-norm weight for each query head, then its k-norm weight for each key head."""
+    return torch.cat([layer.q_norm.expand(heads, -1), layer.k_norm.expand(kv_heads, -1)])
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

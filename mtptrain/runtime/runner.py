@@ -131,7 +131,7 @@ class FastRunner:
             self.cache = None
         if self.cache is None:
             d = self.decoder
-            self.cache = KVCache(d.num_layers, 1, d.kv_heads, d.head_dim, INITIAL_CAPACITY, d.dtype, d.device)
+            self.cache = KVCache(d.num_layers, 1, d.kv_heads, d.head_dim, INITIAL_CAPACITY, d.cache_dtype, d.device)
         self.cache.length = 0  # the tensors stay: the next generation writes over them
 
     @torch.inference_mode()
