@@ -44,6 +44,7 @@ from mtptrain.embedded import wheel_file
 from mtptrain.errors import MtptrainError
 from mtptrain.io import cache_root, contained, tmp_name
 from mtptrain.runtime.choice import choose
+from mtptrain.runtime.model import SUPPORTED
 
 # transformers (~0.7 s to import) and huggingface_hub's download client (~0.1 s) are imported inside the
 # functions that read a model, tokenizer or config: every stage imports this module, and a command's checks of
@@ -265,7 +266,7 @@ def pick_dtype(requested: str, device: torch.device, config=None) -> torch.dtype
         return getattr(torch, requested)
     if device.type == "cuda":
         return torch.bfloat16
-    if config is None:
+    if config is None or config.model_type not in SUPPORTED:
         return torch.float32
     return choose(config, device).dtype
 

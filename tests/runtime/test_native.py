@@ -233,3 +233,23 @@ def test_a_truncated_draft_model_shares_the_packed_layers(packed):
         runner.reset()
         runner.forward(prompt)
     assert main.decoder.current() and draft.decoder.current()  # no restore, no repack between them
+
+
+def test_a_target_the_runtime_does_not_run_loads_in_float32_and_decodes_on_transformers(tmp_path):
+    import transformers
+    from conftest import make_tokenizer
+
+    from mtptrain.config import TargetConfig
+    from mtptrain.target import load_target
+
+    tok = make_tokenizer()
+    config = transformers.Phi3Config(vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, bos_token_id=1,
+                                     eos_token_id=3)
+    transformers.Phi3ForCausalLM(config).save_pretrained(tmp_path)  # fused qkv_proj: not a layout the runtime runs
+    tok.save_pretrained(tmp_path)
+    target = load_target(TargetConfig(model=str(tmp_path)))  # dtype auto: nothing measured for a phi3
+    assert next(target.model.parameters()).dtype == torch.float32
+    runner = open_runner(target.model)
+    assert runner.runtime == "transformers"
+    assert len(generate(runner, [5, 6, 7], 6).tokens) == 6
