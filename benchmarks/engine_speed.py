@@ -40,10 +40,10 @@ from mtptrain.data.chat import prompt_ids, stop_tokens
 from mtptrain.engine.generate import generate
 from mtptrain.engine.verify import Sampling
 from mtptrain.eval.prompts import load_prompts
-from mtptrain.eval.run import build_configs, cpu_product
+from mtptrain.eval.run import build_configs, top2
 from mtptrain.heads.checkpoint import PRETRAINED_HEAD
 from mtptrain.machine import describe_cpu
-from mtptrain.runtime.linears import fast_linears
+from mtptrain.runtime.linears import fast_linears, product_for
 from mtptrain.runtime.runner import open_runner, runtime_description
 from mtptrain.target import embedded_gguf_path, load_target
 
@@ -175,12 +175,6 @@ def measure(methods, prompts, args, modules, product, stops) -> None:
             print(f"  repeat {repeat + 1}/{args.repeats} done", flush=True)
 
 
-def top2_gap(runner, context: list[int]) -> float:
-    runner.reset()
-    top = runner.forward(context, last_only=True)[-1].float().topk(2).values
-    return float(top[0] - top[1])
-
-
 def print_table(methods, prompts, plain) -> None:
     base = methods[0]
     print(f"\n{'method':<22}{'tokens':>7}{'tok/s':>8}{'vs runtime AR':>15}{'spread':>8}{'tau':>6}  same")
@@ -199,7 +193,7 @@ def print_table(methods, prompts, plain) -> None:
             if ours != theirs:
                 at = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
                 print(f"  {m.name}: differs from runtime AR at token {at}, top-2 gap there "
-                      f"{top2_gap(plain, ids + theirs[:at]):.4f}")
+                      f"{top2(plain, ids + theirs[:at])[1]:.4f}")
 
 
 def bandwidth() -> float:
@@ -247,7 +241,7 @@ def print_machine(reference, runner, methods) -> None:
           f"({str(next(model.parameters()).dtype).removeprefix('torch.')}): roofline {roofline_ms:.1f} ms/token; "
           f"runtime AR {step_ms:.1f} ms/token = {roofline_ms / step_ms:.0%} of the roofline")
     costs = forward_costs(runner.model, reference)
-    print(f"\nforward over w new tokens after 200, ms (relative to w=1):")
+    print("\nforward over w new tokens after 200, ms (relative to w=1):")
     print(f"{'':<14}" + "".join(f"{'w=' + str(w):>14}" for w in WIDTHS))
     for name, ms in costs.items():
         print(f"{name:<14}" + "".join(f"{t:>8.1f} ({t / ms[0]:.2f})" for t in ms))
@@ -266,7 +260,7 @@ def main() -> None:
     plain = open_runner(target.model)
     print(f"SmolLM2-135M-Instruct, {len(prompts)} MT-bench prompts x up to {args.new_tokens} new tokens, greedy, "
           f"batch 1, {args.repeats} repeats; {runtime_description(plain)}")
-    measure(methods, prompts, args, modules, cpu_product("auto", target), stops)
+    measure(methods, prompts, args, modules, product_for("auto", target.model), stops)
     print_table(methods, prompts, plain)
     if not has_cpp:
         print("llama.cpp: not installed (pip install -e .[bench]), not measured")

@@ -39,14 +39,14 @@ import torch
 
 from mtptrain.config import Recipe, load_recipe
 from mtptrain.data.chat import prompt_ids, stop_tokens
-from mtptrain.runtime.linears import fast_linears
+from mtptrain.runtime.linears import fast_linears, product_for
 from mtptrain.engine.generate import generate
 from mtptrain.runtime.runner import Runner, open_runner
 from mtptrain.engine.ssd import SSDProposer, SSDSettings
 from mtptrain.engine.verify import Sampling
 from mtptrain.eval.drafters import draft_lm, head_parts
 from mtptrain.eval.prompts import load_prompts
-from mtptrain.eval.run import Config, build_configs, cpu_product
+from mtptrain.eval.run import Config, build_configs
 from mtptrain.heads.checkpoint import PRETRAINED_HEAD
 from mtptrain.target import load_target
 
@@ -257,7 +257,7 @@ def main() -> None:
     print(f"SmolLM2-135M-Instruct, float32 CPU; K={args.k}; {len(prompts)} MT-bench prompts x {args.new_tokens} new "
           f"tokens; target {args.target_threads} thread(s), SSD drafter {args.draft_threads} in its own process; "
           f"drafters: head = {Path(args.head).name}, draft = first {args.draft_layers} of 30 layers")
-    with fast_linears(*modules, product=cpu_product("auto", target)):
+    with fast_linears(*modules, product=product_for("auto", target.model)):
         compare(args, open_runner(target.model), drafters, names, prompts, target.tokenizer, stops)
         for name in swept:
             budget_sweep(args, name, drafters[name], prompts, stops)

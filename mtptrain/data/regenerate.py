@@ -51,7 +51,7 @@ from mtptrain.engine.verify import Sampling, distribution
 from mtptrain.errors import MtptrainError
 from mtptrain.io import atomic_write_json, fsync_dir
 from mtptrain.runtime.batch import decode_batch
-from mtptrain.runtime.linears import fast_linears, measured_product
+from mtptrain.runtime.linears import fast_linears, product_for
 from mtptrain.runtime.runner import fast_decoder
 from mtptrain.target import identity_mismatch, load_target, tokenizer_fingerprint
 
@@ -231,9 +231,7 @@ def run_regenerate(recipe: Recipe, show_progress: bool = True) -> dict:
     started, tokens_now = time.perf_counter(), 0
     # The transformers fallback only (the native runtime has its own products): up to 8 rows the swap is faster on
     # CPU; wider decoding batches are compute-bound and keep torch's GEMM.
-    setting = recipe.regenerate.cpu_matmul
-    product = "linear" if setting == "stock" or target.device.type != "cpu" else \
-        measured_product(next(model.parameters()).dtype, model.config) if setting == "auto" else setting
+    product = product_for(recipe.regenerate.cpu_matmul, model)
     native = recipe.target.runtime != "transformers" and fast_decoder(model) is not None
     with fast_linears(model, product=product, max_rows=8, enabled=not native):
         for b in range(done, len(batches)):

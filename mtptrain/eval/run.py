@@ -44,7 +44,7 @@ from mtptrain.heads.checkpoint import head_directory
 from mtptrain.heads.spec import HeadSpec
 from mtptrain.io import atomic_write_json
 from mtptrain.machine import cpu_sample, describe_cpu, other_load
-from mtptrain.runtime.linears import fast_linears, measured_product
+from mtptrain.runtime.linears import fast_linears, product_for
 from mtptrain.runtime.runner import Runner, open_runner, runtime_description
 from mtptrain.target import load_target, load_tokenizer
 from mtptrain.tracking import init_run
@@ -217,15 +217,6 @@ def _ssd_configs(method, recipe, target, spec, head_info, sampling, seed, notes)
     return configs
 
 
-def cpu_product(setting: str, target) -> str:
-    """eval.cpu_matmul as a product of runtime/linears.py ("linear" off the CPU)."""
-    if target.device.type != "cpu" or setting == "stock":
-        return "linear"
-    if setting == "auto":
-        return measured_product(next(target.model.parameters()).dtype, target.config)
-    return setting
-
-
 def ssd_device(choice: str, target_device: torch.device) -> str:
     """The SSD drafter's device: eval.ssd.device, or (auto) a GPU other than the target's when there is one."""
     if choice != "auto":
@@ -307,7 +298,7 @@ def run_eval(recipe: Recipe, wandb: str | None = None, show_progress: bool = Tru
     requests = [(p, t) for p in prompts for t in range(min(len(p.turns), ev.max_turns or len(p.turns)))]
     tallies = [Tally(c) for c in configs]
 
-    product = cpu_product(ev.cpu_matmul, target)
+    product = product_for(ev.cpu_matmul, target.model)
     # The native runtime multiplies with its own measured product; the swap serves the drafting modules (and the
     # target itself under the transformers fallback).
     linears = (target.model, *modules) if plain.runtime == "transformers" else modules

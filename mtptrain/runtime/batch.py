@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 
 from mtptrain.runtime.cache import KVCache
+from mtptrain.runtime.choice import causal_mask
 from mtptrain.runtime.runner import fast_decoder
 from mtptrain.target import LayerCapture
 
@@ -106,7 +107,7 @@ class _NativeRows:
 
     def start(self) -> torch.Tensor:
         width = self.ids.shape[1]
-        causal = torch.ones(width, width, dtype=torch.bool, device=self.ids.device).tril()
+        causal = causal_mask(width, 0, self.ids.device)
         # A padding query sees itself, so that no row of the softmax is empty; nothing reads its output.
         mask = (causal & self.seen[:, None, :]) | torch.eye(width, dtype=torch.bool, device=self.ids.device)
         logits, _ = self.decoder.forward(self.ids, self.positions, self.cache, 0, mask[:, None], last_only=True)

@@ -12,9 +12,9 @@ import torch
 
 class KVCache:
     def __init__(self, layers: int, batch: int, kv_heads: int, head_dim: int, capacity: int, dtype, device):
-        self.shape = (batch, kv_heads, capacity, head_dim)
-        self.keys = [torch.empty(self.shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.values = [torch.empty(self.shape, dtype=dtype, device=device) for _ in range(layers)]
+        shape = (batch, kv_heads, capacity, head_dim)
+        self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.length = 0  # positions filled, the same for every row of the batch
 
     @property

@@ -58,6 +58,11 @@ def skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 PRODUCT = {"linear": linear, "skinny": skinny, "packed": packed_product}
 
 
+def causal_mask(count: int, past: int = 0, device=None) -> torch.Tensor:
+    """[count, past + count], True where new token i may look: everything before it and new tokens 0..i."""
+    return torch.ones(count, past + count, dtype=torch.bool, device=device).tril(past)
+
+
 def sdpa_attention(q, k, v, mask, causal: bool):
     """q [B, H, T, D], k and v [B, Hkv, S, D]; mask [B, 1, T, S] (True = seen) or None."""
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
@@ -73,7 +78,7 @@ def plain_attention(q, k, v, mask, causal: bool):
     scores = torch.matmul(q.reshape(batch, kv_heads, group * count, dim), k.transpose(-1, -2)).float()
     scores = scores.mul_(dim ** -0.5).view(batch, kv_heads, group, count, length)
     if causal:
-        mask = torch.ones(count, length, dtype=torch.bool, device=q.device).tril(length - count)[None, None]
+        mask = causal_mask(count, length - count, q.device)[None, None]
     if mask is not None:
         scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
     weights = torch.softmax(scores.view(batch, kv_heads, group * count, length), dim=-1).to(v.dtype)
@@ -242,7 +247,7 @@ def _time_attention(heads: tuple[int, int, int], dtype: torch.dtype, kernel: str
     k, v = (torch.randn(1, kv_heads, length, dim, generator=generator).to(cache) for _ in range(2))
     mask = None
     if count > 1:
-        mask = torch.ones(count, length, dtype=torch.bool).tril(length - count)[None, None]
+        mask = causal_mask(count, length - count)[None, None]
 
     def once() -> float:
         started = time.perf_counter()

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from mtptrain.runtime.choice import choose
-from mtptrain.runtime.weights import STATE, pack, packed_product
+from mtptrain.runtime.weights import packed_copy, packed_product
 
 PACKABLE = (torch.float32, torch.bfloat16, torch.float16)  # the dtypes oneDNN packs
 
@@ -39,7 +39,7 @@ def _forward(product: str, max_rows: int):
         if product == "packed":
             if self.weight.dtype not in PACKABLE:
                 return nn.functional.linear(x, self.weight, self.bias)
-            return packed_product(x, _packed(self), self.bias)
+            return packed_product(x, packed_copy(self), self.bias)
         out = torch.matmul(self.weight, x.reshape(rows, x.shape[-1]).T).T
         if self.bias is not None:
             out = out + self.bias
@@ -47,19 +47,16 @@ def _forward(product: str, max_rows: int):
     return forward
 
 
-def _packed(module: nn.Linear) -> torch.Tensor:
-    """The module's weight packed for oneDNN, kept on the module (as runtime/weights.py keeps the LM head's)."""
-    key = (module.weight.data_ptr(), module.weight.dtype)
-    kept = module.__dict__.get(STATE)
-    if kept is None or kept[0] != key:
-        kept = (key, pack(module.weight))
-        module.__dict__[STATE] = kept
-    return kept[1]
-
-
-def measured_product(dtype: torch.dtype, config) -> str:
-    """The product runtime/choice.py measured fastest on this CPU for `dtype`, for a model of this config."""
-    return choose(config, torch.device("cpu"), str(dtype).removeprefix("torch.")).product
+def product_for(setting: str, model: nn.Module, config=None) -> str:
+    """A cpu_matmul setting (auto, skinny, packed, stock) as the product for `model`'s linear layers: "linear"
+    (nothing swapped) off the CPU or for stock; for auto, what runtime/choice.py measured fastest on this CPU for
+    the model's dtype, on the shapes of `config` (the target's; the model's own by default)."""
+    weight = next(model.parameters())
+    if weight.device.type != "cpu" or setting == "stock":
+        return "linear"
+    if setting != "auto":
+        return setting
+    return choose(config or model.config, torch.device("cpu"), str(weight.dtype).removeprefix("torch.")).product
 
 
 @contextmanager

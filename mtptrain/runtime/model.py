@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mtptrain.runtime.choice import causal_mask
 from mtptrain.runtime.weights import STATE, layer_weights, lm_head_weights
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
@@ -75,7 +76,6 @@ class FastDecoder:
         self.lm_head = lm_head_weights(model, self.packed)
         self.layers = [layer_weights(layer, self.packed) for layer in decoder.layers]
         self.rotary = decoder.rotary_emb
-        self._qk_norms: dict[int, torch.Tensor] = {}
         self._cos = self._sin = None
 
     @property
@@ -91,12 +91,6 @@ class FastDecoder:
         if self.packed and self.lm_head is not lm_head_weights(self.model, True):
             return False
         return all(layer.__dict__.get(STATE) is mine for layer, mine in zip(decoder.layers, self.layers))
-
-    def _qk_norm(self, layer) -> torch.Tensor:
-        weight = self._qk_norms.get(id(layer))
-        if weight is None:
-            weight = self._qk_norms[id(layer)] = _qk_norm_weight(layer, self.heads, self.kv_heads)
-        return weight
 
     @property
     def cache_dtype(self) -> torch.dtype:
@@ -138,7 +132,7 @@ class FastDecoder:
                              "the fast decoder keeps full attention only")
         causal = mask is None and count > 1 and start == 0
         if mask is None and count > 1 and start > 0:
-            mask = _causal(count, start, ids.device)[None, None]
+            mask = causal_mask(count, start, ids.device)[None, None]
         attention = self.attention_one if count == 1 else self.attention_many
         captured = {}
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
@@ -148,8 +142,8 @@ class FastDecoder:
             # q and k as one [B, T, H + Hkv, D] tensor: their norms (Qwen3) and rotations in one pass each
             qk = qkv[..., : q_size + kv_size].view(batch, count, self.heads + self.kv_heads, self.head_dim)
             v = qkv[..., q_size + kv_size :].view(batch, count, self.kv_heads, self.head_dim).transpose(1, 2)
-            if layer.q_norm is not None:
-                qk = F.rms_norm(qk, (self.head_dim,), None, self.eps) * self._qk_norm(layer)
+            if layer.qk_norm is not None:
+                qk = F.rms_norm(qk, (self.head_dim,), None, self.eps) * layer.qk_norm
             qk = qk * cos + _rotate_half(qk) * sin
             q, k = qk[:, :, : self.heads].transpose(1, 2), qk[:, :, self.heads :].transpose(1, 2)
             keys, values = (k, v) if cache is None else cache.write(index, k, v, start)
@@ -169,17 +163,7 @@ class FastDecoder:
         return self.product(x, self.lm_head, None), captured
 
 
-def _qk_norm_weight(layer, heads: int, kv_heads: int) -> torch.Tensor:
-    """[H + Hkv, D]: Qwen3's q-norm weight for each query head, then its k-norm weight for each key head."""
-    return torch.cat([layer.q_norm.expand(heads, -1), layer.k_norm.expand(kv_heads, -1)])
-
-
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
-
-def _causal(count: int, past: int, device) -> torch.Tensor:
-    """[count, past + count]: new token i sees everything cached and new tokens 0..i."""
-    new = torch.ones(count, count, dtype=torch.bool, device=device).tril()
-    return torch.cat([torch.ones(count, past, dtype=torch.bool, device=device), new], dim=1)

@@ -31,8 +31,7 @@ class Layer:
     norm_in: torch.Tensor
     qkv: torch.Tensor  # [q + 2 kv, H], or its packed form
     qkv_bias: torch.Tensor | None
-    q_norm: torch.Tensor | None  # Qwen3: RMSNorm weights over each head's dims
-    k_norm: torch.Tensor | None
+    qk_norm: torch.Tensor | None  # Qwen3: [H + Hkv, D], the q-norm weight per query head, then the k-norm per key head
     out: torch.Tensor
     norm_post: torch.Tensor
     gate_up: torch.Tensor  # [2 I, H]
@@ -86,10 +85,17 @@ def _build(layer: nn.Module, packed: bool) -> Layer:
                                          requires_grad=module.weight.requires_grad)
         layer.__dict__[STATE + "_hook"] = layer.register_forward_pre_hook(lambda module, _args: restore(module))
     return Layer(norm_in=layer.input_layernorm.weight, qkv=qkv, qkv_bias=_fuse(projections, "bias"),
-                 q_norm=attn.q_norm.weight if hasattr(attn, "q_norm") else None,
-                 k_norm=attn.k_norm.weight if hasattr(attn, "k_norm") else None,
+                 qk_norm=_qk_norm(attn),
                  out=out, norm_post=layer.post_attention_layernorm.weight, gate_up=gate_up, down=down,
                  packed=packed, dtype=layer.input_layernorm.weight.dtype)
+
+
+def _qk_norm(attn: nn.Module) -> torch.Tensor | None:
+    """Qwen3's per-head q and k norm weights stacked for q and k rotated as one tensor (None without norms)."""
+    if not hasattr(attn, "q_norm"):
+        return None
+    heads, kv_heads = attn.config.num_attention_heads, attn.config.num_key_value_heads
+    return torch.cat([attn.q_norm.weight.detach().expand(heads, -1), attn.k_norm.weight.detach().expand(kv_heads, -1)])
 
 
 def _projections(layer: nn.Module) -> list[nn.Linear]:
@@ -132,13 +138,18 @@ def restore(layer: nn.Module) -> None:
 
 
 def lm_head_weights(model: nn.Module, packed: bool) -> torch.Tensor:
-    """The LM head's weight, or a packed copy of it kept on the module (rebuilt if the weight changed)."""
+    """The LM head's weight, or its packed copy."""
     module = model.get_output_embeddings()
-    if not packed:
-        return module.weight
+    return packed_copy(module) if packed else module.weight
+
+
+def packed_copy(module: nn.Linear) -> torch.Tensor:
+    """A packed copy of a linear module's weight, kept on the module beside the plain one and made again if the
+    weight changed (the LM head's, shared by the runtime and the draft heads that call the module)."""
+    key = (module.weight.data_ptr(), module.weight.dtype)
     kept = module.__dict__.get(STATE)
-    if kept is None or kept[0] != (module.weight.data_ptr(), module.weight.dtype):
-        kept = ((module.weight.data_ptr(), module.weight.dtype), pack(module.weight))
+    if kept is None or kept[0] != key:
+        kept = (key, pack(module.weight))
         module.__dict__[STATE] = kept
     return kept[1]
 
