@@ -17,6 +17,17 @@ from typing import Any, Callable
 _CHUNK = 8 << 20
 
 
+def read_marked_json(path: Path, marker: str, error: type[Exception], missing: str) -> dict:
+    """A JSON object whose "format" must be `marker` (a file this project wrote, of that kind); `error` with
+    `missing` when there is no such file, or naming the format found."""
+    if not path.is_file():
+        raise error(missing)
+    obj = json.loads(path.read_text())
+    if obj.get("format") != marker:
+        raise error(f"{path}: format {obj.get('format')!r}, expected {marker!r}")
+    return obj
+
+
 def cache_root() -> Path:
     """Where derived files are kept between runs (converted GGUF targets, this machine's measured choices)."""
     return Path(os.environ.get("MTPTRAIN_CACHE", Path.home() / ".cache" / "mtptrain"))

@@ -9,11 +9,10 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from mtptrain.errors import MtptrainError
-from mtptrain.io import contained
+from mtptrain.io import contained, read_marked_json
 
 SIDECAR = "mtptrain.json"
 EXPORT_FORMAT = "mtptrain-export/1"
@@ -31,13 +30,8 @@ def is_export(directory: Path) -> bool:
 
 def read_sidecar(directory: Path) -> dict:
     """The sidecar of the export at `directory`, refused unless `mtptrain export` wrote it."""
-    path = Path(directory) / SIDECAR
-    if not path.is_file():
-        raise ExportError(f"{Path(directory)} holds no {SIDECAR}: not a directory written by mtptrain export")
-    sidecar = json.loads(path.read_text())
-    if sidecar.get("format") != EXPORT_FORMAT:
-        raise ExportError(f"{path}: format {sidecar.get('format')!r} is not an {EXPORT_FORMAT} sidecar")
-    return sidecar
+    return read_marked_json(Path(directory) / SIDECAR, EXPORT_FORMAT, ExportError,
+                            f"{Path(directory)} holds no {SIDECAR}: not a directory written by mtptrain export")
 
 
 def sidecar_weights(directory: Path, sidecar: dict) -> Path:

@@ -11,7 +11,6 @@ Loading checks the target's fingerprints and refuses a head trained for another 
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import asdict
 from pathlib import Path
@@ -24,7 +23,7 @@ from mtptrain.config import EMBEDDED_TARGET, Recipe
 from mtptrain.errors import MtptrainError
 from mtptrain.heads.common import FrozenTarget
 from mtptrain.heads.spec import HeadSpec
-from mtptrain.io import atomic_write, atomic_write_json
+from mtptrain.io import atomic_write, atomic_write_json, read_marked_json
 from mtptrain.target import identity_mismatch
 
 log = logging.getLogger(__name__)
@@ -53,12 +52,8 @@ def save_head(directory: Path, head: nn.Module, spec: HeadSpec, target_identity:
 
 def read_head_config(directory: Path) -> dict:
     path = Path(directory) / "config.json"
-    if not path.is_file():
-        raise HeadCheckpointError(f"{path} does not exist: not a head directory written by mtptrain train")
-    config = json.loads(path.read_text())
-    if config.get("format") != HEAD_FORMAT:
-        raise HeadCheckpointError(f"{path}: format {config.get('format')!r}, expected {HEAD_FORMAT!r}")
-    return config
+    return read_marked_json(path, HEAD_FORMAT, HeadCheckpointError,
+                            f"{path} does not exist: not a head directory written by mtptrain train")
 
 
 def load_head(directory: Path, frozen: FrozenTarget, target_identity: dict) -> tuple[nn.Module, HeadSpec]:
