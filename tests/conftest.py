@@ -65,6 +65,32 @@ def make_tiny_llama(vocab_size: int, seed: int = 0, layers: int = 4, initializer
     return LlamaForCausalLM(config).eval()
 
 
+@pytest.fixture()
+def longest_text(monkeypatch):
+    """Longest text any tokenizer rendered or tokenized during the test, in characters."""
+    seen = [0]
+    cls = type(make_tokenizer())
+    call, template = cls.__call__, cls.apply_chat_template
+
+    def measured_call(self, text, *args, **kwargs):
+        seen[0] = max(seen[0], len(text))
+        return call(self, text, *args, **kwargs)
+
+    def measured_template(self, *args, **kwargs):
+        out = template(self, *args, **kwargs)
+        seen[0] = max(seen[0], len(out) if isinstance(out, str) else 0)
+        return out
+
+    monkeypatch.setattr(cls, "__call__", measured_call)
+    monkeypatch.setattr(cls, "apply_chat_template", measured_template)
+
+    def reset() -> int:
+        longest, seen[0] = seen[0], 0
+        return longest
+
+    return reset
+
+
 @pytest.fixture(scope="session")
 def tiny_target_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("tiny-llama")

@@ -136,32 +136,6 @@ def tokenize_whole(tokenizer, messages, max_length, unfinished=frozenset()):
     return encoded["input_ids"][:max_length], mask, len(encoded["input_ids"])
 
 
-@pytest.fixture()
-def longest_text(monkeypatch):
-    """Longest text any tokenizer rendered or tokenized during the test, in characters."""
-    seen = [0]
-    cls = type(make_tokenizer())
-    call, template = cls.__call__, cls.apply_chat_template
-
-    def measured_call(self, text, *args, **kwargs):
-        seen[0] = max(seen[0], len(text))
-        return call(self, text, *args, **kwargs)
-
-    def measured_template(self, *args, **kwargs):
-        out = template(self, *args, **kwargs)
-        seen[0] = max(seen[0], len(out) if isinstance(out, str) else 0)
-        return out
-
-    monkeypatch.setattr(cls, "__call__", measured_call)
-    monkeypatch.setattr(cls, "apply_chat_template", measured_template)
-
-    def reset() -> int:
-        longest, seen[0] = seen[0], 0
-        return longest
-
-    return reset
-
-
 def words(rng: random.Random, chars: int) -> str:
     out, size = [], 0
     while size < chars:

@@ -265,7 +265,7 @@ def test_cli_names_the_fix_for_bad_settings(varied_target_dir, tmp_path):
     assert out.read_bytes() == (tmp_path / "kept.jsonl").read_bytes()
 
 
-def test_a_huge_question_is_skipped_without_being_tokenized_whole(tiny_target_dir, tmp_path, monkeypatch):
+def test_a_huge_question_is_skipped_without_being_tokenized_whole(tiny_target_dir, tmp_path, longest_text):
     huge = {"id": "huge", "messages": [{"role": "user", "content": "the word is hot " * 25_000},
                                        {"role": "assistant", "content": "a"}]}
     small = {"id": "small", "messages": [{"role": "user", "content": "the word"},
@@ -275,24 +275,11 @@ def test_a_huge_question_is_skipped_without_being_tokenized_whole(tiny_target_di
     recipe = load_recipe(None, regen_overrides(tiny_target_dir, source, tmp_path / "r.jsonl"))  # max_length 96
     tok = load_tokenizer(recipe.target)
     small_prompt = prompt_ids(tok, small["messages"][:1])
-    longest = [0]
-    call, template = type(tok).__call__, type(tok).apply_chat_template
-
-    def measured_call(self, text, *args, **kwargs):
-        longest[0] = max(longest[0], len(text))
-        return call(self, text, *args, **kwargs)
-
-    def measured_template(self, *args, **kwargs):
-        out = template(self, *args, **kwargs)
-        longest[0] = max(longest[0], len(out) if isinstance(out, str) else 0)
-        return out
-
-    monkeypatch.setattr(type(tok), "__call__", measured_call)
-    monkeypatch.setattr(type(tok), "apply_chat_template", measured_template)
+    longest_text()  # from here on
     jobs = read_jobs(recipe, tok, RowStats())
     assert [(job.id, length) for job, length in jobs] == [("huge", 97), ("small", len(small_prompt))]
     job = jobs[0][0]
     # Nothing of it is asked (so no model is needed): the context is full before the first answer.
     assert regenerate_jobs(None, tok, [job], recipe, set()) == 0
     assert job.stopped == "context full" and not job.messages
-    assert longest[0] < 10_000  # of a 400,000-character question
+    assert 0 < longest_text() < 10_000  # rendered or tokenized: something, never the whole question  # of a 400,000-character question
