@@ -52,7 +52,7 @@ from mtptrain.errors import MtptrainError
 from mtptrain.io import atomic_write_json, fsync_dir
 from mtptrain.runtime.batch import decode_batch
 from mtptrain.runtime.linears import fast_linears, product_for
-from mtptrain.runtime.runner import fast_decoder
+from mtptrain.runtime.runner import native_decoder
 from mtptrain.target import identity_mismatch, load_target, tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
@@ -232,7 +232,7 @@ def run_regenerate(recipe: Recipe, show_progress: bool = True) -> dict:
     # The transformers fallback only (the native runtime has its own products): up to 8 rows the swap is faster on
     # CPU; wider decoding batches are compute-bound and keep torch's GEMM.
     product = product_for(recipe.regenerate.cpu_matmul, model)
-    native = recipe.target.runtime != "transformers" and fast_decoder(model) is not None
+    native = native_decoder(model, recipe.target.runtime) is not None
     with fast_linears(model, product=product, max_rows=8, enabled=not native):
         for b in range(done, len(batches)):
             batch = batches[b]

@@ -16,7 +16,7 @@ import torch
 
 from mtptrain.runtime.cache import KVCache
 from mtptrain.runtime.choice import causal_mask
-from mtptrain.runtime.runner import fast_decoder
+from mtptrain.runtime.runner import native_decoder
 from mtptrain.target import LayerCapture
 
 
@@ -25,7 +25,7 @@ def capture_states(model, ids: torch.Tensor, layers: list[int], runtime: str = "
     """States [B, T, H] after each decoder layer of `layers` for right-padded ids [B, T], on the native decoder
     unless `runtime` (target.runtime) says transformers. Right padding needs no mask: under the causal mask a
     real token never attends to the padding after it."""
-    decoder = _decoder(model, runtime)
+    decoder = native_decoder(model, runtime)
     ids = ids.to(model.get_input_embeddings().weight.device)
     if decoder is not None:
         positions = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
@@ -47,7 +47,7 @@ def decode_batch(model, prompts: list[list[int]], budgets: list[int], stops: set
                  pad_id: int, runtime: str = "auto") -> list[tuple[list[int], bool]]:
     """Decode each prompt for at most its budget of tokens, choosing each token with `pick`. Returns, per
     prompt, (new ids without the stop token, whether a stop token ended it)."""
-    decoder = _decoder(model, runtime)
+    decoder = native_decoder(model, runtime)
     rows = _NativeRows(decoder, prompts, max(budgets)) if decoder is not None else _TransformersRows(model, prompts, pad_id)
     logits = rows.start()
     live = list(range(len(prompts)))  # live[j] = the prompt index of batch row j
@@ -71,17 +71,6 @@ def decode_batch(model, prompts: list[list[int]], budgets: list[int], stops: set
             live = [live[j] for j in keep]
         logits = rows.step(chosen)
     return results
-
-
-def _decoder(model, runtime: str):
-    """The native decoder for target.runtime auto / native (None where it cannot run the model), or None for
-    transformers."""
-    if runtime == "transformers":
-        return None
-    decoder = fast_decoder(model)
-    if decoder is None and runtime == "native":
-        raise ValueError("target.runtime=native cannot run this model: set target.runtime=auto or transformers")
-    return decoder
 
 
 def _left_padded(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

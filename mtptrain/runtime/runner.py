@@ -54,7 +54,8 @@ def fast_decoder(model: torch.nn.Module) -> FastDecoder | None:
     """The model's fast decoder, built once (its weights fused in place); None when the model needs
     transformers, logged the first time."""
     known = _DECODERS.get(model)
-    if isinstance(known, FastDecoder) and not known.current():  # the model was cast or moved since
+    first = known is None
+    if isinstance(known, FastDecoder) and not known.current():  # the model was cast, moved or restored since
         known = None
     if known is None:
         why = unsupported(model)
@@ -66,26 +67,32 @@ def fast_decoder(model: torch.nn.Module) -> FastDecoder | None:
                 choice = choose(model.config, device, str(dtype).removeprefix("torch."))
             known = FastDecoder(model, PRODUCT[choice.product], ATTENTION[choice.attention_one],
                                 ATTENTION[choice.attention_many], choice)
-            log.info("target runs on mtptrain's runtime: %s", choice.describe())
+            if first:
+                log.info("target runs on mtptrain's runtime: %s", choice.describe())
         else:
             known = why
-            log.info("target runs on transformers' forward: %s", why)
+            if first:
+                log.info("target runs on transformers' forward: %s", why)
         _DECODERS[model] = known
     return known if isinstance(known, FastDecoder) else None
 
 
-def open_runner(model: torch.nn.Module, capture=(), runtime: str = "auto"):
-    """A runner for the engine: the fast decoder where it runs the model (target.runtime "auto" or "native"),
-    else transformers ("transformers", or "auto" for a model the fast decoder does not run)."""
+def native_decoder(model: torch.nn.Module, runtime: str = "auto") -> FastDecoder | None:
+    """The fast decoder for target.runtime auto or native (None for auto on a model it does not run), or None for
+    transformers."""
     if runtime not in ("auto", "native", "transformers"):
         raise ValueError(f"target.runtime must be auto, native or transformers, not {runtime!r}")
     decoder = fast_decoder(model) if runtime != "transformers" else None
-    if decoder is None:
-        if runtime == "native":
-            raise ValueError(f"target.runtime=native cannot run this model ({unsupported(model)}): "
-                             "set target.runtime=auto or transformers")
-        return TransformersRunner(model, capture)
-    return FastRunner(decoder, capture)
+    if decoder is None and runtime == "native":
+        raise ValueError(f"target.runtime=native cannot run this model ({unsupported(model)}): "
+                         "set target.runtime=auto or transformers")
+    return decoder
+
+
+def open_runner(model: torch.nn.Module, capture=(), runtime: str = "auto"):
+    """A runner for the engine: the fast decoder where target.runtime allows it, else transformers."""
+    decoder = native_decoder(model, runtime)
+    return TransformersRunner(model, capture) if decoder is None else FastRunner(decoder, capture)
 
 
 def runtime_description(runner) -> str:
