@@ -2,6 +2,7 @@
 
     python benchmarks/engine_speed.py [--prompts 8] [--new-tokens 128] [--k 3] [--repeats 3]
                                       [--dtype auto] [--head pretrained/smollm2-135m-instruct-eagle3]
+                                      [--methods ngram,suffix,chain,tree] [--no-peers]
 
 Greedy decoding of the embedded SmolLM2-135M-Instruct, batch 1:
   runtime AR        mtptrain's runtime (mtptrain/runtime/), no drafting: the baseline of every ratio
@@ -12,6 +13,8 @@ Greedy decoding of the embedded SmolLM2-135M-Instruct, batch 1:
   ngram / suffix    the runtime with n-gram prompt lookup / the suffix index over past outputs, K = --k
   hf-prompt-lookup  transformers' generate(prompt_lookup_num_tokens=K)
   chain / tree      the runtime with the trained head (--head), chain K and a tree of --tree-budget nodes
+--k takes a list (1,2,3: each chain method at each K); --methods picks eval's methods; --no-peers leaves out
+transformers AR, hf-generate, llama.cpp and hf-prompt-lookup (a shorter run comparing the runtime's methods).
 The engine's methods are eval's own configurations (mtptrain.eval.run.build_configs).
 
 Every method runs on every prompt before the next prompt starts, in an order reversed every other repeat;
@@ -106,7 +109,10 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", type=int, default=8, help="MT-bench first turns")
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--k", type=int, default=3, help="draft length of the chain methods")
+    parser.add_argument("--k", default="3", help="draft length(s) of the chain methods, e.g. 3 or 1,2,3")
+    parser.add_argument("--methods", default="ngram,suffix,chain,tree", help="eval's methods to measure")
+    parser.add_argument("--no-peers", action="store_true",
+                        help="only the runtime's methods (no transformers, hf-generate or llama.cpp)")
     parser.add_argument("--tree-budget", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
@@ -117,11 +123,11 @@ def parse_args() -> argparse.Namespace:
 
 def eval_recipe(args) -> Recipe:
     """The default recipe with eval's methods, K, tree budget, head and the target's dtype set."""
-    methods = "ngram,suffix,chain,tree"
+    methods = args.methods.split(",")
     if not (Path(args.head) / "config.json").is_file():
         print(f"(no head at {args.head}: chain and tree are not measured)")
-        methods = "ngram,suffix"
-    return load_recipe(None, [f"eval.methods=[{methods}]", f"eval.k=[{args.k}]", f"eval.head={args.head}",
+        methods = [m for m in methods if m not in ("chain", "tree")]
+    return load_recipe(None, [f"eval.methods=[{','.join(methods)}]", f"eval.k=[{args.k}]", f"eval.head={args.head}",
                               f"eval.tree.budgets=[{args.tree_budget}]", f"target.dtype={args.dtype}"])
 
 
@@ -136,15 +142,16 @@ def build_methods(args, recipe: Recipe, target) -> tuple[list[Method], list, boo
     reference = load_target(recipe.target).model
     capture = head_info.spec.layers if head_info is not None else []
     plain, reading = open_runner(model), open_runner(model, capture)
-    methods = [Method("runtime AR", engine(plain)),
-               Method("transformers AR", engine(open_runner(reference, runtime="transformers"))),
-               Method("hf-generate", hf(reference))]
-    cpp = llama_cpp(torch.get_num_threads())
+    methods = [Method("runtime AR", engine(plain))]
+    if not args.no_peers:
+        methods += [Method("transformers AR", engine(open_runner(reference, runtime="transformers"))),
+                    Method("hf-generate", hf(reference))]
+    cpp = None if args.no_peers else llama_cpp(torch.get_num_threads())
     if cpp is not None:
         methods.append(Method("llama.cpp", cpp, compare=False))
     for c in configs[1:]:
         methods.append(Method(c.label, engine(reading if c.uses_head else plain, c.make, c.k or 1)))
-        if c.method == "ngram":
+        if c.method == "ngram" and not args.no_peers:
             methods.append(Method(f"hf-prompt-lookup K={c.k}", hf(reference, prompt_lookup_num_tokens=c.k)))
     return methods, modules, cpp is not None, reference
 
@@ -262,7 +269,7 @@ def main() -> None:
           f"batch 1, {args.repeats} repeats; {runtime_description(plain)}")
     measure(methods, prompts, args, modules, product_for("auto", target.model), stops)
     print_table(methods, prompts, plain)
-    if not has_cpp:
+    if not has_cpp and not args.no_peers:
         print("llama.cpp: not installed (pip install -e .[bench]), not measured")
     print_machine(reference, plain, methods)
 

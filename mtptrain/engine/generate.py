@@ -21,7 +21,7 @@ import torch
 
 from mtptrain.engine.proposer import Proposer
 from mtptrain.engine.tree import DraftTree, verify_tree_greedy, verify_tree_sampling
-from mtptrain.engine.verify import Sampling, distribution, verify_greedy, verify_sampling
+from mtptrain.engine.verify import Sampling, distribution, greedy_choice, verify_greedy, verify_sampling
 from mtptrain.runtime.runner import Runner
 
 
@@ -134,7 +134,7 @@ def generate(runner: Runner, prompt: list[int], max_new_tokens: int, proposer: P
 
 def _pick(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> int:
     if sampling.greedy:
-        return int(logits[-1].argmax())
+        return greedy_choice(logits[-1])
     return int(torch.multinomial(distribution(logits[-1], sampling), 1, generator=generator))
 
 

@@ -25,29 +25,59 @@ import torch
 from transformers import DynamicCache
 
 from mtptrain.engine.proposer import ProposerBase
-from mtptrain.engine.verify import Sampling, distribution
+from mtptrain.engine.verify import Sampling, distribution, greedy_choice
 
 
 class HeadChainProposer(ProposerBase):
     name = "head-chain"
     reads_states = True  # it carries the target's states over, as EAGLE and MTP heads do
 
-    def __init__(self, head, spec, sampling: Sampling = Sampling(), seed: int = 0):
+    def __init__(self, head, spec, sampling: Sampling = Sampling(), seed: int = 0, fast: bool = True):
         self.head, self.spec, self.sampling = head.eval(), spec, sampling
+        self.fast = fast  # draft on the runtime's kernels where the head has them (False: its own forward)
         self.generator = torch.Generator().manual_seed(seed)
 
     def reset(self, prompt: list[int]) -> None:
-        self.cache = DynamicCache()
+        if self.stepper is None:
+            self.cache = DynamicCache()
+        else:
+            self.stepper.rollback(0)
         self.last_feature = self.last_logits = None
+
+    @property
+    def stepper(self):
+        """The head's steps on the runtime's kernels where the head has them (heads/fast.py), built once."""
+        if not hasattr(self, "_stepper"):
+            make = getattr(self.head, "stepper", None) if self.fast else None
+            self._stepper = make() if make is not None else None
+        return self._stepper
+
+    def _step(self, feature: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor | None = None,
+              seen: torch.Tensor | None = None) -> torch.Tensor:
+        """The head over new positions after its cached ones (next in line, or at `positions` under the boolean
+        mask `seen` [1, 1, T, cached + T])."""
+        if self.stepper is not None:
+            return self.stepper.step(feature, ids, positions, seen)
+        mask = None
+        if seen is not None:  # the head's own forward takes an additive mask
+            mask = torch.zeros(seen.shape, dtype=feature.dtype, device=feature.device)
+            mask.masked_fill_(~seen, torch.finfo(feature.dtype).min)
+        return self.head(feature, ids, position_ids=positions, cache=self.cache, mask=mask)
+
+    def _cached(self) -> int:
+        """Positions in the head's cache."""
+        return self.stepper.length if self.stepper is not None else self.cache.get_seq_length()
 
     @torch.inference_mode()
     def observe(self, true_length: int, hidden: dict[int, torch.Tensor], next_tokens: list[int]) -> None:
         """The target ran over positions true_length .. true_length+n-1 with states `hidden` ([n, H]);
         next_tokens are the n tokens that follow them (the committed tokens, the new pending last)."""
-        if self.cache.get_seq_length() > true_length:
+        if self.stepper is not None:
+            self.stepper.rollback(true_length)
+        elif self.cache.get_seq_length() > true_length:
             self.cache.crop(true_length - self.cache.get_seq_length())
         ids = torch.tensor([next_tokens], device=next(self.head.parameters()).device)
-        out = self.head(self.head.draft_input(hidden, self.spec), ids, cache=self.cache)
+        out = self._step(self.head.draft_input(hidden, self.spec), ids)
         self.last_feature = out[:, -1:]
         self.last_logits = self.head.logits(self.last_feature)[0, -1]
 
@@ -62,7 +92,7 @@ class HeadChainProposer(ProposerBase):
             if step + 1 == k:
                 break
             ids = torch.tensor([[token]], device=feature.device)
-            feature = self.head(feature, ids, cache=self.cache)
+            feature = self._step(feature, ids)
             logits = self.head.logits(feature)[0, -1]
         return draft, None if self.sampling.greedy else torch.stack(probs)
 
@@ -70,7 +100,7 @@ class HeadChainProposer(ProposerBase):
         """A draft token in target ids, and the drafter's distribution over the target vocabulary."""
         to_target = getattr(self.head, "draft_to_target", None)
         if self.sampling.greedy:
-            choice = int(logits.argmax())
+            choice = greedy_choice(logits)
             return (int(to_target[choice]) if to_target is not None else choice), None
         q = distribution(logits, self.sampling)
         choice = int(torch.multinomial(q, 1, generator=self.generator))

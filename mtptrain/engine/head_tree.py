@@ -48,8 +48,8 @@ class HeadTreeProposer(HeadChainProposer):
     @torch.inference_mode()
     def propose(self, tokens: list[int], k: int) -> DraftTree:
         depth = min(self.depth, k)
-        past = self.cache.get_seq_length()  # head positions 0 .. past-1 hold true states
-        dtype, device = self.last_feature.dtype, self.last_feature.device
+        past = self._cached()  # head positions 0 .. past-1 hold true states
+        device = self.last_feature.device
         node_tokens, parents, scores, node_depth = [], [], [], []
         inputs: dict[int, torch.Tensor] = {}  # node -> the feature it is run with (its parent's output)
         for token, score in zip(*self._top(self.last_logits)):
@@ -60,11 +60,11 @@ class HeadTreeProposer(HeadChainProposer):
         for level in range(1, depth):
             ids = torch.tensor([[node_tokens[n] for n in frontier]], device=device)
             features = torch.stack([inputs[n] for n in frontier])[None]
-            mask = self._mask(frontier, parents, slot, past, dtype, device)
+            seen = self._seen(frontier, parents, slot, past, device)
             positions = torch.full((1, len(frontier)), past - 1 + level, device=device)
             for n in frontier:
                 slot[n] = len(slot)
-            out = self.head(features, ids, position_ids=positions, cache=self.cache, mask=mask)
+            out = self._step(features, ids, positions, seen)
             logits = self.head.logits(out)[0]
             children = []
             for row, n in enumerate(frontier):
@@ -82,8 +82,9 @@ class HeadTreeProposer(HeadChainProposer):
         return DraftTree([node_tokens[n] for n in order], [index[parents[n]] if parents[n] >= 0 else -1 for n in order])
 
     @staticmethod
-    def _mask(frontier, parents, slot, past, dtype, device) -> torch.Tensor:
-        """Additive [1, 1, F, past + len(slot) + F]: the true prefix, the node's expanded ancestors, itself."""
+    def _seen(frontier, parents, slot, past, device) -> torch.Tensor:
+        """[1, 1, F, past + len(slot) + F], True where a node looks: the true prefix, its expanded ancestors,
+        itself."""
         width = past + len(slot) + len(frontier)
         allowed = torch.zeros(len(frontier), width, dtype=torch.bool)
         allowed[:, :past] = True
@@ -93,5 +94,4 @@ class HeadTreeProposer(HeadChainProposer):
             while ancestor >= 0:
                 allowed[row, past + slot[ancestor]] = True
                 ancestor = parents[ancestor]
-        mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
-        return mask.to(device)[None, None]
+        return allowed.to(device)[None, None]

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from mtptrain.engine.verify import greedy_choice
+
 
 @dataclass
 class DraftTree:
@@ -93,7 +95,7 @@ class TreeVerdict:
 
 def verify_tree_greedy(tree: DraftTree, target_logits: torch.Tensor) -> TreeVerdict:
     """target_logits [N+1, V]: row 0 scores the root's children, row 1+i those of node i."""
-    choice = target_logits.argmax(-1).tolist()
+    choice = greedy_choice(target_logits)
     children = tree.children()
     path, node = [], -1
     while True:

@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from mtptrain.heads.common import FrozenTarget, FusionBlock, as_head_input, rms_norm_like
+from mtptrain.heads.common import FrozenTarget, FusionBlock, as_head_input, head_layer_config, rms_norm_like
+from mtptrain.heads.fast import HeadStepper
 from mtptrain.heads.family import EagleStyleFamily
 from mtptrain.heads.losses import feature_loss
 from mtptrain.heads.objective import distill_positions, target_mask
@@ -66,6 +67,16 @@ class EagleHead(nn.Module):
 
     def logits(self, predicted: torch.Tensor) -> torch.Tensor:
         return self.frozen.head_logits(self.norm(predicted))
+
+    def stepper(self) -> HeadStepper:
+        """This head's drafting steps on the runtime's kernels (heads/fast.py)."""
+        block = self.block
+
+        def inputs(feature: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            embeds = self.frozen.embed_as(ids, self)
+            x = block.proj(torch.cat([block.norm_embed(embeds), block.norm_hidden(feature)], dim=-1))
+            return block.layer.input_layernorm(x), x
+        return HeadStepper(block.layer, block.rotary, head_layer_config(self.frozen.config), inputs)
 
 
 class EagleFamily(EagleStyleFamily):

@@ -34,6 +34,7 @@ from torch import nn
 
 from mtptrain.heads.common import FrozenTarget, as_head_input, attention_mask, head_layer_config, rms_norm_like
 from mtptrain.heads.family import EagleStyleFamily, HeadSettingsError
+from mtptrain.heads.fast import HeadStepper
 from mtptrain.heads.objective import distill_positions, given
 
 if TYPE_CHECKING:
@@ -114,6 +115,13 @@ class Eagle3Head(nn.Module):
                                            attention_mask=mask, past_key_values=cache, position_ids=position_ids)
         out = feature + attended
         return out + self.layer.mlp(self.layer.post_attention_layernorm(out))
+
+    def stepper(self) -> HeadStepper:
+        """This head's drafting steps on the runtime's kernels (heads/fast.py)."""
+        def inputs(feature: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            embeds = self.frozen.embed_as(ids, self)
+            return torch.cat([self.layer.input_layernorm(embeds), self.hidden_norm(feature)], dim=-1), feature
+        return HeadStepper(self.layer, self.rotary, head_layer_config(self.frozen.config), inputs)
 
     def unroll(self, fused: torch.Tensor, input_ids: torch.Tensor, steps: int) -> list[torch.Tensor]:
         """Training-time test over whole sequences: fused [B, T, H] (step-0 features), input_ids [B, T].

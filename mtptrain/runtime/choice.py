@@ -10,10 +10,14 @@ Two choices depend on the CPU more than on anything else, so they are measured r
   (see mtptrain/runtime/linears.py); or oneDNN with weights packed once in its own layout
   (runtime/weights.py), which spares `F.linear`'s re-layout of the weight on every call;
 - the attention kernel for one new token and for several: torch's SDPA, or two plain products with a
-  float32 softmax between them, which on some CPUs costs a third of SDPA's bf16 kernel for one query.
+  float32 softmax between them, which on some CPUs costs a third of SDPA's bf16 kernel for one query;
+- the attention kernel of a batch of rows decoding together (regenerate): there the KV cache, not the
+  weights, is most of what a step reads, and the kernel (with its cache dtype) that wins for one row can
+  lose several times over for 32 (measured on an AMD EPYC: SDPA over a float32 cache 1.1 ms, two plain
+  products over a bfloat16 cache 0.44 ms, for 64 rows of 256 positions).
 
 The products are timed on the model's own shapes (its attention and MLP projections) over 1, 4 and 8
-rows, the attention on its heads over 512 cached positions; the answer is cached in `<cache_root>/runtime-choice.json` under a key naming the CPU, torch's version, the
+rows, the attention on its heads over 512 cached positions (and over 256 for BATCH_ROWS rows); the answer is cached in `<cache_root>/runtime-choice.json` under a key naming the CPU, torch's version, the
 thread count and the shapes, so each machine measures once. On a GPU nothing is measured: bfloat16 and
 `F.linear`.
 """
@@ -38,6 +42,8 @@ log = logging.getLogger(__name__)
 ROWS = (1, 4, 8)
 PRODUCTS = ("linear", "skinny", "packed") if torch.backends.mkldnn.is_available() else ("linear", "skinny")
 SKINNY_ROWS = 32  # above this many rows (a prefill) every product is F.linear
+BATCH_ROWS = 32  # rows of the batched-decoding attention timing
+VERSION = 2  # of what is measured: a cached answer from another version is measured again
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -107,14 +113,20 @@ class Choice:
     attention_many: str  # for several (both read the same cache: both in F32_CACHE or neither)
     source: str  # "measured", "cached", "cuda" or "set" (target.dtype named the dtype)
     timings: dict | None = None  # dtype -> what was timed -> ms
+    attention_batch: str = "sdpa"  # for one new token in each of many rows (batched decoding)
 
     @property
     def cache_dtype(self) -> torch.dtype:
         return torch.float32 if self.attention_one in F32_CACHE else self.dtype
 
+    @property
+    def batch_cache_dtype(self) -> torch.dtype:
+        return torch.float32 if self.attention_batch in F32_CACHE else self.dtype
+
     def describe(self) -> str:
         return (f"{str(self.dtype).removeprefix('torch.')} ({self.source}), short products {self.product}, "
-                f"attention {self.attention_one} (1 token) / {self.attention_many}")
+                f"attention {self.attention_one} (1 token) / {self.attention_many} / {self.attention_batch} "
+                "(batches)")
 
 
 def shapes(config) -> list[tuple[int, int]]:
@@ -143,7 +155,8 @@ def choose(config, device: torch.device, requested: str = "auto") -> Choice:
         return Choice(dtype, "linear", "sdpa", "sdpa", source, timings)
     fastest = lambda times: min(times, key=times.get)  # noqa: E731
     one, many = _attention_pair(measured["attention_one"], measured["attention_many"])
-    return Choice(dtype, fastest(measured["products"]), one, many, source, timings)
+    return Choice(dtype, fastest(measured["products"]), one, many, source, timings,
+                  fastest(measured["attention_batch"]))
 
 
 def _attention_pair(one: dict, many: dict) -> tuple[str, str]:
@@ -167,7 +180,8 @@ def _heads(config) -> tuple[int, int, int]:
 
 def _key(config) -> str:
     cpu = describe_cpu()
-    return "|".join([cpu["model"], str(cpu["capability"]), ",".join(cpu["extensions"] or []), torch.__version__,
+    return "|".join([f"v{VERSION}", cpu["model"], str(cpu["capability"]), ",".join(cpu["extensions"] or []),
+                     torch.__version__,
                      f"threads={torch.get_num_threads()}", ";".join(f"{o}x{i}" for o, i in shapes(config)),
                      "heads=%dx%dx%d" % _heads(config)])
 
@@ -191,6 +205,7 @@ def _cpu_timings(config) -> tuple[dict, str]:
             "products": {p: _time_layer(shapes(config), dtype, PRODUCT[p]) for p in PRODUCTS},
             "attention_one": {a: _time_attention(_heads(config), dtype, a, 1) for a in kernels},
             "attention_many": {a: _time_attention(_heads(config), dtype, a, 8) for a in kernels},
+            "attention_batch": {a: _time_attention(_heads(config), dtype, a, 1, BATCH_ROWS) for a in kernels},
         }
     known[key] = timings
     try:
@@ -234,20 +249,23 @@ def _time_layer(layer_shapes, dtype: torch.dtype, product, repeats: int = 5) -> 
     return round(1000 * statistics.median(once() for _ in range(repeats)), 4)
 
 
-def _time_attention(heads: tuple[int, int, int], dtype: torch.dtype, kernel: str, count: int,
+def _time_attention(heads: tuple[int, int, int], dtype: torch.dtype, kernel: str, count: int, rows: int = 1,
                     repeats: int = 5) -> float:
     """Median ms of 20 attention calls of `count` new tokens over 512 cached positions (a cache of the kernel's
-    dtype)."""
+    dtype); for several rows, one token each over 256 positions behind a padding mask, as batched decoding
+    has them."""
     generator = torch.Generator().manual_seed(0)
     query_heads, kv_heads, dim = heads
-    length = 512
+    length = 512 if rows == 1 else 256
     attention = ATTENTION[kernel]
     cache = torch.float32 if kernel in F32_CACHE else dtype
-    q = torch.randn(1, query_heads, count, dim, generator=generator).to(dtype)
-    k, v = (torch.randn(1, kv_heads, length, dim, generator=generator).to(cache) for _ in range(2))
+    q = torch.randn(rows, query_heads, count, dim, generator=generator).to(dtype)
+    k, v = (torch.randn(rows, kv_heads, length, dim, generator=generator).to(cache) for _ in range(2))
     mask = None
     if count > 1:
         mask = causal_mask(count, length - count)[None, None]
+    elif rows > 1:  # each row's prompt left-padded to the longest
+        mask = (torch.arange(length) >= torch.randint(0, length // 2, (rows, 1), generator=generator))[:, None, None]
 
     def once() -> float:
         started = time.perf_counter()

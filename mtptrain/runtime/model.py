@@ -51,22 +51,81 @@ def unsupported(model: nn.Module) -> str | None:
     return None
 
 
+class RopeTables:
+    """cos, sin [B, T, D] for positions [B, T], from tables a model's rotary module fills once (and again,
+    twice as long, when a position outruns them)."""
+
+    def __init__(self, rotary: nn.Module, dtype: torch.dtype, device: torch.device):
+        self.rotary, self.dtype, self.device = rotary, dtype, device
+        self._cos = self._sin = None
+
+    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        needed = int(positions.max()) + 1
+        if self._cos is None or self._cos.shape[0] < needed:
+            size = max(needed, 2 * (0 if self._cos is None else self._cos.shape[0]), 4096)
+            probe = torch.zeros(1, dtype=self.dtype, device=self.device)
+            cos, sin = self.rotary(probe, torch.arange(size, device=self.device)[None])
+            self._cos, self._sin = cos[0], sin[0]
+        return self._cos[positions], self._sin[positions]
+
+
+class LayerKernels:
+    """One decoder layer's attention and MLP on given products and attention kernels: the target's layers run
+    here, and so does a draft head's single layer (mtptrain/heads/fast.py)."""
+
+    def __init__(self, config, product, attention_one, attention_many, attention_batch=None):
+        self.product = product  # (x [..., in], weight [out, in], bias) -> [..., out]
+        self.attention_one, self.attention_many = attention_one, attention_many  # (q, k, v, mask, causal)
+        self.attention_batch = attention_batch or attention_one  # one new token in each of many rows
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.eps = config.rms_norm_eps
+
+    def attention_for(self, count: int, batched: bool = False):
+        if count > 1:
+            return self.attention_many
+        return self.attention_batch if batched else self.attention_one
+
+    def run(self, layer, h: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache,
+            index: int, start: int, mask: torch.Tensor | None, causal: bool, attention) -> torch.Tensor:
+        """residual + attention(h) and then the MLP block, for h [B, T, in] (the attention's input, already
+        normed), with keys and values written to layer `index` of the cache at [start, start + T)."""
+        batch, count = h.shape[:2]
+        q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        qkv = self.product(h, layer.qkv, layer.qkv_bias)
+        # q and k as one [B, T, H + Hkv, D] tensor: their norms (Qwen3) and rotations in one pass each
+        qk = qkv[..., : q_size + kv_size].view(batch, count, self.heads + self.kv_heads, self.head_dim)
+        v = qkv[..., q_size + kv_size :].view(batch, count, self.kv_heads, self.head_dim).transpose(1, 2)
+        if layer.qk_norm is not None:
+            qk = F.rms_norm(qk, (self.head_dim,), None, self.eps) * layer.qk_norm
+        qk = qk * cos + _rotate_half(qk) * sin
+        q, k = qk[:, :, : self.heads].transpose(1, 2), qk[:, :, self.heads :].transpose(1, 2)
+        keys, values = (k, v) if cache is None else cache.write(index, k, v, start)
+        if start == 0:  # nothing cached before: attend the new keys as computed, whatever the cache's dtype
+            keys, values = k, v
+        attended = attention(q, keys, values, mask, causal)
+        attended = attended.transpose(1, 2).reshape(batch, count, q_size)
+        x = residual + self.product(attended, layer.out, None)
+        h = F.rms_norm(x, (x.shape[-1],), layer.norm_post, self.eps)
+        gate, up = self.product(h, layer.gate_up, None).chunk(2, dim=-1)
+        return x + self.product(F.silu(gate) * up, layer.down, None)
+
+
 class FastDecoder:
     """The decoder stack and LM head of one model; `forward` runs new tokens against a `KVCache`."""
 
-    def __init__(self, model: nn.Module, product, attention_one, attention_many, choice=None):
+    def __init__(self, model: nn.Module, product, attention_one, attention_many, choice=None, attention_batch=None):
         why = unsupported(model)
         if why is not None:
             raise ValueError(f"the native runtime cannot run this model: {why}")
         config, decoder = model.config, model.get_decoder()
         self.model = model
         self.config = config
-        self.product = product  # (x [..., in], weight [out, in], bias) -> [..., out]
-        self.attention_one, self.attention_many = attention_one, attention_many  # (q, k, v, mask, causal)
+        self.kernels = LayerKernels(config, product, attention_one, attention_many, attention_batch)
+        self.product = product
         self.choice = choice  # the measured runtime.choice.Choice the product came from, for reports
-        self.heads = config.num_attention_heads
-        self.kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.heads, self.kv_heads, self.head_dim = self.kernels.heads, self.kernels.kv_heads, self.kernels.head_dim
         self.eps = config.rms_norm_eps
         self.window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
         self.embed = decoder.embed_tokens.weight
@@ -75,8 +134,7 @@ class FastDecoder:
         self.packed = getattr(choice, "product", None) == "packed"
         self.lm_head = lm_head_weights(model, self.packed)
         self.layers = [layer_weights(layer, self.packed) for layer in decoder.layers]
-        self.rotary = decoder.rotary_emb
-        self._cos = self._sin = None
+        self.rope = RopeTables(decoder.rotary_emb, self.dtype, self.device)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -98,6 +156,11 @@ class FastDecoder:
         return self.choice.cache_dtype if self.choice is not None else self.dtype
 
     @property
+    def batch_cache_dtype(self) -> torch.dtype:
+        """The KV cache's dtype for `forward(..., batched=True)`: what the batch attention kernel reads."""
+        return self.choice.batch_cache_dtype if self.choice is not None else self.dtype
+
+    @property
     def device(self) -> torch.device:
         return self.embed.device
 
@@ -105,23 +168,14 @@ class FastDecoder:
     def num_layers(self) -> int:
         return len(self.layers)
 
-    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [B, T, D] for positions [B, T], from tables the model's rotary module fills once."""
-        needed = int(positions.max()) + 1
-        if self._cos is None or self._cos.shape[0] < needed:
-            size = max(needed, 2 * (0 if self._cos is None else self._cos.shape[0]), 4096)
-            probe = torch.zeros(1, dtype=self.dtype, device=self.device)
-            cos, sin = self.rotary(probe, torch.arange(size, device=self.device)[None])
-            self._cos, self._sin = cos[0], sin[0]
-        return self._cos[positions], self._sin[positions]
-
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache, start: int, mask: torch.Tensor | None,
-                capture: tuple[int, ...] = (), last_only: bool = False,
-                logits: bool = True) -> tuple[torch.Tensor | None, dict]:
+                capture: tuple[int, ...] = (), last_only: bool = False, logits: bool = True,
+                batched: bool = False) -> tuple[torch.Tensor | None, dict]:
         """Logits [B, T, V] (or [B, 1, V] with `last_only`; None without `logits`) for ids [B, T] at `positions`
         [B, T], whose keys and values are written to the cache at [start, start + T) (no cache: a forward over
         these tokens alone); `mask` [B, 1, T, start + T] (True = seen) or None for plain causal attention over
-        everything cached. Also the states after each layer of `capture`."""
+        everything cached. Also the states after each layer of `capture`. `batched`: one new token in each of
+        many rows, attended with the batch kernel over a cache of `batch_cache_dtype`."""
         batch, count = ids.shape
         x = F.embedding(ids, self.embed)
         cos, sin = self.rope(positions)
@@ -133,26 +187,11 @@ class FastDecoder:
         causal = mask is None and count > 1 and start == 0
         if mask is None and count > 1 and start > 0:
             mask = causal_mask(count, start, ids.device)[None, None]
-        attention = self.attention_one if count == 1 else self.attention_many
+        attention = self.kernels.attention_for(count, batched)
         captured = {}
-        q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         for index, layer in enumerate(self.layers):
             h = F.rms_norm(x, (x.shape[-1],), layer.norm_in, self.eps)
-            qkv = self.product(h, layer.qkv, layer.qkv_bias)
-            # q and k as one [B, T, H + Hkv, D] tensor: their norms (Qwen3) and rotations in one pass each
-            qk = qkv[..., : q_size + kv_size].view(batch, count, self.heads + self.kv_heads, self.head_dim)
-            v = qkv[..., q_size + kv_size :].view(batch, count, self.kv_heads, self.head_dim).transpose(1, 2)
-            if layer.qk_norm is not None:
-                qk = F.rms_norm(qk, (self.head_dim,), None, self.eps) * layer.qk_norm
-            qk = qk * cos + _rotate_half(qk) * sin
-            q, k = qk[:, :, : self.heads].transpose(1, 2), qk[:, :, self.heads :].transpose(1, 2)
-            keys, values = (k, v) if cache is None else cache.write(index, k, v, start)
-            attended = attention(q, keys, values, mask, causal)
-            attended = attended.transpose(1, 2).reshape(batch, count, q_size)
-            x = x + self.product(attended, layer.out, None)
-            h = F.rms_norm(x, (x.shape[-1],), layer.norm_post, self.eps)
-            gate, up = self.product(h, layer.gate_up, None).chunk(2, dim=-1)
-            x = x + self.product(F.silu(gate) * up, layer.down, None)
+            x = self.kernels.run(layer, h, x, cos, sin, cache, index, start, mask, causal, attention)
             if index in capture:
                 captured[index] = x
         if not logits:

@@ -65,8 +65,11 @@ def fast_decoder(model: torch.nn.Module) -> FastDecoder | None:
             choice = choose(model.config, device)  # the machine's own pick: reported as measured when it is this
             if choice.dtype != dtype:
                 choice = choose(model.config, device, str(dtype).removeprefix("torch."))
-            known = FastDecoder(model, PRODUCT[choice.product], ATTENTION[choice.attention_one],
-                                ATTENTION[choice.attention_many], choice)
+            # Fused and packed weights replace the model's own: built outside inference mode, so that the model
+            # stays usable where autograd runs later (inference tensors cannot enter a recorded graph).
+            with torch.inference_mode(False), torch.no_grad():
+                known = FastDecoder(model, PRODUCT[choice.product], ATTENTION[choice.attention_one],
+                                    ATTENTION[choice.attention_many], choice, ATTENTION[choice.attention_batch])
             if first:
                 log.info("target runs on mtptrain's runtime: %s", choice.describe())
         else:

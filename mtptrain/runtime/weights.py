@@ -59,7 +59,7 @@ def unpack(weight: torch.Tensor, in_features: int, dtype: torch.dtype) -> torch.
 
 def layer_weights(layer: nn.Module, packed: bool) -> Layer:
     """The layer's fused (and, with `packed`, packed) weights, built once and kept on the layer."""
-    dtype = layer.input_layernorm.weight.dtype
+    dtype = layer.post_attention_layernorm.weight.dtype
     state = layer.__dict__.get(STATE)
     if state is not None and (state.packed != packed or state.dtype != dtype or not _plain_current(layer, state)):
         restore(layer)
@@ -84,10 +84,30 @@ def _build(layer: nn.Module, packed: bool) -> Layer:
             module.weight = nn.Parameter(torch.empty(module.weight.shape, dtype=module.weight.dtype, device="meta"),
                                          requires_grad=module.weight.requires_grad)
         layer.__dict__[STATE + "_hook"] = layer.register_forward_pre_hook(lambda module, _args: restore(module))
-    return Layer(norm_in=layer.input_layernorm.weight, qkv=qkv, qkv_bias=_fuse(projections, "bias"),
-                 qk_norm=_qk_norm(attn),
+    # A draft head's layer may have no input norm (EAGLE's original placement): norm_in is then None.
+    return Layer(norm_in=getattr(layer.input_layernorm, "weight", None), qkv=qkv,
+                 qkv_bias=_fuse(projections, "bias"), qk_norm=_qk_norm(attn),
                  out=out, norm_post=layer.post_attention_layernorm.weight, gate_up=gate_up, down=down,
-                 packed=packed, dtype=layer.input_layernorm.weight.dtype)
+                 packed=packed, dtype=layer.post_attention_layernorm.weight.dtype)
+
+
+def layer_copy(layer: nn.Module, packed: bool) -> Layer:
+    """The layer's runtime weights as a copy, leaving its modules untouched (trainable, callable): for a draft
+    head's single layer, small enough that holding it twice costs nothing that matters."""
+    attn, mlp = layer.self_attn, layer.mlp
+    with torch.inference_mode(False), torch.no_grad():
+        qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+        biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
+        bias = None if any(b is None for b in biases) else torch.cat(biases)
+        gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+        weights = [qkv, attn.o_proj.weight.detach().clone(), gate_up, mlp.down_proj.weight.detach().clone()]
+        if packed:
+            weights = [pack(w) for w in weights]
+        norm_in = getattr(layer.input_layernorm, "weight", None)
+        return Layer(norm_in=None if norm_in is None else norm_in.detach().clone(), qkv=weights[0], qkv_bias=bias,
+                     qk_norm=_qk_norm(attn), out=weights[1], norm_post=layer.post_attention_layernorm.weight.detach()
+                     .clone(), gate_up=weights[2], down=weights[3], packed=packed,
+                     dtype=layer.post_attention_layernorm.weight.dtype)
 
 
 def _qk_norm(attn: nn.Module) -> torch.Tensor | None:
@@ -122,12 +142,14 @@ def restore(layer: nn.Module) -> None:
     if state is None or not state.packed:
         return
     attn, mlp = layer.self_attn, layer.mlp
-    hidden = layer.input_layernorm.weight.shape[0]
+    inputs = lambda module: module.weight.shape[1]  # noqa: E731 (a released weight keeps its shape)
     with torch.inference_mode(False), torch.no_grad():
-        plain = {attn.o_proj: unpack(state.out, attn.o_proj.weight.shape[1], state.dtype),
-                 mlp.down_proj: unpack(state.down, mlp.down_proj.weight.shape[1], state.dtype)}
-        for fused, modules in ((unpack(state.qkv, hidden, state.dtype), [attn.q_proj, attn.k_proj, attn.v_proj]),
-                               (unpack(state.gate_up, hidden, state.dtype), [mlp.gate_proj, mlp.up_proj])):
+        plain = {attn.o_proj: unpack(state.out, inputs(attn.o_proj), state.dtype),
+                 mlp.down_proj: unpack(state.down, inputs(mlp.down_proj), state.dtype)}
+        for fused, modules in ((unpack(state.qkv, inputs(attn.q_proj), state.dtype), [attn.q_proj, attn.k_proj,
+                                                                                       attn.v_proj]),
+                               (unpack(state.gate_up, inputs(mlp.gate_proj), state.dtype), [mlp.gate_proj,
+                                                                                             mlp.up_proj])):
             start = 0
             for module in modules:
                 end = start + module.weight.shape[0]

@@ -49,7 +49,11 @@ def model64(varied_target_dir):
     return AutoModelForCausalLM.from_pretrained(varied_target_dir, dtype=torch.float64).eval()
 
 
-def test_batched_decoding_equals_decoding_each_prompt_alone(model64, varied_target_dir):
+@pytest.mark.parametrize("grow", [64, 2])  # 2: the batch's cache grows while rows leave it
+def test_batched_decoding_equals_decoding_each_prompt_alone(model64, varied_target_dir, grow, monkeypatch):
+    from mtptrain.runtime import batch
+
+    monkeypatch.setattr(batch, "GROW", grow)
     tok = load_tokenizer(load_recipe(None, [f"target.model={varied_target_dir}"]).target)
     texts = ["the a of", "water than call first who may down side been now find", "hot", "one have this from or"]
     prompts = [prompt_ids(tok, [{"role": "user", "content": t}]) for t in texts]

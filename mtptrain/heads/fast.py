@@ -1,0 +1,73 @@
+"""A draft head's drafting steps on the runtime's kernels.
+
+Drafting calls a head once per draft token, for one new position. Through transformers' modules each call
+builds a mask, a rotary table and a cache update in Python around a dozen small products; here the head's
+single decoder layer runs as the target's layers do (`runtime.model.LayerKernels`): fused q/k/v and
+gate/up products (packed for oneDNN where this machine measured that faster), rotary tables built once,
+and a preallocated `KVCache` whose rollback is a length change. The head's modules are left as they are
+(the stepper holds a copy of the layer's weights), so a head being trained can be stepped for validation.
+
+Results equal the head's own forward up to float rounding (`tests/heads/test_fast_step.py`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from mtptrain.runtime.cache import KVCache
+from mtptrain.runtime.choice import ATTENTION, PRODUCT, causal_mask, choose
+from mtptrain.runtime.model import LayerKernels, RopeTables
+from mtptrain.runtime.weights import layer_copy
+
+INITIAL_CAPACITY = 512  # positions; the cache doubles when a generation outgrows it
+
+# (feature [B, T, H], ids [B, T]) -> (the attention's input, already normed; the residual it is added to)
+Inputs = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+class HeadStepper:
+    """Runs a head's layer over new positions after those in its cache: `step(feature, ids)` is
+    `head(feature, ids, cache=...)` for the head's KV cache."""
+
+    def __init__(self, layer: nn.Module, rotary: nn.Module, config, inputs: Inputs):
+        weight = layer.post_attention_layernorm.weight
+        self.device, self.dtype = weight.device, weight.dtype
+        choice = choose(config, self.device, str(self.dtype).removeprefix("torch."))
+        self.choice = choice
+        self.layer = layer_copy(layer, choice.product == "packed")
+        self.kernels = LayerKernels(config, PRODUCT[choice.product], ATTENTION[choice.attention_one],
+                                    ATTENTION[choice.attention_many])
+        self.rope = RopeTables(rotary, self.dtype, self.device)
+        self.inputs = inputs
+        k = self.kernels
+        self.cache = KVCache(1, 1, k.kv_heads, k.head_dim, INITIAL_CAPACITY, choice.cache_dtype, self.device)
+
+    @property
+    def length(self) -> int:
+        return self.cache.length
+
+    def rollback(self, length: int) -> None:
+        """Keep the first `length` cached positions."""
+        self.cache.length = min(length, self.cache.length)
+
+    def step(self, feature: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor | None = None,
+             seen: torch.Tensor | None = None) -> torch.Tensor:
+        """The head's output [1, T, H] for features [1, T, H] and the tokens after them, appended after the
+        cached positions: at the next T positions under causal attention, or at `positions` [1, T] under `seen`
+        [1, 1, T, cached + T] (True = attended; a draft tree's nodes)."""
+        start, count = self.cache.length, ids.shape[1]
+        self.cache.reserve(start + count)
+        if positions is None:
+            positions = torch.arange(start, start + count, device=ids.device)[None]
+        cos, sin = self.rope(positions)
+        h, residual = self.inputs(feature, ids)
+        if seen is None and count > 1 and start > 0:
+            seen = causal_mask(count, start, ids.device)[None, None]
+        causal = seen is None and count > 1 and start == 0
+        out = self.kernels.run(self.layer, h, residual, cos[:, :, None], sin[:, :, None], self.cache, 0, start,
+                               seen, causal, self.kernels.attention_for(count))
+        self.cache.length = start + count
+        return out

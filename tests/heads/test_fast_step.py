@@ -1,0 +1,77 @@
+"""A head's drafting steps on the runtime's kernels equal its own forward over a transformers cache."""
+
+import pytest
+import torch
+from conftest import make_tiny_llama
+from transformers import DynamicCache
+
+from mtptrain.heads import FrozenTarget
+from mtptrain.heads.spec import HeadSpec
+
+SPECS = {"eagle": HeadSpec("eagle", last_layer=3),
+         "eagle-stripped": HeadSpec("eagle", last_layer=3, norms="stripped"),
+         "eagle3": HeadSpec("eagle3", last_layer=3, feature_layers=[0, 1, 2], ttt_steps=2, draft_vocab_size=300)}
+
+
+def _head(kind: str, dtype: torch.dtype):
+    model = make_tiny_llama(400, seed=3).to(dtype)
+    spec = SPECS[kind]
+    torch.manual_seed(0)
+    head = spec.family.build(spec, FrozenTarget.of(model)).to(dtype).eval()
+    with torch.no_grad():  # fresh norms are ones: make them matter
+        for name, p in head.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return head
+
+
+def _packed(monkeypatch):
+    from mtptrain.heads import fast
+    from mtptrain.runtime.choice import Choice
+
+    monkeypatch.setattr(fast, "choose", lambda config, device, requested: Choice(
+        getattr(torch, requested), "packed", "plain", "sdpa", "set"))
+
+
+@pytest.mark.parametrize("kind", list(SPECS))
+@pytest.mark.parametrize("packed", [False, True])
+@torch.no_grad()
+def test_steps_equal_the_heads_forward_through_prefill_steps_rollback_and_a_tree(kind, packed, monkeypatch):
+    if packed:
+        if not torch.backends.mkldnn.is_available():
+            pytest.skip("this torch build has no oneDNN")
+        _packed(monkeypatch)
+    dtype = torch.float32 if packed else torch.float64
+    head = _head(kind, dtype)
+    stepper = head.stepper()
+    assert stepper.layer.packed == packed
+    generator = torch.Generator().manual_seed(1)
+    hidden = head.frozen.config.hidden_size
+    features = torch.randn(1, 12, hidden, generator=generator, dtype=dtype)
+    ids = torch.randint(0, 400, (1, 12), generator=generator)
+    cache = DynamicCache()
+    # transformers computes norms and rotary tables in float32 even for a float64 model
+    tolerance = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-6, atol=1e-6)
+
+    def both(f, i, positions=None, seen=None):
+        mask = None
+        if seen is not None:
+            mask = torch.zeros(seen.shape, dtype=dtype).masked_fill_(~seen, torch.finfo(dtype).min)
+        theirs = head(f, i, position_ids=positions, cache=cache, mask=mask)
+        ours = stepper.step(f, i, positions, seen)
+        assert torch.allclose(ours, theirs, **tolerance), (ours - theirs).abs().max()
+        return ours
+
+    both(features[:, :7], ids[:, :7])  # a prefill
+    for t in range(7, 10):  # single steps
+        both(features[:, t:t + 1], ids[:, t:t + 1])
+    stepper.rollback(8)  # verification kept 8 positions
+    cache.crop(8 - cache.get_seq_length())
+    both(features[:, 8:12], ids[:, 8:12])  # several positions after a cached prefix
+    # three tree nodes at one depth: each sees the prefix and itself only
+    seen = torch.zeros(1, 1, 3, 15, dtype=torch.bool)
+    seen[..., :12] = True
+    for row in range(3):
+        seen[0, 0, row, 12 + row] = True
+    both(features[:, :3], ids[:, :3], torch.full((1, 3), 12), seen)
+    assert stepper.length == cache.get_seq_length() == 15
