@@ -174,6 +174,24 @@ class HeadConfig(_Section):
         0.1, ge=0.0, description="eagle: weight of the smooth-L1 feature regression next to distillation.")
 
 
+class EngineEvalConfig(_Section):
+    """Validation through the inference implementation: at every train.eval_every, the head drafts for real in
+    the engine (the target on its runtime, the head's own KV-cache steps) on held-out prompts."""
+    prompts: int = Field(
+        8, ge=0, description="Validation-split prompts (each sample's tokens before its first answer token) the "
+        "head drafts for; 0 = off (only the teacher-forced validation runs, and the target's decoder layers are "
+        "not loaded).")
+    max_new_tokens: int = Field(32, ge=1, description="Tokens generated per prompt, greedy.")
+    k: int = Field(3, ge=1, description="Draft length of the chain whose tau is measured.")
+    tree_budget: int = Field(
+        6, ge=0, description="Nodes of the small EAGLE-2 tree also measured (branch 2, depth k), where the "
+        "head's family drafts trees; 0 = chain only.")
+    select_best: bool = Field(
+        True, description="Write output_dir/head from the validation with the best chain tau (kept in "
+        "output_dir/best-head as training goes), not from the last step: acceptance can peak while the loss "
+        "still falls.")
+
+
 class TrainConfig(_Section):
     features: str = Field("runs/quickstart/features", description="Feature store written by precompute.")
     output_dir: str = Field("runs/quickstart/train", description="Run directory: checkpoints, logs, exported head.")
@@ -187,8 +205,11 @@ class TrainConfig(_Section):
     warmup_ratio: float = Field(0.05, ge=0, lt=1, description="Share of the steps spent warming up linearly.")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Cosine decay floor, as a share of lr.")
     grad_clip: float = Field(1.0, ge=0, description="Global gradient-norm clipping (0 = off).")
-    precision: Literal["auto", "bf16", "fp16", "fp32"] = Field(
-        "auto", description="auto = bf16 on CUDA, fp32 on CPU.")
+    precision: Literal["auto", "bf16", "fp16", "fp32", "bf16-autocast"] = Field(
+        "auto", description="auto = bf16 on CUDA; on a CPU, bf16-autocast where it multiplies bfloat16 faster "
+        "than float32 (measured once per machine, mtptrain/runtime/choice.py), fp32 elsewhere. bf16 / fp16 = "
+        "DeepSpeed's mixed precision; bf16-autocast = float32 weights, gradients and optimizer, with the products "
+        "of the forward (and so of the backward) in bfloat16 under torch.autocast.")
     zero_stage: int = Field(
         1, description="DeepSpeed ZeRO stage 0, 1 or 2. Stage 3 is refused: it partitions the parameters "
         "themselves, which a draft head of one decoder layer does not need, and the export and rank-0 "
@@ -198,6 +219,7 @@ class TrainConfig(_Section):
     log_every: int = Field(10, ge=1, description="Steps between logged metrics.")
     eval_every: int = Field(100, ge=1, description="Steps between validation passes.")
     checkpoint_every: int = Field(200, ge=1, description="Steps between checkpoints (and one at the end).")
+    engine_eval: EngineEvalConfig = EngineEvalConfig()
     head_dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="dtype of the floating-point weights written to output_dir/head (bfloat16 halves "
         "the file; eval computes in the target's dtype either way).")

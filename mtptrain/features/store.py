@@ -243,6 +243,14 @@ class FeatureStore:
         ids = handle.get_slice("input_ids")[start:end]
         return ids[handle.get_slice("loss_mask")[start:end].bool()] if assistant_only else ids
 
+    def prompt_ids(self, i: int) -> list[int]:
+        """The tokens of sample i before its first trained (loss-masked) token: the prompt of its first answer."""
+        shard_no, start, end = self._index[i]
+        handle = self._handle(shard_no)
+        trained = handle.get_slice("loss_mask")[start:end].nonzero()
+        first = int(trained[0, 0]) if len(trained) else end - start
+        return handle.get_slice("input_ids")[start:start + first].tolist()
+
     def __getitem__(self, i: int) -> dict[str, Any]:
         shard_no, start, end = self._index[i]
         handle = self._handle(shard_no)

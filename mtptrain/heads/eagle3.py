@@ -166,7 +166,8 @@ class Eagle3Head(nn.Module):
         tops, logits = [], []
         for start in range(0, flat.shape[0], chunk):
             full = self.frozen.target_logits(flat[start:start + chunk])
-            tops.append(full.argmax(-1))
+            # max's indices: the same first maximum as argmax, which in bfloat16 (autocast) is 5x slower on CPU
+            tops.append(full.max(-1).indices)
             logits.append(full[:, self.draft_to_target])
         shape = target_hidden.shape[:-1]
         return torch.cat(tops).reshape(shape), torch.cat(logits).reshape(*shape, len(self.draft_to_target))

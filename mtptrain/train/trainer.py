@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import random
+import shutil
 import socket
 import time
 from pathlib import Path
@@ -48,11 +49,14 @@ from mtptrain.heads.checkpoint import save_head
 from mtptrain.heads.eagle3 import DraftVocab
 from mtptrain.heads.objective import step_weights
 from mtptrain.heads.spec import HeadSpec
+from mtptrain.data.chat import stop_tokens
 from mtptrain.io import atomic_write_json
+from mtptrain.runtime.choice import choose
 from mtptrain.target import (
     ARCHITECTURE_FIELDS, Target, checkpoint_fingerprint, compared_fields, load_frozen_target, load_target,
 )
 from mtptrain.train.data import BatchPlan, loader, steps_for
+from mtptrain.train.drafting import BestHead, drafting_metrics
 from mtptrain.train.metrics import MetricsLog
 
 log = logging.getLogger(__name__)
@@ -70,10 +74,22 @@ STOP_FILE = "STOP"  # in the run directory: checkpoint at the next step and stop
 REQUEUE_FILE = "REQUEUE"  # left by a run that stopped on request: where it stopped
 
 
-def pick_precision(requested: str, device: torch.device) -> str:
+def pick_precision(requested: str, device: torch.device, target_config=None) -> str:
+    """train.precision as run: auto is bf16 on CUDA and, on a CPU, bf16-autocast where the runtime's measurement
+    found bfloat16 products faster than float32 on the target's shapes (fp32 where it did not, as on CPUs
+    without bf16 instructions, which emulate them several times slower)."""
     if requested != "auto":
         return requested
-    return "bf16" if device.type == "cuda" else "fp32"
+    if device.type == "cuda":
+        return "bf16"
+    if target_config is not None and choose(target_config, device).dtype == torch.bfloat16:
+        return "bf16-autocast"
+    return "fp32"
+
+
+def autocast(precision: str, device: torch.device):
+    """The forward's context: bfloat16 products under bf16-autocast, nothing otherwise."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16-autocast")
 
 
 def deepspeed_config(cfg: TrainConfig, steps: int, world_size: int, precision: str, device_type: str) -> dict:
@@ -107,7 +123,8 @@ def run_fingerprint(recipe: Recipe, manifest: dict, world_size: int) -> str:
     """What a checkpoint must share with the run resuming it (not logging or checkpoint cadence; W&B settings
     live in the recipe's tracking section, which is not part of it)."""
     train = recipe.train.model_dump(exclude={"output_dir", "log_every", "eval_every", "checkpoint_every",
-                                              "num_workers", "head_dtype", "head_snapshots", "target_check"})
+                                              "num_workers", "head_dtype", "head_snapshots", "target_check",
+                                              "engine_eval"})
     blob = json.dumps({"head": recipe.head.model_dump(mode="json"), "train": train, "store": manifest["plan_id"],
                        "world_size": world_size}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
@@ -142,12 +159,14 @@ def run_train(recipe: Recipe, wandb: str | None = None, show_progress: bool = Tr
 
 
 def _load_frozen_parts(recipe: Recipe, manifest: dict, dist: DistInfo) -> Target:
-    """The target as training needs it: its embedding, final norm and LM head, the decoder layers unread.
+    """The target as training needs it: its embedding, final norm and LM head, the decoder layers unread (on
+    the main rank, the whole target when train.engine_eval drafts with the head).
 
     Stores written before frozen-part fingerprints existed, and checkpoints that are not in safetensors, get the
     whole target instead.
     """
-    if manifest["target"].get("frozen_fingerprint"):
+    drafts = recipe.train.engine_eval.prompts and dist.is_main  # validation through the engine: the whole target
+    if manifest["target"].get("frozen_fingerprint") and not drafts:
         target = load_frozen_target(recipe.target, dist)
         if target is not None:
             return target
@@ -200,11 +219,18 @@ class Trainer:
         self.plan = BatchPlan(self.train_store.lengths(), self.cfg.micro_batch_size, self.cfg.seed,
                               dist.world_size, dist.rank, self.steps, self.cfg.grad_accum)
         self.fingerprint = run_fingerprint(recipe, manifest, dist.world_size)
-        self.precision = pick_precision(self.cfg.precision, device)
+        self.precision = pick_precision(self.cfg.precision, device, self.target.config)
+        log.info("training precision: %s%s", self.precision, " (auto)" if self.cfg.precision == "auto" else "")
         self.stop_file = self.run_dir / STOP_FILE
         # The store's check above compared the frozen parts of a partly loaded target; the features, and so the
         # head, belong to the model the store names.
         self.target_identity = {**self.target.identity(), "fingerprint": manifest["target"]["fingerprint"]}
+        # Validation through the engine (train/drafting.py): held-out prompts, drafted for on the main rank.
+        engine_eval = self.cfg.engine_eval
+        count = min(engine_eval.prompts, len(self.val_store)) if dist.is_main else 0
+        self.prompts = [p for p in (self.val_store.prompt_ids(i) for i in range(count)) if p]
+        self.stops = stop_tokens(self.target.tokenizer, self.target.model) if self.prompts else set()
+        self.best = BestHead(self.run_dir)
 
     # ------------------------------------------------------------------ set-up
 
@@ -276,8 +302,9 @@ class Trainer:
                 started = time.perf_counter()
                 totals["wait"] += started - clock
                 batch = _to_device(batch, self.device, dtype)
-                result = self.spec.family.objective(head, batch, self.spec, self.weights, self.recipe.head.feature_weight,
-                                                    self.cfg.loss_chunk)
+                with autocast(self.precision, self.device):
+                    result = self.spec.family.objective(head, batch, self.spec, self.weights,
+                                                        self.recipe.head.feature_weight, self.cfg.loss_chunk)
                 unhealthy += 0.0 if torch.isfinite(result.loss) else 1.0
                 engine.backward(result.loss)
                 engine.step()
@@ -304,6 +331,8 @@ class Trainer:
                     progress.set_postfix(loss=f"{logged['train/loss']:.3f}", acc1=f"{logged['train/acc_1']:.3f}")
                 if step % self.cfg.eval_every == 0 or step == self.steps:
                     self.last_validation = self.validate(head, dtype)
+                    if self.prompts and self.dist.is_main:
+                        self.last_validation.update(self._draft(head, step))
                     metrics.log(step, self.last_validation)
                 if step % self.cfg.checkpoint_every == 0 or step == self.steps:
                     if self.cfg.head_snapshots and self.dist.is_main:  # first: a resume starts after the checkpoint
@@ -346,9 +375,25 @@ class Trainer:
         """
         if len(self.val_store) == 0:
             return {}
-        window = score_store(head, self.spec, self.val_store, self.cfg.micro_batch_size, self.weights,
-                             self.recipe.head.feature_weight, self.cfg.loss_chunk, self.device, dtype, self.dist)
+        with autocast(self.precision, self.device):
+            window = score_store(head, self.spec, self.val_store, self.cfg.micro_batch_size, self.weights,
+                                 self.recipe.head.feature_weight, self.cfg.loss_chunk, self.device, dtype, self.dist)
         return {k.replace("train/", "val/"): v for k, v in window.reduce(self.dist, self.device).items()}
+
+    def _draft(self, head, step: int) -> dict:
+        """The head drafting in the engine on the held-out prompts; the best so far kept (train/drafting.py)."""
+        measured = drafting_metrics(self.target.model, head, self.spec, self.prompts, self.cfg.engine_eval,
+                                    self.stops)
+        self.best.offer(step, measured, lambda directory, extra: self._save(directory, head, step, extra))
+        return measured
+
+    def _save(self, directory: Path, head, step: int, extra: dict | None = None) -> None:
+        save_head(directory, head, self.spec, self.target_identity,
+                  {"target_checked": self.target_checked,
+                   "features": {"store": str(self.cfg.features), "layers": self.train_store.layers},
+                   "train": {"steps": step, "tokens": self.plan.tokens_through(step),
+                             "recipe": self.recipe.model_dump(mode="json")}, **(extra or {})},
+                  dtype=getattr(torch, self.cfg.head_dtype))
 
     def _check_health(self, engine, step: int, unhealthy: torch.Tensor, grad_norm, last_checkpoint) -> None:
         """Stop on a non-finite loss on any rank, or a non-finite norm of an applied step.
@@ -391,11 +436,16 @@ class Trainer:
                    "checkpoint": last_checkpoint, "head": str(self.run_dir / "head")}
         if self.dist.is_main:
             summary.update(getattr(self, "last_validation", {}))
-            save_head(self.run_dir / "head", head, self.spec, self.target_identity,
-                      {"target_checked": self.target_checked,
-                       "features": {"store": str(self.cfg.features), "layers": self.train_store.layers},
-                       "train": {"steps": step, "recipe": self.recipe.model_dump(mode="json")}},
-                      dtype=getattr(torch, self.cfg.head_dtype))
+            exported = self.run_dir / "head"
+            if self.cfg.engine_eval.select_best and self.best.step is not None:
+                # the head of the best validated chain tau, which may be an earlier step's
+                shutil.rmtree(exported, ignore_errors=True)
+                shutil.copytree(self.best.directory, exported)
+                summary["selected"] = {"step": self.best.step, "tau_chain": self.best.tau}
+                log.info("exported the head of step %d (best validated chain tau %.3f) to %s", self.best.step,
+                         self.best.tau, exported)
+            else:
+                self._save(exported, head, step)
             atomic_write_json(self.run_dir / "summary.json", summary)
         if torch_dist.is_initialized():
             torch_dist.barrier()

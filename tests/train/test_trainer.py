@@ -297,3 +297,28 @@ def test_a_stop_file_checkpoints_and_stops_and_the_rerun_ends_as_an_uninterrupte
     a, b = (load_file(d / "head" / "model.safetensors") for d in (tmp_path / "clean", stopped))
     for name in a:
         assert torch.allclose(a[name], b[name], atol=1e-6, rtol=1e-5), name
+
+
+def test_auto_precision_on_a_cpu_follows_what_the_machine_multiplies_fastest(monkeypatch, tiny_target_dir):
+    from transformers import AutoConfig
+
+    import mtptrain.train.trainer as trainer_module
+    from mtptrain.runtime.choice import Choice
+    from mtptrain.train.trainer import autocast, pick_precision
+
+    config = AutoConfig.from_pretrained(tiny_target_dir)
+    cpu = torch.device("cpu")
+    for measured, expected in ((torch.bfloat16, "bf16-autocast"), (torch.float32, "fp32")):
+        monkeypatch.setattr(trainer_module, "choose", lambda c, d, m=measured: Choice(m, "linear", "sdpa", "sdpa",
+                                                                                      "measured"))
+        assert pick_precision("auto", cpu, config) == expected
+        assert pick_precision("fp32", cpu, config) == "fp32"  # a set precision is kept
+    assert pick_precision("auto", torch.device("cuda")) == "bf16"
+    x, w = torch.randn(4, 8), torch.randn(8, 8, requires_grad=True)
+    with autocast("bf16-autocast", cpu):
+        out = x @ w
+    assert out.dtype == torch.bfloat16 and w.dtype == torch.float32  # products in bf16, weights kept in fp32
+    out.float().sum().backward()
+    assert w.grad.dtype == torch.float32
+    with autocast("fp32", cpu):
+        assert (x @ w).dtype == torch.float32

@@ -12,7 +12,8 @@ def train_recipe(target_dir, store, out, *overrides):
     return load_recipe(None, [f"target.model={target_dir}", f"train.features={store}", f"train.output_dir={out}",
                               "train.micro_batch_size=4", "train.lr=3e-3", "train.warmup_ratio=0.1",
                               "train.log_every=5", "train.eval_every=1000", "train.num_workers=0",
-                              "tracking.wandb=disabled", "head.draft_vocab_size=128", *overrides])
+                              "tracking.wandb=disabled", "head.draft_vocab_size=128",
+                              "train.engine_eval.prompts=0", *overrides])  # tests of drafting turn it on
 
 
 LAUNCHER_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")

@@ -1,0 +1,59 @@
+"""Validation through the inference implementation: the head drafts in the engine while it trains, and the
+exported head is the one with the best validated chain tau."""
+
+import json
+
+import torch
+from safetensors.torch import load_file
+from train_helpers import train_recipe
+
+from mtptrain.config import TargetConfig
+from mtptrain.data.chat import stop_tokens
+from mtptrain.features.store import FeatureStore
+from mtptrain.heads import FrozenTarget
+from mtptrain.heads.checkpoint import load_head
+from mtptrain.target import load_target
+from mtptrain.train.drafting import drafting_metrics
+from mtptrain.train.trainer import run_train
+
+
+def test_the_head_drafts_while_training_and_the_best_validated_head_is_exported(tiny_target_dir, tiny_store,
+                                                                                tmp_path):
+    out = tmp_path / "run"
+    recipe = train_recipe(tiny_target_dir, tiny_store, out, "head.kind=eagle3", "train.max_steps=12",
+                          "train.eval_every=4", "train.engine_eval.prompts=3", "train.engine_eval.max_new_tokens=12",
+                          "train.engine_eval.k=2", "train.engine_eval.tree_budget=4")
+    summary = run_train(recipe, show_progress=False)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    drafted = [r for r in rows if "val/tau_chain" in r]
+    assert [r["step"] for r in drafted] == [4, 8, 12]
+    for row in drafted:
+        assert 1.0 <= row["val/tau_chain"] <= 3.0 and 1.0 <= row["val/tau_tree"] <= 3.0
+        chain = [row[f"val/accept_chain_{i}"] for i in (1, 2)]
+        assert all(0.0 <= a <= 1.0 for a in chain) and chain[1] <= chain[0] + 1e-9  # a later draft needs the earlier
+        assert "val/acc_1" in row  # beside the teacher-forced agreement
+    best_tau = max(r["val/tau_chain"] for r in drafted)
+    best = next(r for r in drafted if r["val/tau_chain"] == best_tau)  # the first step that reached it
+    config = json.loads((out / "head" / "config.json").read_text())
+    assert config["validation"]["step"] == best["step"] and config["validation"]["tau_chain"] == best_tau
+    assert config["train"]["steps"] == best["step"]
+    assert summary["selected"] == {"step": best["step"], "tau_chain": best_tau}
+    exported, kept = load_file(out / "head" / "model.safetensors"), load_file(out / "best-head" / "model.safetensors")
+    assert exported.keys() == kept.keys() and all(torch.equal(exported[k], kept[k]) for k in exported)
+
+    # The exported head, loaded as eval loads it, drafts with the tau that chose it.
+    target = load_target(TargetConfig(model=str(tiny_target_dir)))
+    head, spec = load_head(out / "head", FrozenTarget.of(target.model), target.identity())
+    store = FeatureStore(tiny_store, "validation", verify="size")
+    prompts = [store.prompt_ids(i) for i in range(3)]
+    again = drafting_metrics(target.model, head, spec, prompts, recipe.train.engine_eval,
+                             stop_tokens(target.tokenizer, target.model))
+    assert again["val/tau_chain"] == best_tau
+
+
+def test_a_prompt_is_the_samples_tokens_before_its_first_answer_token(tiny_store):
+    store = FeatureStore(tiny_store, "validation", verify="size")
+    for i in range(len(store)):
+        sample = store[i]
+        first = int(sample["loss_mask"].nonzero()[0, 0])
+        assert first > 0 and store.prompt_ids(i) == sample["input_ids"][:first].tolist()
