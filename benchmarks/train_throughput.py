@@ -2,11 +2,13 @@
 spent waiting for data.
 
     python benchmarks/train_throughput.py [--features runs/quickstart/features] [--steps 30] [--rounds 2]
-                                          [--set k=v ...] [--no-scaling]
+                                          [--baseline-features DIR] [--set k=v ...] [--no-scaling]
 
-Precision: one process with all threads, train.precision=fp32 (the former CPU default) against auto (on a
-CPU with fast bfloat16 products, bf16-autocast: mtptrain/train/trainer.py: pick_precision), alternately,
---rounds times each; the ratio is the median tokens/s of auto over fp32.
+Before and after: one process with all threads, "before" = train.precision=fp32 (the former CPU default) on
+--baseline-features (default: the same store; give a store written before precompute recorded the target's
+choices to measure that change too), "after" = precision auto (on a CPU with fast bfloat16 products,
+bf16-autocast: mtptrain/train/trainer.py: pick_precision) on --features, alternately, --rounds times each;
+the ratio is the median tokens/s of after over before.
 
 Scaling: the same recipe twice in one go: one process with grad_accum 2, then two processes under torchrun
 with grad_accum 1, so both consume the same global batch per step. Every process gets one thread
@@ -52,7 +54,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--features", default="runs/quickstart/features", help="feature store (run precompute first)")
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--rounds", type=int, default=2, help="alternations of fp32 and auto")
+    parser.add_argument("--rounds", type=int, default=2, help="alternations of before and after")
+    parser.add_argument("--baseline-features", help="the store of the 'before' runs (default: --features)")
     parser.add_argument("--no-scaling", action="store_true", help="only the precision comparison")
     parser.add_argument("--set", dest="overrides", action="append", default=[], help="recipe override (repeatable)")
     args = parser.parse_args()
@@ -62,18 +65,19 @@ def main() -> None:
     print(f"CPU {cpu['model']} ({cpu['logical_cores']} logical cores, torch kernels {cpu['capability']}, "
           f"{' '.join(cpu['extensions'] or [])})")
     with tempfile.TemporaryDirectory() as tmp:
-        speeds = {"fp32": [], "auto": []}
+        paths = {"before": (args.baseline_features or args.features, "fp32"), "after": (args.features, "auto")}
+        speeds = {path: [] for path in paths}
         for r in range(args.rounds):
-            for precision in speeds:
-                summary = run(args.features, Path(tmp) / f"{precision}-{r}", 1, args.steps,
+            for path, (features, precision) in paths.items():
+                summary = run(features, Path(tmp) / f"{path}-{r}", 1, args.steps,
                               [*args.overrides, f"train.precision={precision}"], threads=None)
-                speeds[precision].append(summary["tokens_per_second"])
-                print(f"  round {r + 1}, precision {precision}: {speeds[precision][-1]:,.0f} tokens/s", flush=True)
-        fp32, auto = (statistics.median(speeds[p]) for p in ("fp32", "auto"))
+                speeds[path].append(summary["tokens_per_second"])
+                print(f"  round {r + 1}, {path} (precision {precision}, {features}): {speeds[path][-1]:,.0f} "
+                      "tokens/s", flush=True)
+        before, after = (statistics.median(speeds[p]) for p in paths)
         print(f"{args.steps} steps of the quickstart recipe, 1 process, all threads")
-        print(f"precision fp32     {fp32:10,.0f} tokens/s")
-        print(f"precision auto     {auto:10,.0f} tokens/s   x{auto / fp32:.2f}   (auto on this machine: see the "
-              "trainer's log line 'training precision')")
+        print(f"before             {before:10,.0f} tokens/s")
+        print(f"after              {after:10,.0f} tokens/s   x{after / before:.2f}")
         if args.no_scaling:
             return
         one = run(args.features, Path(tmp) / "one", 1, args.steps, args.overrides)

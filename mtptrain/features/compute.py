@@ -27,14 +27,35 @@ from mtptrain.target import Target
 log = logging.getLogger(__name__)
 
 
-def forward_batch(target: Target, layers: list[int], batch: list[Sample], runtime: str = "auto") -> dict[int, torch.Tensor]:
-    """Captured hidden states [B, T, H] of a right-padded batch, from the target's runtime (the decoder stack
-    alone: the LM head's vocabulary-sized logits are not needed)."""
+TOP = "top"  # forward_batch's key for the target's greedy next token at every position
+TOP_CHUNK = 2048  # positions per LM-head product when taking the target's choices
+
+
+def forward_batch(target: Target, layers: list[int], batch: list[Sample], runtime: str = "auto") -> dict:
+    """Captured hidden states [B, T, H] of a right-padded batch, from the target's runtime, and under TOP the
+    target's greedy next token [B, T] at every position, from its final norm and LM head over the last layer's
+    states (`target_choices`)."""
     longest = max(len(s) for s in batch)
     ids = torch.zeros(len(batch), longest, dtype=torch.long)
     for row, sample in enumerate(batch):
         ids[row, : len(sample)] = torch.from_numpy(sample.input_ids)
-    return capture_states(target.model, ids, layers, runtime)
+    outputs = capture_states(target.model, ids, layers, runtime)
+    last = target.num_layers - 1
+    if last in outputs:
+        outputs[TOP] = target_choices(target.model, outputs[last])
+    return outputs
+
+
+@torch.inference_mode()
+def target_choices(model, states: torch.Tensor) -> torch.Tensor:
+    """The target's greedy next token (int32) after each of `states` [..., H] (pre-norm, last layer): stored so
+    that training never multiplies by the full LM head just to score its agreement (heads/eagle3.py), in
+    chunks of TOP_CHUNK positions (a [chunk, vocab] product at a time)."""
+    norm, head = model.get_decoder().norm, model.get_output_embeddings()
+    flat = states.reshape(-1, states.shape[-1])
+    tops = [head(norm(flat[i:i + TOP_CHUNK].to(head.weight.dtype))).max(-1).indices.to(torch.int32)
+            for i in range(0, flat.shape[0], TOP_CHUNK)]
+    return torch.cat(tops).reshape(states.shape[:-1])
 
 
 @dataclass
@@ -47,9 +68,11 @@ class _ShardBuffer:
     def allocate(cls, plan: ShardPlan, layers: list[int], hidden_size: int, dtype: torch.dtype, n_batches: int):
         return cls(plan, {layer: torch.empty(plan.tokens, hidden_size, dtype=dtype) for layer in layers}, n_batches)
 
-    def add(self, first_row: int, batch: list[Sample], outputs: dict[int, torch.Tensor]) -> None:
+    def add(self, first_row: int, batch: list[Sample], outputs: dict) -> None:
         """Copy a batch's rows into place; batches cover the shard's samples in order, so rows are contiguous."""
         for layer, states in outputs.items():
+            if layer == TOP and layer not in self.hidden:
+                self.hidden[TOP] = torch.empty(self.plan.tokens, dtype=torch.int32)
             row = first_row
             for b, sample in enumerate(batch):
                 self.hidden[layer][row : row + len(sample)].copy_(states[b, : len(sample)])
@@ -97,10 +120,11 @@ class ShardWriter:
     def _write(self, buffer: _ShardBuffer) -> ShardRecord:
         samples = buffer.plan.samples
         offsets = np.cumsum([0] + [len(s) for s in samples]).astype(np.int64)
+        hidden = {k: v for k, v in buffer.hidden.items() if k != TOP}
         return write_shard(self.out_dir / buffer.plan.name, buffer.plan.split, [s.key for s in samples],
                            np.concatenate([s.input_ids for s in samples]),
-                           np.concatenate([s.loss_mask for s in samples]), offsets, buffer.hidden,
-                           self.plan_id, self.rank)
+                           np.concatenate([s.loss_mask for s in samples]), offsets, hidden,
+                           self.plan_id, self.rank, target_top=buffer.hidden.get(TOP))
 
 
 def _to_host(states: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -140,7 +164,8 @@ def compute_shards(target: Target, shards: list[ShardPlan], layers: list[int], r
             first_row = 0
             for batch in batches:
                 outputs = forward_batch(target, layers, batch, recipe.target.runtime)
-                writer.put((buffer, first_row, batch, {k: _to_host(v, dtype) for k, v in outputs.items()}))
+                writer.put((buffer, first_row, batch, {k: v.cpu() if k == TOP else _to_host(v, dtype)
+                                                       for k, v in outputs.items()}))
                 tokens = sum(len(s) for s in batch)
                 first_row += tokens
                 result.tokens += tokens

@@ -51,6 +51,9 @@ class FeatureStoreError(MtptrainError, RuntimeError):
     """A store that cannot be used as asked; the message names the file and the fix."""
 
 
+TARGET_TOP = "target_top"  # shard tensor: the target's greedy next token per position (stores since 2026-11)
+
+
 def hidden_key(layer: int) -> str:
     return f"hidden.{layer}"
 
@@ -72,14 +75,18 @@ def record_path(shard_path: Path) -> Path:
 
 
 def write_shard(path: Path, split: str, keys: list[str], input_ids: np.ndarray, loss_mask: np.ndarray,
-                offsets: np.ndarray, hidden: dict[int, torch.Tensor], plan_id: str, rank: int = 0) -> ShardRecord:
-    """Write one shard atomically, then its record; the record's presence marks the shard complete."""
+                offsets: np.ndarray, hidden: dict[int, torch.Tensor], plan_id: str, rank: int = 0,
+                target_top: torch.Tensor | None = None) -> ShardRecord:
+    """Write one shard atomically, then its record; the record's presence marks the shard complete.
+    `target_top` [tokens] (int32): the target's greedy next token at each position, where computed."""
     tensors = {
         "input_ids": torch.from_numpy(np.ascontiguousarray(input_ids, dtype=np.int32)),
         "loss_mask": torch.from_numpy(np.ascontiguousarray(loss_mask, dtype=np.uint8)),
         "offsets": torch.from_numpy(np.ascontiguousarray(offsets, dtype=np.int64)),
         **{hidden_key(layer): states.contiguous() for layer, states in hidden.items()},
     }
+    if target_top is not None:
+        tensors[TARGET_TOP] = target_top.to(torch.int32).contiguous()
     metadata = {"keys": json.dumps(keys), "plan_id": plan_id, "split": split}
     written: dict[str, Any] = {}
     atomic_write(path, lambda tmp: written.update(write_safetensors(tmp, tensors, metadata)))
@@ -205,6 +212,10 @@ class FeatureStore:
                                         "the shard is corrupted: delete it and its .json, then rerun precompute")
             self._index.extend((shard_no, offsets[i], offsets[i + 1]) for i in range(len(keys)))
             self.keys.extend(keys)
+        # The target's choices come with every sample only when every shard holds them (a store written before
+        # they were stored, or resumed across that change, has none: training then computes them).
+        self.has_target_top = bool(self.shards) and all(TARGET_TOP in self._handle(n).keys()
+                                                        for n in range(len(self.shards)))
 
     def _entry(self, shard_no: int) -> int:
         """The shard's index in the manifest's list (shards of both splits)."""
@@ -254,12 +265,15 @@ class FeatureStore:
     def __getitem__(self, i: int) -> dict[str, Any]:
         shard_no, start, end = self._index[i]
         handle = self._handle(shard_no)
-        return {
+        item = {
             "key": self.keys[i],
             "input_ids": handle.get_slice("input_ids")[start:end],
             "loss_mask": handle.get_slice("loss_mask")[start:end],
             "hidden": {layer: handle.get_slice(hidden_key(layer))[start:end] for layer in self.layers},
         }
+        if self.has_target_top:
+            item[TARGET_TOP] = handle.get_slice(TARGET_TOP)[start:end]
+        return item
 
 
 def load_manifest(directory: Path) -> dict[str, Any]:

@@ -213,12 +213,17 @@ class Eagle3Family(EagleStyleFamily):
 
     def objective(self, head, batch, spec, weights, feature_weight, chunk):
         """Distillation at every TTT step, over the draft vocabulary, scored against the target's
-        full-vocabulary choice. Both come from one pass of the target's LM head over the batch; each step reads
-        a shifted slice."""
+        full-vocabulary choice. The choice comes from the store where precompute recorded it (`target_top`),
+        and then only the draft vocabulary's rows of the LM head are multiplied; otherwise both come from one
+        pass of the full LM head over the batch. Each step reads a shifted slice."""
         last = batch["hidden"][spec.last_layer]
         fused = head.fuse([batch["hidden"][layer] for layer in spec.feature_layers])
         outputs = head.unroll(fused, batch["input_ids"], spec.ttt_steps)
-        top, table = head.target_tables(last, chunk)
+        if "target_top" in batch:  # the store holds the target's choices: only the draft vocabulary's rows
+            with torch.no_grad():
+                top, table = batch["target_top"], head.target_logits(last)
+        else:
+            top, table = head.target_tables(last, chunk)
         return distill_positions(outputs, [head.logits] * len(outputs), given, table, batch["loss_mask"], weights,
                                  chunk, to_target=head.to_target, target_top=top)
 

@@ -100,10 +100,14 @@ def collate(items: list[dict]) -> dict:
         "lengths": torch.tensor([len(item["input_ids"]) for item in items]),
         "hidden": {},
     }
+    if all("target_top" in item for item in items):  # the target's choices, where the store holds them
+        batch["target_top"] = torch.full((len(items), longest), -1, dtype=torch.long)
     for row, item in enumerate(items):
         n = len(item["input_ids"])
         batch["input_ids"][row, :n] = item["input_ids"]
         batch["loss_mask"][row, :n] = item["loss_mask"]
+        if "target_top" in batch:
+            batch["target_top"][row, :n] = item["target_top"]
         for layer, states in item["hidden"].items():
             if layer not in batch["hidden"]:
                 batch["hidden"][layer] = torch.zeros(len(items), longest, states.shape[-1], dtype=states.dtype)

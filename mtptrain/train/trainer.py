@@ -526,6 +526,7 @@ def score_store(head, spec: HeadSpec, store: FeatureStore, batch_size: int, weig
 
 
 def _to_device(batch: dict, device: torch.device, dtype: torch.dtype) -> dict:
+    moved = {"target_top": batch["target_top"].to(device)} if "target_top" in batch else {}
     return {"input_ids": batch["input_ids"].to(device), "loss_mask": batch["loss_mask"].to(device),
-            "lengths": batch["lengths"],
+            "lengths": batch["lengths"], **moved,
             "hidden": {k: v.to(device=device, dtype=dtype) for k, v in batch["hidden"].items()}}
