@@ -127,9 +127,49 @@ class Eagle3Head(nn.Module):
         """Training-time test over whole sequences: fused [B, T, H] (step-0 features), input_ids [B, T].
 
         Step j covers positions t = 0 .. T-2-j (those with x_{t+1+j} known) and returns states that
-        predict x_{t+2+j}. The attention of step j over the cache [step 0 | step 1 | ... | step j]
-        is causal on the step-0 block and diagonal on the others.
+        predict x_{t+2+j}. The attention of step j over the keys of [step 0 | step 1 | ... | step j] is
+        causal on the step-0 block and diagonal on the others (`ttt_mask`): position t sees positions
+        0..t of step 0 and its own position in each later step. Only those entries are computed here
+        (`ttt_attention`); a head whose attention has q/k norms (Qwen3) takes the masked path
+        (`unroll_masked`), which computes the same through the layer's own attention.
         """
+        attn = self.layer.self_attn
+        if hasattr(attn, "q_norm"):
+            return self.unroll_masked(fused, input_ids, steps)
+        length = input_ids.shape[1] - 1
+        batch = fused.shape[0]
+        config = self.frozen.config
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        dim = attn.head_dim
+        causal = torch.ones(length, length, dtype=torch.bool, device=fused.device).tril()
+        keys: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        outputs: list[torch.Tensor] = []
+        feature = fused[:, :length]
+        for step in range(min(steps, length)):
+            tokens = input_ids[:, 1 + step:]
+            tokens = torch.cat([tokens, tokens.new_zeros(tokens.shape[0], step)], dim=1)
+            positions = torch.arange(step, step + length, device=input_ids.device)[None]
+            embeds = self.frozen.embed_as(tokens, self)
+            x = torch.cat([self.layer.input_layernorm(embeds), self.hidden_norm(feature)], dim=-1)
+            q = attn.q_proj(x).view(batch, length, heads, dim).transpose(1, 2)
+            k = attn.k_proj(x).view(batch, length, kv_heads, dim).transpose(1, 2)
+            v = attn.v_proj(x).view(batch, length, kv_heads, dim).transpose(1, 2)
+            cos, sin = self.rotary(feature, positions)
+            cos, sin = cos[:, None], sin[:, None]  # [1, 1, T, D]: over heads
+            q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+            keys.append(k)
+            values.append(v)
+            attended = ttt_attention(q, keys, values, causal, attn.scaling)
+            out = feature + attn.o_proj(attended.transpose(1, 2).reshape(batch, length, heads * dim))
+            out = out + self.layer.mlp(self.layer.post_attention_layernorm(out))
+            outputs.append(out[:, : length - step])
+            feature = out
+        return outputs
+
+    def unroll_masked(self, fused: torch.Tensor, input_ids: torch.Tensor, steps: int) -> list[torch.Tensor]:
+        """`unroll` as one head forward per step over a cache of the earlier steps' keys, under `ttt_mask`: the
+        layer's own attention over every entry, most of them masked."""
         # transformers takes ~0.5 s to import: the trainer imports this module, and its checks of its inputs answer
         # before any model loads (as in mtptrain.target)
         from transformers import DynamicCache
@@ -176,6 +216,38 @@ class Eagle3Head(nn.Module):
         """The target's logits restricted to the draft vocabulary (only those rows of its LM head)."""
         weight = self.frozen.lm_head.weight[self.draft_to_target]
         return self.frozen.final_norm(target_hidden.to(weight.dtype)) @ weight.T
+
+
+# Draft vocabularies up to this size keep their logits for backward rather than computing them again: a chunk of
+# 1024 positions holds 32 MB of float32 logits per 8192 tokens, and recomputing the draft LM head was a tenth of
+# a bf16-autocast training step (benchmarks/train_throughput.py).
+RECOMPUTE_ABOVE = 32768
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], causal: torch.Tensor,
+                  scale: float) -> torch.Tensor:
+    """Attention of step j's queries q [B, H, T, D] over the keys and values [B, Hkv, T, D] of steps 0..j:
+    causal over step 0, and over each later step only the query's own position. One softmax (float32 at least)
+    over the T causal scores and the j diagonal ones; GQA by grouping the query heads of each key head."""
+    batch, heads, length, dim = q.shape
+    kv_heads = keys[0].shape[1]
+    grouped = q.view(batch, kv_heads, heads // kv_heads, length, dim)
+    wide = torch.promote_types(q.dtype, torch.float32)  # the softmax in float32 at least
+    scores = torch.matmul(grouped, keys[0][:, :, None].transpose(-1, -2)).to(wide) * scale
+    scores = scores.masked_fill(~causal, float("-inf"))
+    diagonal = [(grouped * k[:, :, None]).sum(-1).to(wide) * scale for k in keys[1:]]  # [B, Hkv, G, T] each
+    if diagonal:
+        scores = torch.cat([scores, torch.stack(diagonal, dim=-1)], dim=-1)
+    probs = torch.softmax(scores, dim=-1).to(values[0].dtype)
+    out = torch.matmul(probs[..., :length], values[0][:, :, None])
+    for i, v in enumerate(values[1:]):
+        out = out + probs[..., length + i, None] * v[:, :, None]
+    return out.reshape(batch, heads, length, dim)
 
 
 def ttt_mask(length: int, step: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -225,7 +297,8 @@ class Eagle3Family(EagleStyleFamily):
         else:
             top, table = head.target_tables(last, chunk)
         return distill_positions(outputs, [head.logits] * len(outputs), given, table, batch["loss_mask"], weights,
-                                 chunk, to_target=head.to_target, target_top=top)
+                                 chunk, to_target=head.to_target, target_top=top,
+                                 recompute=len(head.draft_to_target) > RECOMPUTE_ABOVE)
 
     def draft_layers(self, spec):
         return list(spec.feature_layers)

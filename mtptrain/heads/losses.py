@@ -53,14 +53,16 @@ def distill_loss(head_logits: Callable[[torch.Tensor], torch.Tensor],
                  target_logits: Callable[[torch.Tensor], torch.Tensor],
                  predicted: torch.Tensor, target_hidden: torch.Tensor, mask: torch.Tensor,
                  chunk: int = 1024, to_target: Callable | None = None,
-                 target_top: torch.Tensor | None = None) -> DistillStats:
+                 target_top: torch.Tensor | None = None, recompute: bool = True) -> DistillStats:
     """predicted [..., H] (head states), target_hidden [..., D] (what `target_logits` turns into the target's
     logits: its states, already index-shifted, or logits computed ahead with `target_logits` the identity),
     mask [...] (1 = counts).
 
     Top-1 agreement compares the argmax of the two logit sets. A head over a reduced vocabulary passes
     `to_target` (its ids -> target ids) and `target_top` [...] (the target's top-1 over its full vocabulary,
-    computed once per batch), so that a target choice outside the draft vocabulary counts as a miss."""
+    computed once per batch), so that a target choice outside the draft vocabulary counts as a miss.
+    `recompute` False keeps each chunk's logits for backward instead of computing them again (a small draft
+    vocabulary, where they are cheap to hold)."""
     keep = mask.reshape(-1).bool()
     predicted = predicted.reshape(-1, predicted.shape[-1])[keep]
     target_hidden = target_hidden.reshape(-1, target_hidden.shape[-1])[keep]
@@ -74,7 +76,7 @@ def distill_loss(head_logits: Callable[[torch.Tensor], torch.Tensor],
     kl_total, correct = 0.0, 0
     for start in range(0, count, chunk):
         piece = slice(start, start + chunk)
-        if torch.is_grad_enabled() and predicted.requires_grad:
+        if recompute and torch.is_grad_enabled() and predicted.requires_grad:
             ce, kl, tops = checkpoint(_chunk_terms, head_logits, target_logits, predicted[piece], target_hidden[piece],
                                       use_reentrant=False)
         else:

@@ -70,3 +70,27 @@ def test_training_time_test_equals_drafting_with_a_cache(frozen):
                 break
             out = head(out, ids[:, t0 + 1 + step : t0 + 2 + step], cache=cache)
             assert torch.allclose(out, unrolled[step][:, t0 : t0 + 1], atol=1e-10), (t0, step)
+
+
+def test_ttt_attention_over_the_attended_entries_equals_the_masked_attention_with_gradients(frozen):
+    """A batch of two, GQA (4 query heads on 2 key heads), 4 steps: outputs and gradients of `unroll` equal
+    those of one masked forward per step over the cache of the earlier steps."""
+    torch.manual_seed(0)
+    head = Eagle3Head(frozen, DraftVocab.from_counts(Counter(), 50, 400)).double()
+    layer_states = [torch.randn(2, 12, 64, dtype=torch.float64) for _ in range(3)]
+    ids = torch.randint(0, 400, (2, 12))
+    runs = {}
+    for name in ("unroll", "unroll_masked"):
+        head.zero_grad()
+        outputs = getattr(head, name)(head.fuse(layer_states), ids, 4)
+        sum((o * torch.linspace(-1, 1, o.shape[-1], dtype=o.dtype)).sum() * (i + 1)
+            for i, o in enumerate(outputs)).backward()
+        runs[name] = ([o.detach() for o in outputs], {n: p.grad.clone() for n, p in head.named_parameters()
+                                                     if p.grad is not None})
+    (fast, fast_grads), (masked, masked_grads) = runs["unroll"], runs["unroll_masked"]
+    assert [o.shape for o in fast] == [o.shape for o in masked] == [(2, 11 - j, 64) for j in range(4)]
+    for a, b in zip(fast, masked):
+        assert torch.allclose(a, b, atol=1e-10)
+    assert fast_grads.keys() == masked_grads.keys() and len(fast_grads) > 5
+    for name in fast_grads:
+        assert torch.allclose(fast_grads[name], masked_grads[name], atol=1e-9), name

@@ -52,3 +52,21 @@ def test_feature_loss_counts_only_masked_positions():
     mask = torch.tensor([[1, 0, 0, 1]])
     b[0, 1] = 100.0  # unmasked: ignored
     assert torch.isclose(feature_loss(a, b, mask), torch.tensor(0.5))
+
+
+def test_keeping_the_logits_for_backward_gives_the_recomputed_loss_and_gradients():
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 40)
+    predicted = torch.randn(3, 7, 16)
+    table = torch.randn(3, 7, 40)
+    mask = (torch.rand(3, 7) > 0.3).long()
+    results = []
+    for recompute in (True, False):
+        head.zero_grad()
+        x = predicted.clone().requires_grad_(True)
+        stats = distill_loss(head, lambda t: t, x, table, mask, chunk=5, recompute=recompute)
+        stats.loss.backward()
+        results.append((stats, x.grad.clone(), head.weight.grad.clone()))
+    (a, ax, aw), (b, bx, bw) = results
+    assert torch.allclose(a.loss, b.loss) and a.correct == b.correct and a.count == b.count > 0
+    assert torch.allclose(ax, bx, atol=1e-7) and torch.allclose(aw, bw, atol=1e-7)

@@ -32,7 +32,8 @@ def _batch():
 def test_position_p_at_t_is_matched_to_state_t_plus_p_and_mask_of_token_t_plus_1_plus_p(spec, monkeypatch):
     calls = []
 
-    def record(head_logits, target_logits, predicted, target_hidden, mask, chunk, to_target=None, target_top=None):
+    def record(head_logits, target_logits, predicted, target_hidden, mask, chunk, to_target=None, target_top=None,
+               recompute=True):
         calls.append((target_hidden[..., 0].clone(), mask.clone(), predicted.shape[1]))
         return DistillStats(predicted.sum() * 0.0, 0.0, 0, 0)
 
