@@ -17,8 +17,10 @@ TRAINING_SECTIONS = ("target", "data", "regenerate", "precompute", "head")
 # Keys added since the head was trained, or (regenerate.cpu_matmul) whose default changed since: a choice of
 # product that changes float rounding, not the method.
 ADDED_SINCE = {"head": {"mtp_input"}, "target": {"gpus_per_rank", "runtime"}, "regenerate": {"cpu_matmul"}}
+# engine_eval came after the shipped head: validation through the engine, which with select_best chooses the
+# step exported but leaves the training itself alone.
 TRAIN_KEYS_IGNORED = {"features", "output_dir", "head_dtype", "head_snapshots", "log_every", "eval_every",
-                      "checkpoint_every", "target_check"}
+                      "checkpoint_every", "target_check", "engine_eval"}
 
 
 def shipped_config() -> dict:
