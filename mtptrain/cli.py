@@ -115,11 +115,20 @@ def format_train_summary(summary: dict) -> str:
     if summary.get("stopped"):
         return (f"stopped on request at step {summary['steps']} (a STOP file in train.output_dir): checkpoint "
                 f"{summary['checkpoint']}; run the same command again to resume")
-    accuracy = "  ".join(f"{k.removeprefix('val/')} {v:.3f}" for k, v in summary.items() if k.startswith("val/acc"))
-    return (f"trained {summary['steps']} steps at {summary['tokens_per_second']:,.0f} tokens/s per process "
-            f"(data wait {summary['data_wait_fraction']:.1%})\n"
-            f"validation top-1 agreement per draft position: {accuracy or 'no validation split'}\n"
-            f"head: {summary['head']}   last checkpoint: {summary['checkpoint']}")
+    accuracy = "  ".join(f"{k.removeprefix('val/')} {v:.3f}" for k, v in summary.items() if k.startswith("val/acc_"))
+    lines = [f"trained {summary['steps']} steps at {summary['tokens_per_second']:,.0f} tokens/s per process "
+             f"(data wait {summary['data_wait_fraction']:.1%})",
+             f"validation top-1 agreement per draft position: {accuracy or 'no validation split'}"]
+    for kind in ("chain", "tree"):
+        if f"val/tau_{kind}" in summary:
+            accepted = " ".join(f"{v:.3f}" for k, v in summary.items() if k.startswith(f"val/accept_{kind}_"))
+            lines.append(f"drafting in the engine, last validation: {kind} tau {summary[f'val/tau_{kind}']:.3f}, "
+                         f"acceptance per position {accepted}")
+    if "selected" in summary:
+        lines.append(f"exported the head of step {summary['selected']['step']} (best validated chain tau "
+                     f"{summary['selected']['tau_chain']:.3f})")
+    lines.append(f"head: {summary['head']}   last checkpoint: {summary['checkpoint']}")
+    return "\n".join(lines)
 
 
 @app.command("eval")

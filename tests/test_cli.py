@@ -123,3 +123,16 @@ def test_only_the_projects_own_errors_are_printed_without_a_traceback(monkeypatc
     monkeypatch.setattr(export_run, "run_export", failing(ValueError("a bug")))
     result = runner.invoke(app, ["export"])
     assert isinstance(result.exception, ValueError) and "error: a bug" not in result.output
+
+
+def test_the_train_summary_names_the_engine_validation_and_the_exported_step():
+    from mtptrain.cli import format_train_summary
+
+    summary = {"steps": 12, "tokens_per_second": 2456.0, "data_wait_fraction": 0.01, "head": "run/head",
+               "checkpoint": "run/checkpoints/step-0000012", "val/acc_1": 0.26, "val/acc_2": 0.21,
+               "val/tau_chain": 1.5, "val/accept_chain_1": 0.4, "val/accept_chain_2": 0.1,
+               "selected": {"step": 8, "tau_chain": 1.6}}
+    text = format_train_summary(summary)
+    assert "agreement per draft position: acc_1 0.260  acc_2 0.210\n" in text
+    assert "chain tau 1.500, acceptance per position 0.400 0.100" in text and "tree tau" not in text
+    assert "exported the head of step 8 (best validated chain tau 1.600)" in text
