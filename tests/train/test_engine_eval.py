@@ -57,3 +57,27 @@ def test_a_prompt_is_the_samples_tokens_before_its_first_answer_token(tiny_store
         sample = store[i]
         first = int(sample["loss_mask"].nonzero()[0, 0])
         assert first > 0 and store.prompt_ids(i) == sample["input_ids"][:first].tolist()
+
+
+def test_the_best_head_survives_a_restart_and_only_a_better_tau_replaces_it(tmp_path):
+    from mtptrain.train.drafting import BestHead
+
+    saved = []
+
+    def save(directory, extra):
+        directory.mkdir(parents=True)
+        (directory / "config.json").write_text(json.dumps(extra))
+        saved.append(extra["validation"]["step"])
+
+    best = BestHead(tmp_path)
+    assert best.step is None
+    assert best.offer(4, {"val/tau_chain": 1.2, "val/accept_chain_1": 0.2}, save)
+    assert not best.offer(8, {"val/tau_chain": 1.2}, save)  # a tie keeps the earlier step
+    assert not best.offer(8, {"val/acc_1": 0.5}, save)  # no engine validation: nothing to compare
+    again = BestHead(tmp_path)  # a resumed run knows the best so far
+    assert (again.step, again.tau) == (4, 1.2)
+    assert not again.offer(12, {"val/tau_chain": 1.1}, save)
+    assert again.offer(16, {"val/tau_chain": 1.3}, save)
+    chosen = json.loads((tmp_path / "best-head" / "config.json").read_text())["validation"]
+    assert chosen["step"] == 16 and chosen["tau_chain"] == 1.3 and saved == [4, 16]
+    assert not (tmp_path / "best-head.tmp").exists()
