@@ -36,6 +36,7 @@ from mtptrain.heads.common import FrozenTarget, as_head_input, attention_mask, h
 from mtptrain.heads.family import EagleStyleFamily, HeadSettingsError
 from mtptrain.heads.fast import HeadStepper
 from mtptrain.heads.objective import distill_positions, given
+from mtptrain.runtime.model import rotate_half
 
 if TYPE_CHECKING:
     from mtptrain.heads.spec import HeadSpec
@@ -107,21 +108,23 @@ class Eagle3Head(nn.Module):
         if position_ids is None:
             past = cache.get_seq_length() if cache is not None else 0
             position_ids = torch.arange(past, past + next_ids.shape[1], device=next_ids.device)[None]
-        embeds = self.frozen.embed_as(next_ids, self)
         if mask is None and cache is not None:
             mask = attention_mask(feature.shape[1], cache.get_seq_length(), feature.dtype, feature.device)
-        x = torch.cat([self.layer.input_layernorm(embeds), self.hidden_norm(feature)], dim=-1)
+        x = self.attention_input(feature, next_ids)
         attended, _ = self.layer.self_attn(x, position_embeddings=self.rotary(feature, position_ids),
                                            attention_mask=mask, past_key_values=cache, position_ids=position_ids)
         out = feature + attended
         return out + self.layer.mlp(self.layer.post_attention_layernorm(out))
 
+    def attention_input(self, feature: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
+        """[normed embedding of x_{t+1} ; normed feature t] [B, T, 2H]: what the layer's attention reads."""
+        embeds = self.frozen.embed_as(next_ids, self)
+        return torch.cat([self.layer.input_layernorm(embeds), self.hidden_norm(feature)], dim=-1)
+
     def stepper(self) -> HeadStepper:
         """This head's drafting steps on the runtime's kernels (heads/fast.py)."""
-        def inputs(feature: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            embeds = self.frozen.embed_as(ids, self)
-            return torch.cat([self.layer.input_layernorm(embeds), self.hidden_norm(feature)], dim=-1), feature
-        return HeadStepper(self.layer, self.rotary, head_layer_config(self.frozen.config), inputs)
+        return HeadStepper(self.layer, self.rotary, head_layer_config(self.frozen.config),
+                           lambda feature, ids: (self.attention_input(feature, ids), feature))
 
     def unroll(self, fused: torch.Tensor, input_ids: torch.Tensor, steps: int) -> list[torch.Tensor]:
         """Training-time test over whole sequences: fused [B, T, H] (step-0 features), input_ids [B, T].
@@ -147,17 +150,14 @@ class Eagle3Head(nn.Module):
         outputs: list[torch.Tensor] = []
         feature = fused[:, :length]
         for step in range(min(steps, length)):
-            tokens = input_ids[:, 1 + step:]
-            tokens = torch.cat([tokens, tokens.new_zeros(tokens.shape[0], step)], dim=1)
-            positions = torch.arange(step, step + length, device=input_ids.device)[None]
-            embeds = self.frozen.embed_as(tokens, self)
-            x = torch.cat([self.layer.input_layernorm(embeds), self.hidden_norm(feature)], dim=-1)
+            tokens, positions = _step_inputs(input_ids, step)
+            x = self.attention_input(feature, tokens)
             q = attn.q_proj(x).view(batch, length, heads, dim).transpose(1, 2)
             k = attn.k_proj(x).view(batch, length, kv_heads, dim).transpose(1, 2)
             v = attn.v_proj(x).view(batch, length, kv_heads, dim).transpose(1, 2)
             cos, sin = self.rotary(feature, positions)
             cos, sin = cos[:, None], sin[:, None]  # [1, 1, T, D]: over heads
-            q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+            q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
             keys.append(k)
             values.append(v)
             attended = ttt_attention(q, keys, values, causal, attn.scaling)
@@ -179,10 +179,7 @@ class Eagle3Head(nn.Module):
         outputs: list[torch.Tensor] = []
         feature = fused[:, :length]
         for step in range(min(steps, length)):
-            # Keep every block the same length so block i's column t is position t of step i.
-            tokens = input_ids[:, 1 + step:]
-            tokens = torch.cat([tokens, tokens.new_zeros(tokens.shape[0], step)], dim=1)
-            positions = torch.arange(step, step + length, device=input_ids.device)[None]
+            tokens, positions = _step_inputs(input_ids, step)
             mask = ttt_mask(length, step, feature.dtype, feature.device)
             out = self.forward(feature, tokens, positions, cache, mask)
             outputs.append(out[:, : length - step])
@@ -224,9 +221,13 @@ class Eagle3Head(nn.Module):
 RECOMPUTE_ABOVE = 32768
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def _step_inputs(input_ids: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """TTT step `step`'s tokens x_{t+1+step} for t = 0 .. T-2 (zero-padded, so that every step's block has the
+    same length and block i's column t is position t of step i) and their positions [1, T-1]."""
+    length = input_ids.shape[1] - 1
+    tokens = input_ids[:, 1 + step:]
+    tokens = torch.cat([tokens, tokens.new_zeros(tokens.shape[0], step)], dim=1)
+    return tokens, torch.arange(step, step + length, device=input_ids.device)[None]
 
 
 def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], causal: torch.Tensor,

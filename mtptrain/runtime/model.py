@@ -99,7 +99,7 @@ class LayerKernels:
         v = qkv[..., q_size + kv_size :].view(batch, count, self.kv_heads, self.head_dim).transpose(1, 2)
         if layer.qk_norm is not None:
             qk = F.rms_norm(qk, (self.head_dim,), None, self.eps) * layer.qk_norm
-        qk = qk * cos + _rotate_half(qk) * sin
+        qk = qk * cos + rotate_half(qk) * sin
         q, k = qk[:, :, : self.heads].transpose(1, 2), qk[:, :, self.heads :].transpose(1, 2)
         keys, values = (k, v) if cache is None else cache.write(index, k, v, start)
         if start == 0:  # nothing cached before: attend the new keys as computed, whatever the cache's dtype
@@ -123,9 +123,7 @@ class FastDecoder:
         self.model = model
         self.config = config
         self.kernels = LayerKernels(config, product, attention_one, attention_many, attention_batch)
-        self.product = product
         self.choice = choice  # the measured runtime.choice.Choice the product came from, for reports
-        self.heads, self.kv_heads, self.head_dim = self.kernels.heads, self.kernels.kv_heads, self.kernels.head_dim
         self.eps = config.rms_norm_eps
         self.window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
         self.embed = decoder.embed_tokens.weight
@@ -165,6 +163,14 @@ class FastDecoder:
         return self.embed.device
 
     @property
+    def kv_heads(self) -> int:
+        return self.kernels.kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.kernels.head_dim
+
+    @property
     def num_layers(self) -> int:
         return len(self.layers)
 
@@ -199,10 +205,11 @@ class FastDecoder:
         if last_only:
             x = x[:, -1:]
         x = F.rms_norm(x, (x.shape[-1],), self.norm, self.eps)
-        return self.product(x, self.lm_head, None), captured
+        return self.kernels.product(x, self.lm_head, None), captured
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """The rotary embedding's partner of x: its halves swapped, the first negated (x * cos + this * sin)."""
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 

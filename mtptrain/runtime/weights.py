@@ -18,6 +18,7 @@ model) share it too.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -92,22 +93,10 @@ def _build(layer: nn.Module, packed: bool) -> Layer:
 
 
 def layer_copy(layer: nn.Module, packed: bool) -> Layer:
-    """The layer's runtime weights as a copy, leaving its modules untouched (trainable, callable): for a draft
-    head's single layer, small enough that holding it twice costs nothing that matters."""
-    attn, mlp = layer.self_attn, layer.mlp
+    """The layer's runtime weights built from a copy of it, leaving its own modules untouched (trainable,
+    callable): for a draft head's single layer, small enough that holding it twice costs nothing that matters."""
     with torch.inference_mode(False), torch.no_grad():
-        qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
-        biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
-        bias = None if any(b is None for b in biases) else torch.cat(biases)
-        gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
-        weights = [qkv, attn.o_proj.weight.detach().clone(), gate_up, mlp.down_proj.weight.detach().clone()]
-        if packed:
-            weights = [pack(w) for w in weights]
-        norm_in = getattr(layer.input_layernorm, "weight", None)
-        return Layer(norm_in=None if norm_in is None else norm_in.detach().clone(), qkv=weights[0], qkv_bias=bias,
-                     qk_norm=_qk_norm(attn), out=weights[1], norm_post=layer.post_attention_layernorm.weight.detach()
-                     .clone(), gate_up=weights[2], down=weights[3], packed=packed,
-                     dtype=layer.post_attention_layernorm.weight.dtype)
+        return _build(copy.deepcopy(layer), packed)
 
 
 def _qk_norm(attn: nn.Module) -> torch.Tensor | None:
