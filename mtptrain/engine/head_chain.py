@@ -14,15 +14,15 @@ own guesses, so every draft round starts from exact features.
 
 What the proposer asks of the head (mtptrain/heads/eagle.py, eagle3.py):
 `draft_input(hidden, spec)`, the feature it drafts from out of the target's
-captured states; `head(feature, ids, cache=...)`, one step; `logits(feature)`;
-and, for a reduced draft vocabulary, `draft_to_target`. The head's family
-(mtptrain/heads/family.py) picks this proposer for it.
+captured states; `stepper()`, its steps over a KV cache on the runtime's
+kernels (mtptrain/heads/fast.py); `logits(feature)`; and, for a reduced draft
+vocabulary, `draft_to_target`. The head's family (mtptrain/heads/family.py)
+picks this proposer for it.
 """
 
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache
 
 from mtptrain.engine.proposer import ProposerBase
 from mtptrain.engine.verify import Sampling, distribution, greedy_choice
@@ -32,52 +32,22 @@ class HeadChainProposer(ProposerBase):
     name = "head-chain"
     reads_states = True  # it carries the target's states over, as EAGLE and MTP heads do
 
-    def __init__(self, head, spec, sampling: Sampling = Sampling(), seed: int = 0, fast: bool = True):
+    def __init__(self, head, spec, sampling: Sampling = Sampling(), seed: int = 0):
         self.head, self.spec, self.sampling = head.eval(), spec, sampling
-        self.fast = fast  # draft on the runtime's kernels where the head has them (False: its own forward)
+        self.stepper = head.stepper()  # a copy of the head's layer weights: the head as it is now
         self.generator = torch.Generator().manual_seed(seed)
 
     def reset(self, prompt: list[int]) -> None:
-        if self.stepper is None:
-            self.cache = DynamicCache()
-        else:
-            self.stepper.rollback(0)
+        self.stepper.rollback(0)
         self.last_feature = self.last_logits = None
-
-    @property
-    def stepper(self):
-        """The head's steps on the runtime's kernels where the head has them (heads/fast.py), built once."""
-        if not hasattr(self, "_stepper"):
-            make = getattr(self.head, "stepper", None) if self.fast else None
-            self._stepper = make() if make is not None else None
-        return self._stepper
-
-    def _step(self, feature: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor | None = None,
-              seen: torch.Tensor | None = None) -> torch.Tensor:
-        """The head over new positions after its cached ones (next in line, or at `positions` under the boolean
-        mask `seen` [1, 1, T, cached + T])."""
-        if self.stepper is not None:
-            return self.stepper.step(feature, ids, positions, seen)
-        mask = None
-        if seen is not None:  # the head's own forward takes an additive mask
-            mask = torch.zeros(seen.shape, dtype=feature.dtype, device=feature.device)
-            mask.masked_fill_(~seen, torch.finfo(feature.dtype).min)
-        return self.head(feature, ids, position_ids=positions, cache=self.cache, mask=mask)
-
-    def _cached(self) -> int:
-        """Positions in the head's cache."""
-        return self.stepper.length if self.stepper is not None else self.cache.get_seq_length()
 
     @torch.inference_mode()
     def observe(self, true_length: int, hidden: dict[int, torch.Tensor], next_tokens: list[int]) -> None:
         """The target ran over positions true_length .. true_length+n-1 with states `hidden` ([n, H]);
         next_tokens are the n tokens that follow them (the committed tokens, the new pending last)."""
-        if self.stepper is not None:
-            self.stepper.rollback(true_length)
-        elif self.cache.get_seq_length() > true_length:
-            self.cache.crop(true_length - self.cache.get_seq_length())
+        self.stepper.rollback(true_length)
         ids = torch.tensor([next_tokens], device=next(self.head.parameters()).device)
-        out = self._step(self.head.draft_input(hidden, self.spec), ids)
+        out = self.stepper.step(self.head.draft_input(hidden, self.spec), ids)
         self.last_feature = out[:, -1:]
         self.last_logits = self.head.logits(self.last_feature)[0, -1]
 
@@ -92,7 +62,7 @@ class HeadChainProposer(ProposerBase):
             if step + 1 == k:
                 break
             ids = torch.tensor([[token]], device=feature.device)
-            feature = self._step(feature, ids)
+            feature = self.stepper.step(feature, ids)
             logits = self.head.logits(feature)[0, -1]
         return draft, None if self.sampling.greedy else torch.stack(probs)
 

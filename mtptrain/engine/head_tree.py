@@ -48,7 +48,7 @@ class HeadTreeProposer(HeadChainProposer):
     @torch.inference_mode()
     def propose(self, tokens: list[int], k: int) -> DraftTree:
         depth = min(self.depth, k)
-        past = self._cached()  # head positions 0 .. past-1 hold true states
+        past = self.stepper.length  # head positions 0 .. past-1 hold true states
         device = self.last_feature.device
         node_tokens, parents, scores, node_depth = [], [], [], []
         inputs: dict[int, torch.Tensor] = {}  # node -> the feature it is run with (its parent's output)
@@ -64,7 +64,7 @@ class HeadTreeProposer(HeadChainProposer):
             positions = torch.full((1, len(frontier)), past - 1 + level, device=device)
             for n in frontier:
                 slot[n] = len(slot)
-            out = self._step(features, ids, positions, seen)
+            out = self.stepper.step(features, ids, positions, seen)
             logits = self.head.logits(out)[0]
             children = []
             for row, n in enumerate(frontier):

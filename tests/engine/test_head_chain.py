@@ -85,16 +85,12 @@ def test_the_head_cache_after_verification_holds_the_true_prefix(kind, drafting)
         assert ours[0].shape == theirs[0].shape
         assert torch.allclose(ours[0], theirs[0], atol=1e-5)
         assert torch.allclose(ours[1], theirs[1], atol=1e-5)
-    assert proposer.stepper is not None  # chains and trees step on the runtime's kernels
 
 
 def _head_kv(proposer, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The keys and values of the first `length` positions in a head proposer's cache, per layer."""
-    stepper = getattr(proposer, "stepper", None)
-    if stepper is not None:
-        cache = stepper.cache
-        return [(k[:, :, :length], v[:, :, :length]) for k, v in zip(cache.keys, cache.values)]
-    return [(layer.keys[:, :, :length], layer.values[:, :, :length]) for layer in proposer.cache.layers]
+    cache = proposer.stepper.cache
+    return [(k[:, :, :length], v[:, :, :length]) for k, v in zip(cache.keys, cache.values)]
 
 
 @pytest.mark.parametrize("kind", ["eagle", "mtp"])
@@ -180,7 +176,7 @@ def test_head_tree_keeps_the_best_scored_nodes_with_their_ancestors():
     assert max(tree.depths()) <= 3
     first = proposer.last_logits.topk(3).indices.tolist()
     assert [t for t, p in zip(tree.tokens, tree.parents) if p < 0] == first  # best first
-    assert proposer._cached() == len(prompt) + 2 * 3  # true prefix, then two expanded levels
+    assert proposer.stepper.length == len(prompt) + 2 * 3  # true prefix, then two expanded levels
 
 
 MTP_SPECS = [HeadSpec("mtp", last_layer=3, mtp_depths=3), HeadSpec("mtp", last_layer=3, mtp_depths=2, mtp_share=True),
