@@ -21,39 +21,35 @@ from mtptrain.data.samples import Sample
 from mtptrain.config import Recipe
 from mtptrain.features.plan import ShardPlan, make_batches
 from mtptrain.features.store import ShardRecord, read_complete_record, write_shard
+from mtptrain.heads.common import FrozenTarget
 from mtptrain.runtime.batch import capture_states
 from mtptrain.target import Target
 
 log = logging.getLogger(__name__)
 
 
-TOP = "top"  # forward_batch's key for the target's greedy next token at every position
 TOP_CHUNK = 2048  # positions per LM-head product when taking the target's choices
 
 
-def forward_batch(target: Target, layers: list[int], batch: list[Sample], runtime: str = "auto") -> dict:
-    """Captured hidden states [B, T, H] of a right-padded batch, from the target's runtime, and under TOP the
-    target's greedy next token [B, T] at every position, from its final norm and LM head over the last layer's
-    states (`target_choices`)."""
+def forward_batch(target: Target, layers: list[int], batch: list[Sample],
+                  runtime: str = "auto") -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+    """Captured hidden states [B, T, H] of a right-padded batch, from the target's runtime, and the target's
+    greedy next token [B, T] at every position, from the last layer's states (always captured)."""
     longest = max(len(s) for s in batch)
     ids = torch.zeros(len(batch), longest, dtype=torch.long)
     for row, sample in enumerate(batch):
         ids[row, : len(sample)] = torch.from_numpy(sample.input_ids)
-    outputs = capture_states(target.model, ids, layers, runtime)
-    last = target.num_layers - 1
-    if last in outputs:
-        outputs[TOP] = target_choices(target.model, outputs[last])
-    return outputs
+    states = capture_states(target.model, ids, layers, runtime)
+    return states, target_choices(FrozenTarget.of(target.model), states[target.num_layers - 1])
 
 
 @torch.inference_mode()
-def target_choices(model, states: torch.Tensor) -> torch.Tensor:
+def target_choices(frozen: FrozenTarget, states: torch.Tensor) -> torch.Tensor:
     """The target's greedy next token (int32) after each of `states` [..., H] (pre-norm, last layer): stored so
     that training never multiplies by the full LM head just to score its agreement (heads/eagle3.py), in
     chunks of TOP_CHUNK positions (a [chunk, vocab] product at a time)."""
-    norm, head = model.get_decoder().norm, model.get_output_embeddings()
     flat = states.reshape(-1, states.shape[-1])
-    tops = [head(norm(flat[i:i + TOP_CHUNK].to(head.weight.dtype))).max(-1).indices.to(torch.int32)
+    tops = [frozen.target_logits(flat[i:i + TOP_CHUNK]).max(-1).indices.to(torch.int32)
             for i in range(0, flat.shape[0], TOP_CHUNK)]
     return torch.cat(tops).reshape(states.shape[:-1])
 
@@ -62,20 +58,20 @@ def target_choices(model, states: torch.Tensor) -> torch.Tensor:
 class _ShardBuffer:
     plan: ShardPlan
     hidden: dict[int, torch.Tensor]
+    top: torch.Tensor  # the target's greedy next token per row
     pending: int  # batches still to arrive
 
     @classmethod
     def allocate(cls, plan: ShardPlan, layers: list[int], hidden_size: int, dtype: torch.dtype, n_batches: int):
-        return cls(plan, {layer: torch.empty(plan.tokens, hidden_size, dtype=dtype) for layer in layers}, n_batches)
+        return cls(plan, {layer: torch.empty(plan.tokens, hidden_size, dtype=dtype) for layer in layers},
+                   torch.empty(plan.tokens, dtype=torch.int32), n_batches)
 
-    def add(self, first_row: int, batch: list[Sample], outputs: dict) -> None:
+    def add(self, first_row: int, batch: list[Sample], outputs: dict[int, torch.Tensor], top: torch.Tensor) -> None:
         """Copy a batch's rows into place; batches cover the shard's samples in order, so rows are contiguous."""
-        for layer, states in outputs.items():
-            if layer == TOP and layer not in self.hidden:
-                self.hidden[TOP] = torch.empty(self.plan.tokens, dtype=torch.int32)
+        for target, source in [*((self.hidden[layer], states) for layer, states in outputs.items()), (self.top, top)]:
             row = first_row
             for b, sample in enumerate(batch):
-                self.hidden[layer][row : row + len(sample)].copy_(states[b, : len(sample)])
+                target[row : row + len(sample)].copy_(source[b, : len(sample)])
                 row += len(sample)
         self.pending -= 1
 
@@ -108,8 +104,8 @@ class ShardWriter:
     def _run(self) -> None:
         try:
             while (item := self._queue.get()) is not None:
-                buffer, first_row, batch, outputs = item
-                buffer.add(first_row, batch, outputs)
+                buffer, first_row, batch, outputs, top = item
+                buffer.add(first_row, batch, outputs, top)
                 if buffer.pending == 0:
                     self.records.append(self._write(buffer))
         except BaseException as exc:  # reported to the main thread on its next put / close
@@ -120,11 +116,10 @@ class ShardWriter:
     def _write(self, buffer: _ShardBuffer) -> ShardRecord:
         samples = buffer.plan.samples
         offsets = np.cumsum([0] + [len(s) for s in samples]).astype(np.int64)
-        hidden = {k: v for k, v in buffer.hidden.items() if k != TOP}
         return write_shard(self.out_dir / buffer.plan.name, buffer.plan.split, [s.key for s in samples],
                            np.concatenate([s.input_ids for s in samples]),
-                           np.concatenate([s.loss_mask for s in samples]), offsets, hidden,
-                           self.plan_id, self.rank, target_top=buffer.hidden.get(TOP))
+                           np.concatenate([s.loss_mask for s in samples]), offsets, buffer.hidden,
+                           self.plan_id, self.rank, target_top=buffer.top)
 
 
 def _to_host(states: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -163,9 +158,8 @@ def compute_shards(target: Target, shards: list[ShardPlan], layers: list[int], r
             buffer = _ShardBuffer.allocate(shard, layers, target.hidden_size, dtype, len(batches))
             first_row = 0
             for batch in batches:
-                outputs = forward_batch(target, layers, batch, recipe.target.runtime)
-                writer.put((buffer, first_row, batch, {k: v.cpu() if k == TOP else _to_host(v, dtype)
-                                                       for k, v in outputs.items()}))
+                outputs, top = forward_batch(target, layers, batch, recipe.target.runtime)
+                writer.put((buffer, first_row, batch, {k: _to_host(v, dtype) for k, v in outputs.items()}, top.cpu()))
                 tokens = sum(len(s) for s in batch)
                 first_row += tokens
                 result.tokens += tokens
