@@ -35,15 +35,15 @@ def drafting_metrics(model, head, spec, prompts: list[list[int]], cfg: EngineEva
     """tau and per-position acceptance of the head's chain (and small tree) over `prompts`, greedy."""
     was_training = head.training
     runner = open_runner(model, capture=spec.layers)
-    drafters = {"chain": (lambda: spec.family.chain(head, spec), cfg.k)}
+    drafters = {"chain": lambda: spec.family.chain(head, spec)}
     if cfg.tree_budget and spec.family.no_tree is None:
-        drafters["tree"] = (lambda: spec.family.tree(head, spec, TREE_BRANCH, cfg.k, cfg.tree_budget), cfg.k)
+        drafters["tree"] = lambda: spec.family.tree(head, spec, TREE_BRANCH, cfg.k, cfg.tree_budget)
     metrics = {}
     try:
-        for name, (make, k) in drafters.items():
+        for name, make in drafters.items():
             stats = GenerationStats()
             for prompt in prompts:
-                stats.merge(generate(runner, prompt, cfg.max_new_tokens, make(), k=k, eos=stops).stats)
+                stats.merge(generate(runner, prompt, cfg.max_new_tokens, make(), k=cfg.k, eos=stops).stats)
             metrics[f"val/tau_{name}"] = stats.tau
             metrics.update({f"val/accept_{name}_{i + 1}": a for i, a in enumerate(stats.acceptance())})
     finally:

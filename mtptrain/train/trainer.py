@@ -387,13 +387,15 @@ class Trainer:
         self.best.offer(step, measured, lambda directory, extra: self._save(directory, head, step, extra))
         return measured
 
-    def _save(self, directory: Path, head, step: int, extra: dict | None = None) -> None:
+    def _save(self, directory: Path, head, step: int, extra: dict | None = None, exported: bool = True) -> None:
+        """The head as it is at `step`, with the training tokens seen so far (exact, from the batch plan); in
+        train.head_dtype when `exported` (a snapshot keeps the weights' own dtype)."""
         save_head(directory, head, self.spec, self.target_identity,
                   {"target_checked": self.target_checked,
                    "features": {"store": str(self.cfg.features), "layers": self.train_store.layers},
                    "train": {"steps": step, "tokens": self.plan.tokens_through(step),
                              "recipe": self.recipe.model_dump(mode="json")}, **(extra or {})},
-                  dtype=getattr(torch, self.cfg.head_dtype))
+                  dtype=getattr(torch, self.cfg.head_dtype) if exported else None)
 
     def _check_health(self, engine, step: int, unhealthy: torch.Tensor, grad_norm, last_checkpoint) -> None:
         """Stop on a non-finite loss on any rank, or a non-finite norm of an applied step.
@@ -422,12 +424,7 @@ class Trainer:
         return str(self.ckpt_dir / tag)
 
     def _snapshot(self, head, step: int) -> None:
-        """The head as it is at `step`, with the training tokens seen so far (exact, from the batch plan)."""
-        tokens = self.plan.tokens_through(step)
-        save_head(self.run_dir / "snapshots" / f"step-{step:07d}", head, self.spec, self.target_identity,
-                  {"target_checked": self.target_checked,
-                   "features": {"store": str(self.cfg.features), "layers": self.train_store.layers},
-                   "train": {"steps": step, "tokens": tokens, "recipe": self.recipe.model_dump(mode="json")}})
+        self._save(self.run_dir / "snapshots" / f"step-{step:07d}", head, step, exported=False)
 
     def _finish(self, head, step: int, totals: dict, last_checkpoint: str | None) -> dict:
         summary = {"steps": step, "rank": self.dist.rank, "world_size": self.dist.world_size,
