@@ -95,7 +95,10 @@ def precompute(recipe: RecipeOpt = None, overrides: SetOpt = None,
 def train(recipe: RecipeOpt = None, overrides: SetOpt = None,
           no_wandb: Annotated[bool, typer.Option("--no-wandb", help="Log to metrics.jsonl only, not to W&B.")] = False,
           progress: Annotated[bool, typer.Option(help="Show the progress bar.")] = True) -> None:
-    """Train a draft head (head.kind: eagle, eagle3, mtp) on a precomputed feature store.
+    """Train a draft head (head.kind: eagle, eagle3, mtp) on a precomputed feature store, or online.
+
+    With train.online=true the target runs inside the trainer and computes each micro-batch's hidden states
+    (no store on disk; the same batches and loss as offline, the target's forward repeated every epoch).
 
     DeepSpeed does the optimisation (ZeRO stage, precision, accumulation and clipping from the recipe).
     Checkpoints go to train.output_dir/checkpoints; rerunning the same command resumes from the latest
@@ -163,7 +166,8 @@ def evaluate(recipe: RecipeOpt = None, overrides: SetOpt = None,
 def pipeline(recipe: RecipeOpt = None, overrides: SetOpt = None,
              no_wandb: Annotated[bool, typer.Option("--no-wandb", help="Do not log to W&B.")] = False,
              progress: Annotated[bool, typer.Option(help="Show progress bars.")] = True) -> None:
-    """Run the recipe end to end: regenerate (when data.regenerated is set), precompute, train, eval.
+    """Run the recipe end to end: regenerate (when data.regenerated is set), precompute (unless train.online), train,
+    eval.
 
     Each stage is the command of the same name with the same recipe and overrides, so a rerun after an
     interruption resumes where it stopped: finished regeneration batches, feature shards and training steps
@@ -176,8 +180,9 @@ def pipeline(recipe: RecipeOpt = None, overrides: SetOpt = None,
     if cfg.data.regenerated:
         typer.echo("== regenerate")
         regenerate(recipe, overrides, progress)
-    typer.echo("== precompute")
-    precompute(recipe, overrides, no_wandb, progress)
+    if not cfg.train.online:  # online training computes the features itself
+        typer.echo("== precompute")
+        precompute(recipe, overrides, no_wandb, progress)
     typer.echo("== train")
     train(recipe, overrides, no_wandb, progress)
     typer.echo("== eval")

@@ -194,6 +194,11 @@ class EngineEvalConfig(_Section):
 
 class TrainConfig(_Section):
     features: str = Field("runs/quickstart/features", description="Feature store written by precompute.")
+    online: bool = Field(
+        False, description="Compute the features while training instead of reading a store: the whole target "
+        "is loaded in the trainer and runs over each micro-batch (its layers from precompute.layers, narrowed to "
+        "precompute.dtype, the data from the data section), and nothing is written to disk. The same batches and "
+        "loss as offline; every epoch runs the target again.")
     output_dir: str = Field("runs/quickstart/train", description="Run directory: checkpoints, logs, exported head.")
     seed: int = Field(0, description="Seed of the head's initialisation and of the data order.")
     epochs: float = Field(1.0, gt=0, description="Passes over the training split (fractions allowed).")

@@ -262,6 +262,10 @@ class FeatureStore:
         first = int(trained[0, 0]) if len(trained) else end - start
         return handle.get_slice("input_ids")[start:start + first].tolist()
 
+    def items(self, indices: list[int]) -> list[dict[str, Any]]:
+        """Samples `indices`, as a micro-batch reads them (features/online.py computes them instead)."""
+        return [self[i] for i in indices]
+
     def __getitem__(self, i: int) -> dict[str, Any]:
         shard_no, start, end = self._index[i]
         handle = self._handle(shard_no)

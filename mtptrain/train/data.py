@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from mtptrain.features.online import OnlineFeatures
 from mtptrain.features.store import FeatureStore
 
 
@@ -81,14 +82,14 @@ def steps_for(num_samples: int, micro_batch_size: int, world_size: int, grad_acc
 class BatchDataset(Dataset):
     """Micro-batch k of a list, padded: input_ids / loss_mask [B, T], hidden {layer: [B, T, H]}."""
 
-    def __init__(self, store: FeatureStore, batches: list[list[int]]):
+    def __init__(self, store: FeatureStore | OnlineFeatures, batches: list[list[int]]):
         self.store, self.batches = store, batches
 
     def __len__(self) -> int:
         return len(self.batches)
 
     def __getitem__(self, k: int) -> dict:
-        return collate([self.store[i] for i in self.batches[k]])
+        return collate(self.store.items(self.batches[k]))
 
 
 def collate(items: list[dict]) -> dict:
@@ -115,6 +116,9 @@ def collate(items: list[dict]) -> dict:
     return batch
 
 
-def loader(store: FeatureStore, batches: list[list[int]], num_workers: int) -> DataLoader:
+def loader(store: FeatureStore | OnlineFeatures, batches: list[list[int]], num_workers: int) -> DataLoader:
+    """Micro-batches in order; online features are computed in this process, by the target loaded here."""
+    if isinstance(store, OnlineFeatures):
+        num_workers = 0
     return DataLoader(BatchDataset(store, batches), batch_size=None, shuffle=False, num_workers=num_workers,
                       prefetch_factor=4 if num_workers else None, persistent_workers=False)

@@ -43,6 +43,7 @@ from mtptrain.dist import DistInfo, destroy_process_group, pick_device, slurm_re
 from mtptrain.errors import MtptrainError
 from mtptrain.export.run import export_head
 from mtptrain.export.sidecar import ExportError
+from mtptrain.features.online import ONLINE, OnlineFeatures, prepare_online
 from mtptrain.features.store import FeatureStore, load_manifest
 from mtptrain.heads import FrozenTarget
 from mtptrain.heads.checkpoint import save_head
@@ -203,16 +204,19 @@ class Trainer:
         self.show_progress, self.wandb_mode = show_progress, wandb_mode
         self.run_dir = Path(self.cfg.output_dir)
         self.ckpt_dir = self.run_dir / "checkpoints"
-        manifest = load_manifest(Path(self.cfg.features))
-        self.spec = HeadSpec.of(recipe.head, manifest)
-        self.target = _load_frozen_parts(recipe, manifest, dist)
-        layers = self.spec.layers
-        identity = _identity_to_check(recipe, self.target)
-        # Refused here, before any training: a store of another target, or without the layers the head reads.
-        self.train_store = FeatureStore(self.cfg.features, "train", target=identity, layers=layers)
-        self.target_checked = _log_checked(identity, manifest, Path(self.cfg.features), self.cfg.target_check)
-        self.val_store = FeatureStore(self.cfg.features, "validation", target=self.target, layers=layers,
-                                      verify="size")
+        if self.cfg.online:  # the target computes the features as batches are read (features/online.py)
+            manifest = self._online(recipe, dist)
+        else:
+            manifest = load_manifest(Path(self.cfg.features))
+            self.spec = HeadSpec.of(recipe.head, manifest)
+            self.target = _load_frozen_parts(recipe, manifest, dist)
+            layers = self.spec.layers
+            identity = _identity_to_check(recipe, self.target)
+            # Refused here, before any training: a store of another target, or without the layers the head reads.
+            self.train_store = FeatureStore(self.cfg.features, "train", target=identity, layers=layers)
+            self.target_checked = _log_checked(identity, manifest, Path(self.cfg.features), self.cfg.target_check)
+            self.val_store = FeatureStore(self.cfg.features, "validation", target=self.target, layers=layers,
+                                          verify="size")
         self.weights = step_weights(recipe.head.step_weights, self.spec.draft_positions)
         self.steps = steps_for(len(self.train_store), self.cfg.micro_batch_size, dist.world_size,
                                self.cfg.grad_accum, self.cfg.epochs, self.cfg.max_steps)
@@ -233,6 +237,19 @@ class Trainer:
         self.best = BestHead(self.run_dir)
 
     # ------------------------------------------------------------------ set-up
+
+    def _online(self, recipe: Recipe, dist: DistInfo) -> dict:
+        """The whole target, and both splits as features it computes; returns the manifest they stand for."""
+        self.target = load_target(recipe.target, dist)
+        data = prepare_online(recipe, self.target, self.show_progress)
+        self.spec = HeadSpec.of(recipe.head, data.manifest)
+        self.train_store, self.val_store = (
+            OnlineFeatures(self.target, samples, self.spec.layers, recipe.precompute.dtype, recipe.target.runtime)
+            for samples in (data.train, data.validation))
+        self.target_checked = compared_fields(self.target.identity())  # the features come from this target
+        log.info("online features: %d train / %d validation samples, layers %s computed by the target each "
+                 "time a batch is read", len(data.train), len(data.validation), self.spec.layers)
+        return data.manifest
 
     def _draft_vocab(self) -> DraftVocab | None:
         store = self.train_store
@@ -392,7 +409,8 @@ class Trainer:
         train.head_dtype when `exported` (a snapshot keeps the weights' own dtype)."""
         save_head(directory, head, self.spec, self.target_identity,
                   {"target_checked": self.target_checked,
-                   "features": {"store": str(self.cfg.features), "layers": self.train_store.layers},
+                   "features": {"store": ONLINE if self.cfg.online else str(self.cfg.features),
+                                "layers": self.train_store.layers},
                    "train": {"steps": step, "tokens": self.plan.tokens_through(step),
                              "recipe": self.recipe.model_dump(mode="json")}, **(extra or {})},
                   dtype=getattr(torch, self.cfg.head_dtype) if exported else None)
