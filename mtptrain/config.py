@@ -163,6 +163,13 @@ class HeadConfig(_Section):
     ttt_steps: int = Field(3, ge=1, description="eagle3: training-time-test unroll length.")
     draft_vocab_size: int = Field(
         8192, ge=1, description="eagle3: draft vocabulary size (most frequent target tokens of the training data).")
+    fc_norm: bool = Field(
+        False, description="eagle3: an RMSNorm of its own on each fused layer's states before fc, so layers of "
+        "different scales enter the projection alike (EAGLE-3.1; speculators' fc_norm).")
+    norm_output: bool = Field(
+        False, description="eagle3: each TTT and drafting step reads the previous step's output after the final "
+        "norm (the state the LM head reads), not before it, which keeps its scale from drifting with depth "
+        "(EAGLE-3.1; speculators' norm_output).")
     mtp_depths: int = Field(2, ge=1, description="mtp: number of chained depths.")
     mtp_share: bool = Field(False, description="mtp: reuse one module at every depth.")
     mtp_input: MTPInput = Field(

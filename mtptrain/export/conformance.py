@@ -1,7 +1,8 @@
 """Checks an export directory against its format's specification table (mtptrain/export/specs/<format>.yaml).
 
 Each table row is one fact (a tensor's name, shape and dtype, or a config
-key's value) with the source it was read from. A row that does not hold
+key's value) with the source it was read from; a weight row with `when` holds
+only for heads where that expression is true (EAGLE-3.1 norms, say). A row that does not hold
 gives one line naming the row, so a format change upstream, once written into
 the table, shows up as one failing line. Tensors the table does not list fail
 too: engines skip unknown names silently.
@@ -42,7 +43,8 @@ def symbols(sidecar: dict, target_config: dict) -> dict:
             "hd": tc.get("head_dim") or tc["hidden_size"] // heads, "k": len(j), "j": j, "sglang_j": sglang_j,
             "N": tc["num_hidden_layers"], "eps": tc["rms_norm_eps"], "model_type": tc.get("model_type"),
             "architectures": tc.get("architectures"),
-            "rope_theta": rope.get("rope_theta", tc.get("rope_theta"))}
+            "rope_theta": rope.get("rope_theta", tc.get("rope_theta")),
+            "fc_norm": bool(head.get("fc_norm")), "norm_output": bool(head.get("norm_output"))}
 
 
 def _lookup(config: dict, key: str):
@@ -83,6 +85,8 @@ def _check_weights(fmt: str, rows: list[dict], tensors: dict, env: dict, modules
         failures.append(f"{fmt}: tensors in several float dtypes {sorted(floats)}")
     for i, row in enumerate(rows):
         where = f"{fmt}.yaml weights[{i}] {row['name']}"
+        if "when" in row and not eval(row["when"], env):  # noqa: S307 - a row for heads with that setting only
+            continue
         layers = range(env["N"], env["N"] + modules) if "{L}" in row["name"] else [None]
         for name in (row["name"].format(L=layer) if layer is not None else row["name"] for layer in layers):
             if row.get("block"):  # the target layer's own tensors under this MTP layer's prefix

@@ -72,11 +72,16 @@ class DraftVocab:
 
 
 class Eagle3Head(nn.Module):
-    def __init__(self, target: FrozenTarget, vocab: DraftVocab, num_features: int = 3):
+    def __init__(self, target: FrozenTarget, vocab: DraftVocab, num_features: int = 3, fc_norm: bool = False,
+                 norm_output: bool = False):
         super().__init__()
         config = target.config
         hidden = config.hidden_size
         self.frozen = target  # a plain attribute: not a submodule, never in state_dict
+        # EAGLE-3.1: a norm per fused layer before fc, and steps that carry the normed output
+        self.fc_norm = (nn.ModuleList(rms_norm_like(target.final_norm, hidden) for _ in range(num_features))
+                        if fc_norm else None)
+        self.norm_output = norm_output
         self.fc = nn.Linear(num_features * hidden, hidden, bias=False)
         layer = target.layer_class(head_layer_config(config), layer_idx=0)
         attn = layer.self_attn
@@ -95,6 +100,8 @@ class Eagle3Head(nn.Module):
 
     def fuse(self, layer_states: list[torch.Tensor]) -> torch.Tensor:
         """The step-0 feature from the target's states at the captured layers, low to high."""
+        if self.fc_norm is not None:
+            layer_states = [norm(states) for norm, states in zip(self.fc_norm, layer_states, strict=True)]
         return self.fc(torch.cat(layer_states, dim=-1))
 
     def draft_input(self, hidden: dict[int, torch.Tensor], spec: HeadSpec) -> torch.Tensor:
@@ -104,7 +111,8 @@ class Eagle3Head(nn.Module):
 
     def forward(self, feature: torch.Tensor, next_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 cache=None, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """One step: feature [B, T, H] at positions t (fused, or the head's own output), next_ids = x_{t+1}."""
+        """One step: feature [B, T, H] at positions t (fused, or the head's own carried state), next_ids =
+        x_{t+1}. Returns the state it carries (`carry`)."""
         if position_ids is None:
             past = cache.get_seq_length() if cache is not None else 0
             position_ids = torch.arange(past, past + next_ids.shape[1], device=next_ids.device)[None]
@@ -114,7 +122,12 @@ class Eagle3Head(nn.Module):
         attended, _ = self.layer.self_attn(x, position_embeddings=self.rotary(feature, position_ids),
                                            attention_mask=mask, past_key_values=cache, position_ids=position_ids)
         out = feature + attended
-        return out + self.layer.mlp(self.layer.post_attention_layernorm(out))
+        return self.carry(out + self.layer.mlp(self.layer.post_attention_layernorm(out)))
+
+    def carry(self, out: torch.Tensor) -> torch.Tensor:
+        """What a step hands on, from its layer's output: the next step's feature, and what `logits` reads. The
+        output itself, or (norm_output) the output after the final norm, which the LM head then reads as is."""
+        return self.norm(out) if self.norm_output else out
 
     def attention_input(self, feature: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
         """[normed embedding of x_{t+1} ; normed feature t] [B, T, 2H]: what the layer's attention reads."""
@@ -124,7 +137,8 @@ class Eagle3Head(nn.Module):
     def stepper(self) -> HeadStepper:
         """This head's drafting steps on the runtime's kernels (heads/fast.py)."""
         return HeadStepper(self.layer, self.rotary, head_layer_config(self.frozen.config),
-                           lambda feature, ids: (self.attention_input(feature, ids), feature))
+                           lambda feature, ids: (self.attention_input(feature, ids), feature),
+                           self.carry if self.norm_output else None)
 
     def unroll(self, fused: torch.Tensor, input_ids: torch.Tensor, steps: int) -> list[torch.Tensor]:
         """Training-time test over whole sequences: fused [B, T, H] (step-0 features), input_ids [B, T].
@@ -162,7 +176,7 @@ class Eagle3Head(nn.Module):
             values.append(v)
             attended = ttt_attention(q, keys, values, causal, attn.scaling)
             out = feature + attn.o_proj(attended.transpose(1, 2).reshape(batch, length, heads * dim))
-            out = out + self.layer.mlp(self.layer.post_attention_layernorm(out))
+            out = self.carry(out + self.layer.mlp(self.layer.post_attention_layernorm(out)))
             outputs.append(out[:, : length - step])
             feature = out
         return outputs
@@ -187,8 +201,8 @@ class Eagle3Head(nn.Module):
         return outputs
 
     def logits(self, predicted: torch.Tensor) -> torch.Tensor:
-        """Logits over the draft vocabulary."""
-        return self.lm_head(self.norm(predicted))
+        """Logits over the draft vocabulary, from a step's carried state (already normed with norm_output)."""
+        return self.lm_head(predicted if self.norm_output else self.norm(predicted))
 
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary ids as target ids."""
@@ -270,12 +284,14 @@ class Eagle3Family(EagleStyleFamily):
             raise HeadSettingsError(f"eagle3 fuses inner layers, but the store captured only {captured}: "
                                     "precompute with precompute.layers=eagle3 (or list the layers)")
         return {"feature_layers": features, "ttt_steps": cfg.ttt_steps,
-                "draft_vocab_size": min(cfg.draft_vocab_size, manifest["target"]["vocab_size"])}
+                "draft_vocab_size": min(cfg.draft_vocab_size, manifest["target"]["vocab_size"]),
+                "fc_norm": cfg.fc_norm, "norm_output": cfg.norm_output}
 
     def build(self, spec, frozen, vocab=None):
         if vocab is None:  # rebuilt from a checkpoint: the maps come with the weights
             vocab = DraftVocab.from_counts(Counter(), spec.draft_vocab_size, frozen.config.vocab_size)
-        return Eagle3Head(frozen, vocab, num_features=len(spec.feature_layers))
+        return Eagle3Head(frozen, vocab, num_features=len(spec.feature_layers), fc_norm=spec.fc_norm,
+                          norm_output=spec.norm_output)
 
     def draft_vocab(self, spec, streams, target_vocab_size):
         """The training data's most frequent tokens."""
@@ -309,7 +325,9 @@ class Eagle3Family(EagleStyleFamily):
                 f"{spec.last_layer}")
 
     def facts(self, spec):
-        return [f"- {spec.ttt_steps} training-time-test steps, draft vocabulary {spec.draft_vocab_size} tokens"]
+        norms = [name for name, on in (("fc_norm", spec.fc_norm), ("norm_output", spec.norm_output)) if on]
+        return [f"- {spec.ttt_steps} training-time-test steps, draft vocabulary {spec.draft_vocab_size} tokens",
+                f"- EAGLE-3.1 norms: {', '.join(norms) if norms else 'none (EAGLE-3 placement)'}"]
 
 
 EAGLE3 = Eagle3Family()

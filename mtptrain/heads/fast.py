@@ -32,7 +32,8 @@ class HeadStepper:
     """Runs a head's layer over new positions after those in its cache: `step(feature, ids)` is
     `head(feature, ids, cache=...)` for the head's KV cache."""
 
-    def __init__(self, layer: nn.Module, rotary: nn.Module, config, inputs: Inputs):
+    def __init__(self, layer: nn.Module, rotary: nn.Module, config, inputs: Inputs,
+                 output: Callable[[torch.Tensor], torch.Tensor] | None = None):
         weight = layer.post_attention_layernorm.weight
         self.device, self.dtype = weight.device, weight.dtype
         choice = choose(config, self.device, str(self.dtype).removeprefix("torch."))
@@ -42,6 +43,7 @@ class HeadStepper:
                                     ATTENTION[choice.attention_many])
         self.rope = RopeTables(rotary, self.dtype, self.device)
         self.inputs = inputs
+        self.output = output  # what a step returns of the layer's output (the state the next step reads)
         k = self.kernels
         self.cache = KVCache(1, 1, k.kv_heads, k.head_dim, INITIAL_CAPACITY, choice.cache_dtype, self.device)
 
@@ -70,4 +72,4 @@ class HeadStepper:
         out = self.kernels.run(self.layer, h, residual, cos[:, :, None], sin[:, :, None], self.cache, 0, start,
                                seen, causal, self.kernels.attention_for(count))
         self.cache.length = start + count
-        return out
+        return out if self.output is None else self.output(out)

@@ -12,7 +12,7 @@ from mtptrain.config import HeadConfig, HeadKind, MTPInput, Norms
 from mtptrain.errors import MtptrainError
 from mtptrain.heads.eagle import EAGLE
 from mtptrain.heads.eagle3 import EAGLE3
-from mtptrain.heads.family import HeadFamily
+from mtptrain.heads.family import HeadFamily, HeadSettingsError
 from mtptrain.heads.mtp import MTP
 
 FAMILIES: dict[str, HeadFamily] = {family.kind: family for family in (EAGLE, EAGLE3, MTP)}
@@ -43,6 +43,8 @@ class HeadSpec:
     feature_layers: tuple[int, ...] = ()  # eagle3: fused layers, low to high
     ttt_steps: int = 1
     draft_vocab_size: int = 0
+    fc_norm: bool = False  # eagle3: per-layer norms before fc (EAGLE-3.1)
+    norm_output: bool = False  # eagle3: steps read the normed output (EAGLE-3.1)
     mtp_depths: int = 1
     mtp_share: bool = False
     mtp_input: MTPInput = "raw"  # mtp: the target state depth 1 reads; absent in older heads = raw
@@ -54,6 +56,9 @@ class HeadSpec:
     @classmethod
     def of(cls, cfg: HeadConfig, manifest: dict) -> HeadSpec:
         """The spec of the head the recipe's head section trains on the store whose manifest this is."""
+        if cfg.kind != "eagle3" and (cfg.fc_norm or cfg.norm_output):
+            raise HeadSettingsError(f"head.fc_norm and head.norm_output are EAGLE-3.1 settings of eagle3 heads; "
+                                    f"a {cfg.kind} head has no fused layers or TTT steps: leave them false")
         return cls(kind=cfg.kind, norms=cfg.norms, last_layer=manifest["last_layer"],
                    **family_of(cfg.kind).settings(cfg, manifest))
 

@@ -16,11 +16,12 @@ TRAINING_SECTIONS = ("target", "data", "regenerate", "precompute", "head")
 # Recipe fields added after the shipped head was trained, none of which changes its weights.
 # Keys added since the head was trained, or (regenerate.cpu_matmul) whose default changed since: a choice of
 # product that changes float rounding, not the method.
-ADDED_SINCE = {"head": {"mtp_input"}, "target": {"gpus_per_rank", "runtime"}, "regenerate": {"cpu_matmul"}}
+ADDED_SINCE = {"head": {"mtp_input", "fc_norm", "norm_output"}, "target": {"gpus_per_rank", "runtime"}, "regenerate": {"cpu_matmul"}}
 # engine_eval came after the shipped head: validation through the engine, which with select_best chooses the
 # step exported but leaves the training itself alone.
 TRAIN_KEYS_IGNORED = {"features", "output_dir", "head_dtype", "head_snapshots", "log_every", "eval_every",
-                      "checkpoint_every", "target_check", "engine_eval"}
+                      "checkpoint_every", "target_check", "engine_eval", "online"}
+# (online came after it too: where the features are computed, not what they are; tests/train/test_online.py)
 
 
 def shipped_config() -> dict:

@@ -14,6 +14,8 @@ from mtptrain.heads.spec import HeadSpec
 from mtptrain.heads.eagle3 import DraftVocab
 
 EAGLE3 = HeadSpec("eagle3", last_layer=5, feature_layers=[1, 2, 4], ttt_steps=2, draft_vocab_size=64)
+EAGLE31 = HeadSpec("eagle3", last_layer=5, feature_layers=[1, 2, 4], ttt_steps=2, draft_vocab_size=64, fc_norm=True,
+                   norm_output=True)
 SPECS = {
     "eagle3": EAGLE3,
     "speculators": EAGLE3,

@@ -28,7 +28,7 @@ from mtptrain.heads.spec import HeadSpec
 from mtptrain.heads.eagle3 import DraftVocab
 from mtptrain.target import LayerCapture
 
-from export_helpers import (EAGLE3, SPECS, eval_args, identity, save_trained_like_head, target_dir,  # noqa: F401
+from export_helpers import (EAGLE3, EAGLE31, SPECS, eval_args, identity, save_trained_like_head, target_dir,  # noqa: F401
                             target_model, write_prompts)
 
 def drafts(model, head, spec, prompt: list[int], k: int = 3) -> list[list[int]]:
@@ -47,8 +47,9 @@ def drafts(model, head, spec, prompt: list[int], k: int = 3) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("fmt, spec", [*SPECS.items(), ("deepseek-mtp", HeadSpec("mtp", last_layer=5, mtp_depths=2,
-                                                                                  mtp_share=True, mtp_input="normed"))],
-                         ids=[*SPECS, "deepseek-mtp-shared"])
+                                                                                  mtp_share=True, mtp_input="normed")),
+                                        ("eagle3", EAGLE31), ("speculators", EAGLE31)],
+                         ids=[*SPECS, "deepseek-mtp-shared", "eagle3-3.1-norms", "speculators-3.1-norms"])
 def test_export_conforms_loads_back_and_drafts_the_same_tokens(fmt, spec, target_dir, tmp_path):
     head_dir = save_trained_like_head(target_dir, tmp_path / "head", spec)
     out = tmp_path / fmt
@@ -127,7 +128,7 @@ def test_a_changed_fact_fails_one_line_of_the_table(target_dir, tmp_path):
     (out / "config.json").write_text(json.dumps(config))
     assert check_export(out, src.target_config) == [
         "eagle3.yaml weights[2] midlayer.hidden_norm.weight: missing",
-        "eagle3.yaml weights[14] t2d: dtype int64, expected bool",
+        "eagle3.yaml weights[17] t2d: dtype int64, expected bool",
         "eagle3: tensor layers.0.hidden_norm.weight is not in eagle3.yaml (engines would skip or reject it)",
         "eagle3.yaml config[16] eagle_aux_hidden_state_layer_ids: [1, 2, 4], expected [2, 3, 5] ([x + 1 for x in j])",
         "eagle3.yaml config[19] norm_before_residual: missing",

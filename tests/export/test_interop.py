@@ -25,6 +25,8 @@ from export_helpers import identity, save_trained_like_head, target_dir, target_
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = Path(__file__).with_name("interop")
 HEAD = HeadSpec("eagle3", last_layer=5, feature_layers=[1, 2, 4], ttt_steps=3, draft_vocab_size=64)
+HEAD_31 = HeadSpec("eagle3", last_layer=5, feature_layers=[1, 2, 4], ttt_steps=3, draft_vocab_size=64,
+                   fc_norm=True, norm_output=True)  # EAGLE-3.1 norms
 LENGTH = 128  # speculators' default flex attention takes whole 128-token blocks on CPU
 
 
@@ -68,8 +70,9 @@ def assert_same_drafts(ours: torch.Tensor, theirs: torch.Tensor, atol: float) ->
     assert torch.equal(ours.argmax(-1)[clear], theirs.argmax(-1)[clear])
 
 
-def test_speculators_loads_our_export_and_computes_our_logits_at_every_ttt_step(interop, target_dir, tmp_path):
-    head_dir = save_trained_like_head(target_dir, tmp_path / "head", HEAD)
+@pytest.mark.parametrize("spec", [HEAD, HEAD_31], ids=["eagle3", "eagle3.1-norms"])
+def test_speculators_loads_our_export_and_computes_our_logits_at_every_ttt_step(interop, target_dir, tmp_path, spec):
+    head_dir = save_trained_like_head(target_dir, tmp_path / "head", spec)
     export_head(head_dir, tmp_path / "export", ExportConfig(format="speculators", verifier=str(target_dir)))
     model = target_model(target_dir)
     head, spec = load_head_directory(head_dir, FrozenTarget.of(model), identity(target_dir))

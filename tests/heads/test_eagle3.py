@@ -50,10 +50,23 @@ def test_ttt_mask_pattern():
     assert torch.equal(mask, expected)
 
 
+def _head31(head: Eagle3Head) -> Eagle3Head:
+    """Norms away from ones, so that a norm applied in the wrong place shows."""
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return head
+
+
+NORMS = pytest.mark.parametrize("norms", [{}, {"fc_norm": True, "norm_output": True}], ids=["eagle3", "eagle3.1"])
+
+
+@NORMS
 @torch.no_grad()
-def test_training_time_test_equals_drafting_with_a_cache(frozen):
+def test_training_time_test_equals_drafting_with_a_cache(frozen, norms):
     torch.manual_seed(0)
-    head = Eagle3Head(frozen, DraftVocab.from_counts(Counter(), 50, 400)).double()
+    head = _head31(Eagle3Head(frozen, DraftVocab.from_counts(Counter(), 50, 400), **norms).double())
     layer_states = [torch.randn(1, 10, 64, dtype=torch.float64) for _ in range(3)]
     ids = torch.randint(0, 400, (1, 10))
     fused = head.fuse(layer_states)
@@ -72,11 +85,12 @@ def test_training_time_test_equals_drafting_with_a_cache(frozen):
             assert torch.allclose(out, unrolled[step][:, t0 : t0 + 1], atol=1e-10), (t0, step)
 
 
-def test_ttt_attention_over_the_attended_entries_equals_the_masked_attention_with_gradients(frozen):
+@NORMS
+def test_ttt_attention_over_the_attended_entries_equals_the_masked_attention_with_gradients(frozen, norms):
     """A batch of two, GQA (4 query heads on 2 key heads), 4 steps: outputs and gradients of `unroll` equal
     those of one masked forward per step over the cache of the earlier steps."""
     torch.manual_seed(0)
-    head = Eagle3Head(frozen, DraftVocab.from_counts(Counter(), 50, 400)).double()
+    head = _head31(Eagle3Head(frozen, DraftVocab.from_counts(Counter(), 50, 400), **norms).double())
     layer_states = [torch.randn(2, 12, 64, dtype=torch.float64) for _ in range(3)]
     ids = torch.randint(0, 400, (2, 12))
     runs = {}
@@ -94,3 +108,37 @@ def test_ttt_attention_over_the_attended_entries_equals_the_masked_attention_wit
     assert fast_grads.keys() == masked_grads.keys() and len(fast_grads) > 5
     for name in fast_grads:
         assert torch.allclose(fast_grads[name], masked_grads[name], atol=1e-9), name
+
+
+def test_eagle31_norms_normalise_each_fused_layer_and_carry_the_normed_output(frozen):
+    """fc_norm: each layer is normed alone before fc, so scaling one layer's states changes nothing;
+    norm_output: a step's carried state is the final norm of its layer output, and the LM head reads it as is."""
+    torch.manual_seed(0)
+    plain = Eagle3Head(frozen, DraftVocab.from_counts(Counter(), 50, 400)).double()
+    head = _head31(Eagle3Head(frozen, DraftVocab.from_counts(Counter(), 50, 400), fc_norm=True,
+                              norm_output=True).double())
+    assert sorted(n for n in head.state_dict() if n.startswith("fc_norm")) == [f"fc_norm.{i}.weight" for i in range(3)]
+    assert not any(n.startswith("fc_norm") for n in plain.state_dict())
+    layers = [torch.randn(1, 6, 64, dtype=torch.float64) for _ in range(3)]
+    scaled = [layers[0] * 7.0, *layers[1:]]
+    assert torch.allclose(head.fuse(layers), head.fuse(scaled), atol=1e-5)  # up to the norm's epsilon
+    assert not torch.allclose(plain.fuse(layers), plain.fuse(scaled))
+    ids = torch.randint(0, 400, (1, 6))
+    out = head(head.fuse(layers), ids)
+    head.norm_output = False
+    raw = head(head.fuse(layers), ids)
+    assert torch.allclose(out, head.norm(raw), atol=1e-10)
+    head.norm_output = True
+    assert torch.allclose(head.logits(out), head.lm_head(out), atol=1e-10)
+
+
+def test_eagle31_settings_belong_to_eagle3_heads():
+    from mtptrain.config import HeadConfig
+    from mtptrain.heads.family import HeadSettingsError
+    from mtptrain.heads.spec import HeadSpec
+
+    manifest = {"layers": [1, 2, 3], "last_layer": 3, "target": {"vocab_size": 400}}
+    spec = HeadSpec.of(HeadConfig(kind="eagle3", fc_norm=True, norm_output=True), manifest)
+    assert spec.fc_norm and spec.norm_output and spec.feature_layers == (1, 2)
+    with pytest.raises(HeadSettingsError, match="eagle3 heads"):
+        HeadSpec.of(HeadConfig(kind="eagle", fc_norm=True), manifest)

@@ -10,7 +10,9 @@ from mtptrain.heads.spec import HeadSpec
 
 SPECS = {"eagle": HeadSpec("eagle", last_layer=3),
          "eagle-stripped": HeadSpec("eagle", last_layer=3, norms="stripped"),
-         "eagle3": HeadSpec("eagle3", last_layer=3, feature_layers=[0, 1, 2], ttt_steps=2, draft_vocab_size=300)}
+         "eagle3": HeadSpec("eagle3", last_layer=3, feature_layers=[0, 1, 2], ttt_steps=2, draft_vocab_size=300),
+         "eagle3.1-norms": HeadSpec("eagle3", last_layer=3, feature_layers=[0, 1, 2], ttt_steps=2,
+                                    draft_vocab_size=300, fc_norm=True, norm_output=True)}
 
 
 def _head(kind: str, dtype: torch.dtype):

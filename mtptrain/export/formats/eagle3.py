@@ -9,6 +9,7 @@ it adds 1 only when the first id is 1 (and takes the ids as they are otherwise).
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import TYPE_CHECKING
 
 import torch
@@ -25,9 +26,11 @@ SPECULATORS_VERSION = "0.9.0"  # the speculators release whose schema the specul
 FUSED_LAYERS = 3  # SGLang builds fc over 3 * hidden; vLLM assumes 3 unless an eagle_config says otherwise
 
 
-def eagle3_names(layer_prefix: str) -> dict[str, str]:
+def eagle3_names(layer_prefix: str, fc_norms: int = 0) -> dict[str, str]:
+    """Our tensor names -> the format's; `fc_norms` per-layer norms before fc (EAGLE-3.1), 0 without them."""
     names = {"fc.weight": "fc.weight", "hidden_norm.weight": f"{layer_prefix}hidden_norm.weight",
              "norm.weight": "norm.weight", "lm_head.weight": "lm_head.weight"}
+    names.update({f"fc_norm.{i}.weight": f"fc_norm.{i}.weight" for i in range(fc_norms)})
     names.update({f"layer.{s}": f"{layer_prefix}{s}" for s in LLAMA_LAYER})
     return names
 
@@ -79,7 +82,26 @@ def sglang_layer_ids(layers: list[int], numbering: str) -> list[int]:
         "with feature layers starting at 1 (the default).")
 
 
-NORM_FLAGS = {"norm_before_residual": False, "norm_before_fc": False, "fc_norm": False, "norm_output": False}
+def norm_flags(head: dict) -> dict[str, bool]:
+    """The norm placement flags vLLM and speculators read, for a head config's "head" section. The residual is
+    always the un-normed fc output (norm_before_residual false) and the layers are never normed as one
+    concatenation (norm_before_fc false); fc_norm and norm_output are the head's EAGLE-3.1 settings."""
+    return {"norm_before_residual": False, "norm_before_fc": False, "fc_norm": bool(head.get("fc_norm")),
+            "norm_output": bool(head.get("norm_output"))}
+
+
+def fc_norm_count(head: dict) -> int:
+    """How many per-layer norms before fc a head config's "head" section has (EAGLE-3.1 fc_norm), else 0."""
+    return len(head.get("feature_layers") or []) if head.get("fc_norm") else 0
+
+
+def norm_note(head: dict) -> str:
+    flags = norm_flags(head)
+    return ("norm flags: " + ", ".join(f"{k} {str(v).lower()}" for k, v in flags.items())
+            + " (the residual is the un-normed fc output; one hidden_norm on the feature, input_layernorm on the "
+            + ("embedding; fc_norm.i.weight norms fused layer i before fc; " if flags["fc_norm"] else "embedding; ")
+            + ("the next step reads the normed output, which the LM head reads as is)" if flags["norm_output"]
+               else "the next step reads the pre-norm output)"))
 
 
 class Eagle3(Format):
@@ -95,7 +117,8 @@ class Eagle3(Format):
     def write(self, src: HeadSource, cfg: ExportConfig) -> Written:
         vllm_ids = vllm_layer_ids(src)
         sglang_ids = sglang_layer_ids(list(src.spec.feature_layers), cfg.sglang_ids)
-        tensors = renamed(src.state, eagle3_names(self.layer_prefix)) | vocab_maps(src)
+        head = asdict(src.spec)
+        tensors = renamed(src.state, eagle3_names(self.layer_prefix, fc_norm_count(head))) | vocab_maps(src)
         config = {
             "architectures": ["LlamaForCausalLMEagle3"],
             **draft_llama_config(src),
@@ -105,21 +128,24 @@ class Eagle3(Format):
             "eagle_config": {"eagle_aux_hidden_state_layer_ids": sglang_ids, "use_aux_hidden_state": True},
             "num_aux_hidden_states": len(vllm_ids),
             "bias": False,
-            **NORM_FLAGS,
+            **norm_flags(head),
         }
         notes = [f"feature layers (0-based outputs) {list(src.spec.feature_layers)}: vLLM ids {vllm_ids} "
                  f"(top-level eagle_aux_hidden_state_layer_ids), SGLang ids {sglang_ids} "
                  "(eagle_config.eagle_aux_hidden_state_layer_ids)",
                  "no embedding: both engines use the target's own",
-                 "norm flags: norm_before_residual, norm_before_fc, fc_norm, norm_output all false (the residual "
-                 "is the un-normed fc output; one hidden_norm on the feature, input_layernorm on the embedding; "
-                 "the next step reads the pre-norm output)",
-                 "SpecForge reads norm_output otherwise (the final norm before its LM head, default true): set it "
-                 "true to load this directory into SpecForge's LlamaForCausalLMEagle3"]
+                 norm_note(head)]
+        if head.get("fc_norm") or head.get("norm_output"):
+            notes.append("EAGLE-3.1 norms: vLLM versions that read fc_norm and norm_output serve this head; an "
+                         "engine that ignores them would draft with other features (check before serving)")
+        else:
+            notes.append("SpecForge reads norm_output otherwise (the final norm before its LM head, default "
+                         "true): set it true to load this directory into SpecForge's LlamaForCausalLMEagle3")
         return Written(tensors, config, notes)
 
     def to_head(self, tensors, sidecar):
-        state = inverse(tensors, eagle3_names(self.layer_prefix))
+        head = sidecar["head_config"]["head"]
+        state = inverse(tensors, eagle3_names(self.layer_prefix, fc_norm_count(head)))
         return state | vocab_from_maps(tensors["d2t"], sidecar["head_config"]["target"]["vocab_size"])
 
     def serve(self, out, target, sidecar):
@@ -146,7 +172,8 @@ class Speculators(Eagle3):
     def write(self, src: HeadSource, cfg: ExportConfig) -> Written:
         vllm_ids = vllm_layer_ids(src)
         verifier = cfg.verifier or src.served_target()
-        tensors = renamed(src.state, eagle3_names(self.layer_prefix)) | vocab_maps(src)
+        head = asdict(src.spec)
+        tensors = renamed(src.state, eagle3_names(self.layer_prefix, fc_norm_count(head))) | vocab_maps(src)
         # speculators does not fill a missing embedding from the verifier (it only replaces NaN weights), so the
         # target's own goes in; vLLM shares it again when it equals the target's.
         tensors["embed_tokens.weight"] = src.target_tensor("model.embed_tokens.weight").to(src.float_dtype)
@@ -168,7 +195,7 @@ class Speculators(Eagle3):
             "draft_vocab_size": src.spec.draft_vocab_size,
             "target_hidden_size": src.target_config["hidden_size"],
             "eagle_aux_hidden_state_layer_ids": vllm_ids,
-            **NORM_FLAGS,
+            **norm_flags(head),
             "embed_requires_grad": False,
             "torch_dtype": layer["torch_dtype"],
         }
@@ -178,8 +205,7 @@ class Speculators(Eagle3):
                  "no top-level model_type: vLLM recognises the format by speculators_config",
                  "embed_tokens is the target's own embedding: speculators needs it in the file; vLLM shares the "
                  "target's when they are equal",
-                 "norm flags: norm_before_residual false (vLLM assumes true when it is missing), norm_before_fc, "
-                 "fc_norm, norm_output false"]
+                 norm_note(head) + "; norm_before_residual is written because vLLM assumes true when it is missing"]
         return Written(tensors, config, notes)
 
     def serve(self, out, target, sidecar):
