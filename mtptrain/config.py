@@ -226,6 +226,12 @@ class TrainConfig(_Section):
         1, description="DeepSpeed ZeRO stage 0, 1 or 2. Stage 3 is refused: it partitions the parameters "
         "themselves, which a draft head of one decoder layer does not need, and the export and rank-0 "
         "validation read whole parameters.")
+    loss: Literal["kl", "tv", "lk", "lk-hybrid"] = Field(
+        "kl", description="What distillation minimises per draft position (mtptrain/heads/losses.py): kl = soft "
+        "cross-entropy against the target (forward KL); tv = 1 - alpha, alpha = sum min(p, q) being the acceptance "
+        "probability of speculative sampling; lk = -log alpha; lk-hybrid = a KL / TV blend weighted by "
+        "exp(-loss_eta * alpha), KL while acceptance is low and TV as it grows. alpha is logged for all of them.")
+    loss_eta: float = Field(3.0, gt=0, description="lk-hybrid: how fast the blend moves from KL to TV with alpha.")
     loss_chunk: int = Field(1024, ge=1, description="Positions per chunk of full-vocabulary logits.")
     num_workers: int = Field(1, ge=0, description="Data-loader worker processes.")
     log_every: int = Field(10, ge=1, description="Steps between logged metrics.")

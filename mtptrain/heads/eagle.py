@@ -27,7 +27,7 @@ from torch import nn
 from mtptrain.heads.common import FrozenTarget, FusionBlock, as_head_input, head_layer_config, rms_norm_like
 from mtptrain.heads.fast import HeadStepper
 from mtptrain.heads.family import EagleStyleFamily
-from mtptrain.heads.losses import feature_loss
+from mtptrain.heads.losses import Loss, feature_loss
 from mtptrain.heads.objective import distill_positions, target_mask
 
 if TYPE_CHECKING:
@@ -92,12 +92,12 @@ class EagleFamily(EagleStyleFamily):
     def draft_positions(self, spec):
         return 1
 
-    def objective(self, head, batch, spec, weights, feature_weight, chunk):
+    def objective(self, head, batch, spec, weights, feature_weight, chunk, loss=Loss()):
         """Distillation at the one draft position, and EAGLE's regression of the next feature."""
         ids, last = batch["input_ids"], batch["hidden"][spec.last_layer]
         out = head(head.features(last[:, :-1]), ids[:, 1:])
         result = distill_positions([out], [head.logits], head.frozen.target_logits, last, batch["loss_mask"],
-                                   weights, chunk)
+                                   weights, chunk, loss=loss)
         regression = feature_loss(out, head.features(last[:, 1:]), target_mask(batch["loss_mask"], 1, out.shape[1]))
         result.loss = result.loss + feature_weight * regression
         return result

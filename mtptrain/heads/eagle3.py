@@ -35,6 +35,7 @@ from torch import nn
 from mtptrain.heads.common import FrozenTarget, as_head_input, attention_mask, head_layer_config, rms_norm_like
 from mtptrain.heads.family import EagleStyleFamily, HeadSettingsError
 from mtptrain.heads.fast import HeadStepper
+from mtptrain.heads.losses import Loss
 from mtptrain.heads.objective import distill_positions, given
 from mtptrain.runtime.model import rotate_half
 
@@ -300,7 +301,7 @@ class Eagle3Family(EagleStyleFamily):
     def draft_positions(self, spec):
         return spec.ttt_steps
 
-    def objective(self, head, batch, spec, weights, feature_weight, chunk):
+    def objective(self, head, batch, spec, weights, feature_weight, chunk, loss=Loss()):
         """Distillation at every TTT step, over the draft vocabulary, scored against the target's
         full-vocabulary choice. The choice comes from the store where precompute recorded it (`target_top`),
         and then only the draft vocabulary's rows of the LM head are multiplied; otherwise both come from one
@@ -315,7 +316,7 @@ class Eagle3Family(EagleStyleFamily):
             top, table = head.target_tables(last, chunk)
         return distill_positions(outputs, [head.logits] * len(outputs), given, table, batch["loss_mask"], weights,
                                  chunk, to_target=head.to_target, target_top=top,
-                                 recompute=len(head.draft_to_target) > RECOMPUTE_ABOVE)
+                                 recompute=len(head.draft_to_target) > RECOMPUTE_ABOVE, loss=loss)
 
     def draft_layers(self, spec):
         return list(spec.feature_layers)

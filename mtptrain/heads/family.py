@@ -26,6 +26,7 @@ from mtptrain.engine.head_tree import HeadTreeProposer
 from mtptrain.engine.verify import Sampling
 from mtptrain.errors import MtptrainError
 from mtptrain.heads.common import FrozenTarget
+from mtptrain.heads.losses import Loss
 from mtptrain.heads.objective import BatchResult
 
 if TYPE_CHECKING:
@@ -73,9 +74,9 @@ class HeadFamily(ABC):
 
     @abstractmethod
     def objective(self, head: nn.Module, batch: dict, spec: HeadSpec, weights: list[float], feature_weight: float,
-                  chunk: int) -> BatchResult:
+                  chunk: int, loss: Loss = Loss()) -> BatchResult:
         """The loss of one padded batch (input_ids, loss_mask, hidden: layer -> states), and the statistics of
-        every draft position."""
+        every draft position; `loss` is what distillation minimises (heads/losses.py)."""
 
     @abstractmethod
     def draft_layers(self, spec: HeadSpec) -> list[int]:

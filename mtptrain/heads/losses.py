@@ -10,8 +10,24 @@ recomputed in backward (activation checkpointing): only one chunk's
     soft cross-entropy  CE(p, q) = -sum_v p_v log q_v
     forward KL          KL(p || q) = CE(p, q) - H(p)   (same gradient in q)
 
-p = target distribution, q = head distribution. The loss minimised is the
-soft cross-entropy; KL is reported because it reads as a distance (0 = equal).
+p = target distribution, q = head distribution. KL is reported because it reads
+as a distance (0 = equal).
+
+What is minimised (`Loss.kind`):
+
+    kl         the soft cross-entropy (forward KL's gradient); the default
+    tv         1 - alpha, with alpha = sum_v min(p_v, q_v) = 1 - TV(p, q): the
+               probability that speculative sampling accepts a token drawn
+               from q (Leviathan et al., arXiv:2211.17192), so TV is the loss
+               of acceptance itself; its gradient fades where alpha is small
+    lk         -log alpha: TV's gradient scaled by 1 / alpha, usable from a
+               cold start (the LK losses in vLLM's speculators documentation)
+    lk-hybrid  l * KL + (1 - l) * (1 - alpha) with l = exp(-eta * alpha), alpha
+               held constant in l: KL while the head is far from the target,
+               TV as acceptance grows (the same documentation's adaptive blend)
+
+alpha is reported for every kind: the head's expected acceptance at
+temperature 1 at that draft position, given the positions before it.
 """
 
 from __future__ import annotations
@@ -24,12 +40,39 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 
+LOSS_KINDS = ("kl", "tv", "lk", "lk-hybrid")
+ALPHA_FLOOR = 1e-5  # lk: -log alpha is bounded where the head gives the target's tokens no mass at all
+
+
+@dataclass(frozen=True)
+class Loss:
+    """What distillation minimises per position (module docstring); eta is lk-hybrid's blend rate."""
+
+    kind: str = "kl"
+    eta: float = 3.0
+
+    def __post_init__(self):
+        if self.kind not in LOSS_KINDS:
+            raise ValueError(f"unknown loss {self.kind!r}: the losses are {', '.join(LOSS_KINDS)}")
+
+    def per_position(self, cross_entropy: torch.Tensor, entropy: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+        if self.kind == "kl":
+            return cross_entropy
+        if self.kind == "tv":
+            return 1.0 - alpha
+        if self.kind == "lk":
+            return -torch.log(alpha.clamp_min(ALPHA_FLOOR))
+        blend = torch.exp(-self.eta * alpha.detach())
+        return blend * (cross_entropy - entropy) + (1.0 - blend) * (1.0 - alpha)
+
+
 @dataclass
 class DistillStats:
-    loss: torch.Tensor  # mean soft cross-entropy over masked positions (differentiable)
+    loss: torch.Tensor  # mean loss (Loss.kind) over masked positions (differentiable)
     kl: float  # mean forward KL(target || head)
     correct: int  # positions where the head's top-1 equals the target's top-1
     count: int  # masked positions
+    alpha: float = 0.0  # mean sum_v min(p_v, q_v): the expected acceptance at temperature 1
 
 
 def _upcast(logits: torch.Tensor) -> torch.Tensor:
@@ -37,23 +80,27 @@ def _upcast(logits: torch.Tensor) -> torch.Tensor:
     return logits.float() if logits.dtype in (torch.bfloat16, torch.float16) else logits
 
 
-def _chunk_terms(head_logits: Callable, target_logits: Callable, predicted: torch.Tensor, target_hidden: torch.Tensor):
+def _chunk_terms(head_logits: Callable, target_logits: Callable, predicted: torch.Tensor, target_hidden: torch.Tensor,
+                 loss: Loss):
     with torch.no_grad():
         target_logp = F.log_softmax(_upcast(target_logits(target_hidden)), dim=-1)
         target_p = target_logp.exp()
         entropy = -(target_p * target_logp).sum(-1)
     head_logp = F.log_softmax(_upcast(head_logits(predicted)), dim=-1)
     cross_entropy = -(target_p * head_logp).sum(-1)
+    with torch.set_grad_enabled(torch.is_grad_enabled() and loss.kind != "kl"):  # a metric only, under kl
+        alpha = torch.minimum(head_logp.exp(), target_p).sum(-1)
     with torch.no_grad():
         tops = torch.stack([head_logp.argmax(-1), target_logp.argmax(-1)])
-    return cross_entropy.sum(), (cross_entropy.detach() - entropy).sum(), tops
+    return (loss.per_position(cross_entropy, entropy, alpha).sum(), (cross_entropy.detach() - entropy).sum(),
+            alpha.detach().sum(), tops)
 
 
 def distill_loss(head_logits: Callable[[torch.Tensor], torch.Tensor],
                  target_logits: Callable[[torch.Tensor], torch.Tensor],
                  predicted: torch.Tensor, target_hidden: torch.Tensor, mask: torch.Tensor,
                  chunk: int = 1024, to_target: Callable | None = None,
-                 target_top: torch.Tensor | None = None, recompute: bool = True) -> DistillStats:
+                 target_top: torch.Tensor | None = None, recompute: bool = True, loss: Loss = Loss()) -> DistillStats:
     """predicted [..., H] (head states), target_hidden [..., D] (what `target_logits` turns into the target's
     logits: its states, already index-shifted, or logits computed ahead with `target_logits` the identity),
     mask [...] (1 = counts).
@@ -62,7 +109,7 @@ def distill_loss(head_logits: Callable[[torch.Tensor], torch.Tensor],
     `to_target` (its ids -> target ids) and `target_top` [...] (the target's top-1 over its full vocabulary,
     computed once per batch), so that a target choice outside the draft vocabulary counts as a miss.
     `recompute` False keeps each chunk's logits for backward instead of computing them again (a small draft
-    vocabulary, where they are cheap to hold)."""
+    vocabulary, where they are cheap to hold). `loss` is what is minimised (Loss)."""
     keep = mask.reshape(-1).bool()
     predicted = predicted.reshape(-1, predicted.shape[-1])[keep]
     target_hidden = target_hidden.reshape(-1, target_hidden.shape[-1])[keep]
@@ -72,22 +119,24 @@ def distill_loss(head_logits: Callable[[torch.Tensor], torch.Tensor],
     if count == 0:
         zero = predicted.sum() * 0.0
         return DistillStats(zero, 0.0, 0, 0)
-    ce_total = predicted.new_zeros((), dtype=torch.promote_types(predicted.dtype, torch.float32))
-    kl_total, correct = 0.0, 0
+    total = predicted.new_zeros((), dtype=torch.promote_types(predicted.dtype, torch.float32))
+    kl_total, alpha_total, correct = 0.0, 0.0, 0
     for start in range(0, count, chunk):
         piece = slice(start, start + chunk)
         if recompute and torch.is_grad_enabled() and predicted.requires_grad:
-            ce, kl, tops = checkpoint(_chunk_terms, head_logits, target_logits, predicted[piece], target_hidden[piece],
-                                      use_reentrant=False)
+            value, kl, alpha, tops = checkpoint(_chunk_terms, head_logits, target_logits, predicted[piece],
+                                                target_hidden[piece], loss, use_reentrant=False)
         else:
-            ce, kl, tops = _chunk_terms(head_logits, target_logits, predicted[piece], target_hidden[piece])
-        ce_total = ce_total + ce
+            value, kl, alpha, tops = _chunk_terms(head_logits, target_logits, predicted[piece], target_hidden[piece],
+                                                  loss)
+        total = total + value
         kl_total += float(kl)
+        alpha_total += float(alpha)
         if to_target is None:
             correct += int((tops[0] == tops[1]).sum())
         else:
             correct += int((to_target(tops[0]) == target_top[piece]).sum())
-    return DistillStats(ce_total / count, kl_total / count, correct, count)
+    return DistillStats(total / count, kl_total / count, correct, count, alpha_total / count)
 
 
 def feature_loss(predicted: torch.Tensor, target_features: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

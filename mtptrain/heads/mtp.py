@@ -32,6 +32,7 @@ from mtptrain.engine.mtp_chain import MTPChainProposer
 from mtptrain.engine.verify import Sampling
 from mtptrain.heads.common import FrozenTarget, FusionBlock, rms_norm_like
 from mtptrain.heads.family import ChainLimit, HeadFamily
+from mtptrain.heads.losses import Loss
 from mtptrain.heads.objective import distill_positions
 
 
@@ -104,12 +105,13 @@ class MTPFamily(HeadFamily):
     def draft_positions(self, spec):
         return spec.mtp_depths
 
-    def objective(self, head, batch, spec, weights, feature_weight, chunk):
+    def objective(self, head, batch, spec, weights, feature_weight, chunk, loss=Loss()):
         """Distillation at every depth, each through its own output norm."""
         last = batch["hidden"][spec.last_layer]
         outputs = head(last, batch["input_ids"])
         logits = [lambda x, d=depth: head.logits(x, d) for depth in range(1, len(outputs) + 1)]
-        return distill_positions(outputs, logits, head.frozen.target_logits, last, batch["loss_mask"], weights, chunk)
+        return distill_positions(outputs, logits, head.frozen.target_logits, last, batch["loss_mask"], weights, chunk,
+                                 loss=loss)
 
     def draft_layers(self, spec):
         return [spec.last_layer]

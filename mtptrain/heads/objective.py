@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from mtptrain.heads.losses import DistillStats, distill_loss
+from mtptrain.heads.losses import DistillStats, Loss, distill_loss
 
 
 @dataclass
@@ -53,18 +53,18 @@ def given(logits: torch.Tensor) -> torch.Tensor:
 def distill_positions(outputs: list[torch.Tensor], logits: list[Callable], target_logits: Callable,
                       table: torch.Tensor, loss_mask: torch.Tensor, weights: list[float], chunk: int,
                       to_target: Callable | None = None, target_top: torch.Tensor | None = None,
-                      recompute: bool = True) -> BatchResult:
+                      recompute: bool = True, loss: Loss = Loss()) -> BatchResult:
     """Distillation at every draft position: outputs[p - 1] [B, T_p, H] (the head's states of position p, which
     `logits[p - 1]` turns into its logits) against the target's at h_{t+p}, read from `table` [B, T, ...] through
     `target_logits`, weighted by weights[p - 1]. `to_target`, `target_top` and `recompute` as in distill_loss (a
-    head over a reduced vocabulary)."""
+    head over a reduced vocabulary); `loss` is what is minimised."""
     result = BatchResult(table.new_zeros((), dtype=torch.float32))
     for position, (out, to_logits) in enumerate(zip(outputs, logits), start=1):
         m = target_mask(loss_mask, position, out.shape[1])
         width = slice(position, position + out.shape[1])
         stats = distill_loss(to_logits, target_logits, out, table[:, width], m, chunk, to_target=to_target,
                              target_top=target_top[:, width] if target_top is not None else None,
-                             recompute=recompute)
+                             recompute=recompute, loss=loss)
         result.loss = result.loss + weights[position - 1] * stats.loss
         result.positions.append(stats)
     return result

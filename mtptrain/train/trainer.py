@@ -48,6 +48,7 @@ from mtptrain.features.store import FeatureStore, load_manifest
 from mtptrain.heads import FrozenTarget
 from mtptrain.heads.checkpoint import save_head
 from mtptrain.heads.eagle3 import DraftVocab
+from mtptrain.heads.losses import Loss
 from mtptrain.heads.objective import step_weights
 from mtptrain.heads.spec import HeadSpec
 from mtptrain.data.chat import stop_tokens
@@ -218,6 +219,7 @@ class Trainer:
             self.val_store = FeatureStore(self.cfg.features, "validation", target=self.target, layers=layers,
                                           verify="size")
         self.weights = step_weights(recipe.head.step_weights, self.spec.draft_positions)
+        self.loss = Loss(self.cfg.loss, self.cfg.loss_eta)
         self.steps = steps_for(len(self.train_store), self.cfg.micro_batch_size, dist.world_size,
                                self.cfg.grad_accum, self.cfg.epochs, self.cfg.max_steps)
         self.plan = BatchPlan(self.train_store.lengths(), self.cfg.micro_batch_size, self.cfg.seed,
@@ -321,7 +323,8 @@ class Trainer:
                 batch = _to_device(batch, self.device, dtype)
                 with autocast(self.precision, self.device):
                     result = self.spec.family.objective(head, batch, self.spec, self.weights,
-                                                        self.recipe.head.feature_weight, self.cfg.loss_chunk)
+                                                        self.recipe.head.feature_weight, self.cfg.loss_chunk,
+                                                        self.loss)
                 unhealthy += 0.0 if torch.isfinite(result.loss) else 1.0
                 engine.backward(result.loss)
                 engine.step()
@@ -394,7 +397,8 @@ class Trainer:
             return {}
         with autocast(self.precision, self.device):
             window = score_store(head, self.spec, self.val_store, self.cfg.micro_batch_size, self.weights,
-                                 self.recipe.head.feature_weight, self.cfg.loss_chunk, self.device, dtype, self.dist)
+                                 self.recipe.head.feature_weight, self.cfg.loss_chunk, self.device, dtype, self.dist,
+                                 self.loss)
         return {k.replace("train/", "val/"): v for k, v in window.reduce(self.dist, self.device).items()}
 
     def _draft(self, head, step: int) -> dict:
@@ -498,14 +502,14 @@ class _Window:
 
     def __init__(self, positions: int):
         self.positions = positions
-        # per position: cross-entropy x count, KL x count, correct, count; then objective sum, micro-batches
-        self.sums = torch.zeros(4 * positions + 2, dtype=torch.float64)
+        # per position: loss x count, KL x count, alpha x count, correct, count; then objective sum, micro-batches
+        self.sums = torch.zeros(5 * positions + 2, dtype=torch.float64)
 
     def add(self, result) -> None:
         for p, stats in enumerate(result.positions):
-            self.sums[4 * p : 4 * p + 4] += torch.tensor(
-                [float(stats.loss.detach()) * stats.count, stats.kl * stats.count, stats.correct, stats.count],
-                dtype=torch.float64)
+            self.sums[5 * p : 5 * p + 5] += torch.tensor(
+                [float(stats.loss.detach()) * stats.count, stats.kl * stats.count, stats.alpha * stats.count,
+                 stats.correct, stats.count], dtype=torch.float64)
         self.sums[-2] += float(result.loss.detach())
         self.sums[-1] += 1
 
@@ -518,16 +522,18 @@ class _Window:
         self.sums.zero_()
         out = {"train/loss": float(sums[-2] / sums[-1].clamp_min(1))}
         for p in range(self.positions):
-            ce, kl, correct, count = (float(x) for x in sums[4 * p : 4 * p + 4])
-            out[f"train/ce_{p + 1}"] = ce / max(count, 1)
+            loss, kl, alpha, correct, count = (float(x) for x in sums[5 * p : 5 * p + 5])
+            out[f"train/loss_{p + 1}"] = loss / max(count, 1)
             out[f"train/kl_{p + 1}"] = kl / max(count, 1)
+            out[f"train/alpha_{p + 1}"] = alpha / max(count, 1)
             out[f"train/acc_{p + 1}"] = correct / max(count, 1)
         return out
 
 
 @torch.no_grad()
 def score_store(head, spec: HeadSpec, store: FeatureStore, batch_size: int, weights: list[float], feature_weight: float,
-                loss_chunk: int, device: torch.device, dtype: torch.dtype, dist: DistInfo | None = None) -> "_Window":
+                loss_chunk: int, device: torch.device, dtype: torch.dtype, dist: DistInfo | None = None,
+                loss: Loss = Loss()) -> "_Window":
     """Teacher-forced loss and top-1 agreement of `head` over every sample of `store` (with `dist`, this rank's
     share of the batches); reduce the returned window for the numbers."""
     window = _Window(spec.draft_positions)
@@ -536,7 +542,7 @@ def score_store(head, spec: HeadSpec, store: FeatureStore, batch_size: int, weig
         batches = batches[dist.rank :: dist.world_size]
     for batch in loader(store, batches, 0):
         window.add(spec.family.objective(head, _to_device(batch, device, dtype), spec, weights, feature_weight,
-                                         loss_chunk))
+                                         loss_chunk, loss))
     return window
 
 

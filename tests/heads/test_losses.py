@@ -1,7 +1,8 @@
+import pytest
 import torch
 import torch.nn.functional as F
 
-from mtptrain.heads.losses import distill_loss, feature_loss
+from mtptrain.heads.losses import Loss, distill_loss, feature_loss
 
 
 def _setup(seed=0, vocab=50, hidden=8, n=37):
@@ -70,3 +71,59 @@ def test_keeping_the_logits_for_backward_gives_the_recomputed_loss_and_gradients
     (a, ax, aw), (b, bx, bw) = results
     assert torch.allclose(a.loss, b.loss) and a.correct == b.correct and a.count == b.count > 0
     assert torch.allclose(ax, bx, atol=1e-7) and torch.allclose(aw, bw, atol=1e-7)
+
+
+@pytest.mark.parametrize("kind", ["tv", "lk", "lk-hybrid"])
+def test_acceptance_losses_and_their_gradients_equal_their_formulas(kind):
+    """alpha = sum_v min(p_v, q_v), the acceptance probability of speculative sampling; each loss from it."""
+    head_logits, target_logits, predicted, target_hidden, mask, head_w = _setup(seed=2)
+    stats = distill_loss(head_logits, target_logits, predicted, target_hidden, mask, chunk=5, loss=Loss(kind, 2.0))
+    stats.loss.backward()
+    grads = predicted.grad.clone(), head_w.grad.clone()
+    predicted.grad, head_w.grad = None, None
+
+    keep = mask.bool()
+    p = F.softmax(target_logits(target_hidden[keep]), -1)
+    logq = F.log_softmax(head_logits(predicted[keep]), -1)
+    alpha = torch.minimum(p, logq.exp()).sum(-1)
+    kl = (p * (p.log() - logq)).sum(-1)
+    blend = torch.exp(-2.0 * alpha.detach())
+    direct = {"tv": 1 - alpha, "lk": -alpha.log(), "lk-hybrid": blend * kl + (1 - blend) * (1 - alpha)}[kind].mean()
+    direct.backward()
+    assert torch.allclose(stats.loss, direct)
+    assert torch.allclose(grads[0], predicted.grad) and torch.allclose(grads[1], head_w.grad)
+    assert abs(stats.alpha - alpha.mean().item()) < 1e-9 and abs(stats.kl - kl.mean().item()) < 1e-9
+
+
+def test_alpha_is_reported_under_kl_without_entering_its_gradient():
+    head_logits, target_logits, predicted, target_hidden, mask, _ = _setup(seed=3)
+    stats = distill_loss(head_logits, target_logits, predicted, target_hidden, mask, chunk=7)
+    keep = mask.bool()
+    p = F.softmax(target_logits(target_hidden[keep]), -1)
+    q = F.softmax(head_logits(predicted[keep]), -1)
+    assert abs(stats.alpha - torch.minimum(p, q).sum(-1).mean().item()) < 1e-9
+    assert 0.0 < stats.alpha < 1.0
+    same = distill_loss(target_logits, target_logits, target_hidden, target_hidden, mask)
+    assert abs(same.alpha - 1.0) < 1e-9  # a head equal to the target is always accepted
+
+
+@pytest.mark.parametrize("kind", ["kl", "tv", "lk", "lk-hybrid"])
+def test_every_loss_raises_the_acceptance_it_is_trained_for(kind):
+    """Free logits fitted to a peaked target: alpha climbs far from its start under every loss."""
+    g = torch.Generator().manual_seed(4)
+    target = torch.randn(64, 30, generator=g, dtype=torch.float64) * 3
+    logits = torch.zeros(64, 30, dtype=torch.float64, requires_grad=True)
+    optimizer = torch.optim.Adam([logits], lr=0.1)
+    mask = torch.ones(64, dtype=torch.long)
+    start = distill_loss(lambda x: x, lambda t: t, logits, target, mask, loss=Loss(kind)).alpha
+    for _ in range(150):
+        optimizer.zero_grad()
+        distill_loss(lambda x: x, lambda t: t, logits, target, mask, loss=Loss(kind)).loss.backward()
+        optimizer.step()
+    end = distill_loss(lambda x: x, lambda t: t, logits, target, mask, loss=Loss(kind)).alpha
+    assert start < 0.3 and end > 0.9, (start, end)
+
+
+def test_an_unknown_loss_is_refused_with_the_known_ones():
+    with pytest.raises(ValueError, match="kl, tv, lk, lk-hybrid"):
+        Loss("reverse-kl")

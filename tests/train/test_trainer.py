@@ -322,3 +322,17 @@ def test_auto_precision_on_a_cpu_follows_what_the_machine_multiplies_fastest(mon
     assert w.grad.dtype == torch.float32
     with autocast("fp32", cpu):
         assert (x @ w).dtype == torch.float32
+
+
+def test_an_acceptance_loss_trains_and_every_run_logs_alpha(tiny_target_dir, tiny_store, tmp_path):
+    """train.loss=lk-hybrid: the KL falls and the logged expected acceptance (alpha) per position rises. (The tiny
+    random target spreads its mass widely, so alpha starts high: about 0.9.)"""
+    recipe = train_recipe(tiny_target_dir, tiny_store, tmp_path / "run", "head.kind=eagle3", "train.loss=lk-hybrid",
+                          *BUDGET["eagle3"])
+    summary = run_train(recipe, show_progress=False)
+    logged = [m for m in _metrics(tmp_path / "run") if "train/alpha_1" in m]
+    assert {"train/loss_1", "train/kl_3", "train/alpha_3"} <= logged[0].keys()
+    assert logged[-1]["train/kl_1"] < 0.5 * logged[0]["train/kl_1"]
+    for p in (1, 2, 3):
+        assert logged[-1][f"train/alpha_{p}"] > logged[0][f"train/alpha_{p}"]
+    assert summary["val/alpha_1"] > 0.4 and summary["val/acc_1"] > 0.4
