@@ -230,6 +230,64 @@ def stitch(export_dir: Annotated[Path, typer.Argument(help="A deepseek-mtp expor
                f"{target} ({summary['target_tensors']} tensors): {summary['out']}")
 
 
+speculators_app = typer.Typer(
+    help="vLLM's speculators (0.9.0) as a peer trainer: our store in its offline format, its checkpoint as our head.",
+    no_args_is_help=True)
+app.add_typer(speculators_app, name="speculators")
+
+
+@speculators_app.command("data")
+def speculators_data(out: Annotated[Path, typer.Option(help="New directory for speculators' --data-path.")],
+                     recipe: RecipeOpt = None, overrides: SetOpt = None,
+                     progress: Annotated[bool, typer.Option(help="Show the progress bar.")] = True) -> None:
+    """Write the recipe's feature store (train.features) as speculators' offline training data.
+
+    A `datasets` directory (input_ids, loss_mask, seq_len; the train split, then the validation split), one
+    hidden_states/hs_<i>.safetensors per sample ([T, 4, H]: the head's feature layers, then the last layer before
+    the final norm; token_ids) and the draft vocabulary the recipe's head would use (d2t-<N>.npy, t2d-<N>.npy).
+    Prints the arguments its trainer needs (scripts/speculators_train_cpu.py runs it on a CPU). Rerunning keeps
+    the sample files already written.
+    """
+    from mtptrain.features.store import load_manifest
+    from mtptrain.heads.spec import HeadSpec
+    from mtptrain.peers.speculators import write_offline_data
+
+    cfg = _recipe(recipe, overrides)
+
+    def run():
+        spec = HeadSpec.of(cfg.head.model_copy(update={"kind": "eagle3"}), load_manifest(Path(cfg.train.features)))
+        return write_offline_data(Path(cfg.train.features), out, list(spec.feature_layers), spec.draft_vocab_size,
+                                  progress)
+
+    summary = _guarded(run)
+    typer.echo(f"wrote {summary['rows']:,} samples ({summary['train']:,} train, {summary['validation']:,} "
+               f"validation; {summary['tokens']:,} tokens) to {out}")
+    typer.echo("speculators' trainer takes: --data-path {} --train-data-ratio {:.10f} --target-layer-ids {} "
+               "--draft-vocab-size {}".format(out, summary["train_data_ratio"],
+                                              " ".join(map(str, summary["target_layer_ids"])),
+                                              summary["draft_vocab_size"]))
+
+
+@speculators_app.command("import")
+def speculators_import(checkpoint: Annotated[Path, typer.Argument(help="A checkpoint directory speculators saved.")],
+                       out: Annotated[Path, typer.Option(help="New head directory (eval it with eval.head).")],
+                       recipe: RecipeOpt = None, overrides: SetOpt = None) -> None:
+    """Read a speculators EAGLE-3 checkpoint as an mtptrain head trained for the recipe's target.
+
+    The head's settings come from the checkpoint's config (feature layers = eagle_aux_hidden_state_layer_ids - 1,
+    TTT steps = its speculative tokens, fc_norm / norm_output); the head records the target's identity, so
+    `mtptrain eval --set eval.head=<out>` measures it exactly as a head trained here.
+    """
+    from mtptrain.peers.speculators import import_checkpoint
+
+    cfg = _recipe(recipe, overrides)
+    config = _guarded(lambda: import_checkpoint(checkpoint, cfg.target, out))
+    head = config["head"]
+    typer.echo(f"imported {checkpoint} to {out}: eagle3, feature layers {head['feature_layers']}, "
+               f"{head['ttt_steps']} TTT steps, draft vocabulary {head['draft_vocab_size']}, fc_norm "
+               f"{head['fc_norm']}, norm_output {head['norm_output']}")
+
+
 @app.command()
 def slurm(stage: Annotated[str, typer.Argument(help="precompute, train, eval, or pipeline (all three, chained).")],
           recipe: RecipeOpt = None, overrides: SetOpt = None,

@@ -254,6 +254,11 @@ class FeatureStore:
         ids = handle.get_slice("input_ids")[start:end]
         return ids[handle.get_slice("loss_mask")[start:end].bool()] if assistant_only else ids
 
+    def loss_mask(self, i: int) -> torch.Tensor:
+        """Sample i's loss mask (1 = a trained, assistant token) without touching its hidden states."""
+        shard_no, start, end = self._index[i]
+        return self._handle(shard_no).get_slice("loss_mask")[start:end]
+
     def prompt_ids(self, i: int) -> list[int]:
         """The tokens of sample i before its first trained (loss-masked) token: the prompt of its first answer."""
         shard_no, start, end = self._index[i]

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -146,3 +147,52 @@ def test_speculators_runs_the_shipped_head_on_smollm2_as_we_do(interop, tmp_path
     theirs = load_file(tmp_path / "out.safetensors")
     for step in range(2):
         assert_same_drafts(logits[step], theirs[f"logits.{step}"][: LENGTH - step], atol=1e-2)
+
+
+def test_speculators_trains_on_our_store_and_its_checkpoint_drafts_in_our_engine(interop, target_dir, tmp_path):
+    """The peer trainer side by side: our store in speculators' offline format, its trainer (on a CPU, through
+    scripts/speculators_train_cpu.py), and its checkpoint imported as our head, which computes the logits its own
+    model class computes at every TTT step."""
+    from conftest import tiny_recipe, write_sharegpt
+
+    from mtptrain.config import TargetConfig
+    from mtptrain.features.precompute import run_precompute
+    from mtptrain.peers.speculators import import_checkpoint, write_offline_data
+
+    recipe = tiny_recipe(target_dir, write_sharegpt(tmp_path / "c.json", 60, seed=2), tmp_path / "features",
+                         layers="[1, 2, 4]", dtype="bfloat16")
+    run_precompute(recipe, show_progress=False)
+    data = write_offline_data(tmp_path / "features", tmp_path / "data", [1, 2, 4], 64, show_progress=False)
+    assert data["target_layer_ids"] == [2, 3, 5] and data["rows"] == data["train"] + data["validation"] == 60
+    sample = load_file(tmp_path / "data" / "hidden_states" / "hs_0.safetensors")
+    assert sample["hidden_states"].shape == (len(sample["token_ids"]), 4, 64)
+    run([interop["python"], ROOT / "scripts" / "speculators_train_cpu.py", "--verifier-name-or-path", target_dir,
+         "--data-path", tmp_path / "data", "--save-path", tmp_path / "ckpt", "--epochs", 1, "--lr", "3e-3",
+         "--total-seq-len", 512, "--ttt-steps", 3, "--draft-vocab-size", 64, "--target-layer-ids", 2, 3, 5,
+         "--no-norm-before-residual", "--no-norm-before-fc", "--fc-norm", "--norm-output", "--draft-attn-impl",
+         "sdpa", "--loss-implementation", "eager", "--on-missing", "raise", "--num-workers", 0,
+         "--train-data-ratio", data["train_data_ratio"], "--optimizer", "adamw", "--seed", 0])
+    checkpoint = tmp_path / "ckpt" / "checkpoint_best"
+    config = import_checkpoint(checkpoint, TargetConfig(model=str(target_dir)), tmp_path / "head")
+    assert config["head"]["feature_layers"] == [1, 2, 4] and config["head"]["fc_norm"] and config["imported"]
+    model = target_model(target_dir)
+    head, spec = load_head_directory(tmp_path / "head", FrozenTarget.of(model), identity(target_dir))
+    # both heads predict over the draft vocabulary the store's training split gives ours
+    assert torch.equal(head.draft_to_target - torch.arange(64), torch.from_numpy(np.load(tmp_path / "data" / "d2t-64.npy")))
+    head.float()
+    inputs, _, logits = our_side(model, head, spec, steps=3)
+    save_file(inputs, tmp_path / "inputs.safetensors")
+    run([interop["python"], SCRIPTS / "speculators_forward.py", checkpoint, tmp_path / "inputs.safetensors",
+         tmp_path / "out.safetensors", 3])
+    theirs = load_file(tmp_path / "out.safetensors")
+    for step in range(3):  # its weights are bf16, both sides compute in float32: 5e-4 apart at most here
+        assert_same_drafts(logits[step], theirs[f"logits.{step}"][: LENGTH - step], atol=2e-3)
+
+
+def test_a_speculators_checkpoint_with_a_norm_placement_we_lack_is_refused_with_the_flags(tmp_path):
+    from mtptrain.config import TargetConfig
+    from mtptrain.peers.speculators import PeerError, import_checkpoint
+
+    (tmp_path / "config.json").write_text('{"speculators_model_type": "eagle3", "norm_before_residual": true}')
+    with pytest.raises(PeerError, match="--no-norm-before-residual --no-norm-before-fc"):
+        import_checkpoint(tmp_path, TargetConfig(model=str(tmp_path)), tmp_path / "head")

@@ -36,10 +36,13 @@ def eagle3_names(layer_prefix: str, fc_norms: int = 0) -> dict[str, str]:
 
 
 def vocab_maps(src: HeadSource) -> dict[str, torch.Tensor]:
+    return vocab_maps_of(src.state["draft_to_target"], src.state["target_to_draft"])
+
+
+def vocab_maps_of(draft_to_target: torch.Tensor, target_to_draft: torch.Tensor) -> dict[str, torch.Tensor]:
     """d2t: int64 [Vd], target id = i + d2t[i]; t2d: bool [V], whether a target token is in the draft vocabulary."""
-    draft_to_target = src.state["draft_to_target"].long()
-    return {"d2t": draft_to_target - torch.arange(len(draft_to_target)),
-            "t2d": src.state["target_to_draft"] >= 0}
+    draft_to_target = draft_to_target.long()
+    return {"d2t": draft_to_target - torch.arange(len(draft_to_target)), "t2d": target_to_draft >= 0}
 
 
 def vocab_from_maps(d2t: torch.Tensor, vocab_size: int) -> dict[str, torch.Tensor]:
