@@ -6,6 +6,11 @@ Arms (every one trains `--epochs` passes over the same conversations, same seed,
   eagle-restored    EAGLE-1/2 head with RMSNorm restoration (head.norms: restored)
   eagle-stripped    EAGLE-1/2 head with the original norm-free placement (head.norms: stripped)
   mtp               DeepSeek-style MTP, `--mtp-depths` chained depths
+and, by name (--arms), one change each to the EAGLE-3 head at the same training tokens:
+  eagle3-plain-norms / eagle3-3.1-norms   without / with the EAGLE-3.1 norms (head.fc_norm, head.norm_output)
+  eagle3-lk-hybrid / eagle3-tv            an acceptance-aware loss (train.loss) instead of KL
+  eagle3-ttt2 / eagle3-ttt6               2 / 6 training-time-test steps
+  eagle3-vocab4k / eagle3-vocab16k        a draft vocabulary of 4,096 / 16,384 tokens
 and a learning curve: tau of the reference run's head snapshots (train.head_snapshots) against the
 training tokens each had seen.
 
@@ -41,7 +46,17 @@ ARMS = {
     "eagle-restored": ["head.kind=eagle", "head.norms=restored"],
     "eagle-stripped": ["head.kind=eagle", "head.norms=stripped"],
     "mtp": ["head.kind=mtp"],
+    # methods that learn more per token (the EAGLE-3 head with one change each, at the same training tokens)
+    "eagle3-plain-norms": ["head.fc_norm=false", "head.norm_output=false"],
+    "eagle3-3.1-norms": ["head.fc_norm=true", "head.norm_output=true"],
+    "eagle3-lk-hybrid": ["train.loss=lk-hybrid"],
+    "eagle3-tv": ["train.loss=tv"],
+    "eagle3-ttt2": ["head.ttt_steps=2"],
+    "eagle3-ttt6": ["head.ttt_steps=6"],
+    "eagle3-vocab4k": ["head.draft_vocab_size=4096"],
+    "eagle3-vocab16k": ["head.draft_vocab_size=16384"],
 }
+DEFAULT_ARMS = ["eagle3", "eagle3-original", "eagle-restored", "eagle-stripped", "mtp"]
 
 
 def cli(*args: str, sets: list[str]) -> None:
@@ -90,7 +105,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prompts", type=int, default=20, help="MT-bench questions")
     parser.add_argument("--turns", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=64, help="new tokens per turn")
-    parser.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of " + ", ".join(ARMS))
+    parser.add_argument("--arms", default=",".join(DEFAULT_ARMS),
+                        help="comma-separated arms, of " + ", ".join(ARMS))
     parser.add_argument("--curve", action=argparse.BooleanOptionalAction, default=True,
                         help="evaluate the reference run's head snapshots (learning curve)")
     parser.add_argument("--agreement-eval", default="runs/reference/eval",
