@@ -277,6 +277,7 @@ def ttt_mask(length: int, step: int, dtype: torch.dtype, device: torch.device) -
 class Eagle3Family(EagleStyleFamily):
     kind = "eagle3"
     export_formats = ("eagle3", "speculators")
+    eagle31_norms = True
 
     def settings(self, cfg, manifest):
         captured, last = manifest["layers"], manifest["last_layer"]

@@ -52,6 +52,7 @@ class HeadFamily(ABC):
     # Why the family has no tree drafter, or cannot draft for SSD (for eval's notes); None where it can.
     no_tree: ClassVar[str | None] = "it drafts chains only"
     no_ssd: ClassVar[str | None] = "its drafter cannot pre-draft from the target's states"
+    eagle31_norms: ClassVar[bool] = False  # whether head.fc_norm / head.norm_output apply (fused layers, TTT steps)
 
     @abstractmethod
     def settings(self, cfg: HeadConfig, manifest: dict) -> dict:

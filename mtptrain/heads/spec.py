@@ -56,7 +56,7 @@ class HeadSpec:
     @classmethod
     def of(cls, cfg: HeadConfig, manifest: dict) -> HeadSpec:
         """The spec of the head the recipe's head section trains on the store whose manifest this is."""
-        if cfg.kind != "eagle3" and (cfg.fc_norm or cfg.norm_output):
+        if not family_of(cfg.kind).eagle31_norms and (cfg.fc_norm or cfg.norm_output):
             raise HeadSettingsError(f"head.fc_norm and head.norm_output are EAGLE-3.1 settings of eagle3 heads; "
                                     f"a {cfg.kind} head has no fused layers or TTT steps: leave them false")
         return cls(kind=cfg.kind, norms=cfg.norms, last_layer=manifest["last_layer"],

@@ -22,6 +22,8 @@ ADDED_SINCE = {"head": {"mtp_input", "fc_norm", "norm_output"}, "target": {"gpus
 TRAIN_KEYS_IGNORED = {"features", "output_dir", "head_dtype", "head_snapshots", "log_every", "eval_every",
                       "checkpoint_every", "target_check", "engine_eval", "online"}
 # (online came after it too: where the features are computed, not what they are; tests/train/test_online.py)
+# Train keys added since, with the value that means how the head was trained (forward KL).
+TRAIN_ADDED_SINCE = {"loss": "kl", "loss_eta": 3.0}
 
 
 def shipped_config() -> dict:
@@ -37,6 +39,8 @@ def test_shipped_head_was_trained_by_the_reference_recipe():
         assert {k: v for k, v in recorded[section].items() if k not in skipped} == expected, \
             f"{section}: the shipped head was trained with other settings"
     train = {k: v for k, v in reference["train"].items() if k not in TRAIN_KEYS_IGNORED}
+    for key, then in TRAIN_ADDED_SINCE.items():  # the reference still trains as the head was trained
+        assert train.pop(key) == then, key
     assert {k: recorded["train"][k] for k in train} == train
 
 

@@ -33,7 +33,7 @@ def test_position_p_at_t_is_matched_to_state_t_plus_p_and_mask_of_token_t_plus_1
     calls = []
 
     def record(head_logits, target_logits, predicted, target_hidden, mask, chunk, to_target=None, target_top=None,
-               recompute=True):
+               recompute=True, loss=None):
         calls.append((target_hidden[..., 0].clone(), mask.clone(), predicted.shape[1]))
         return DistillStats(predicted.sum() * 0.0, 0.0, 0, 0)
 
