@@ -37,7 +37,7 @@ from tqdm import tqdm
 from mtptrain.config import TargetConfig
 from mtptrain.errors import MtptrainError
 from mtptrain.export.formats.eagle3 import eagle3_names, vocab_from_maps, vocab_maps_of
-from mtptrain.features.store import FeatureStore
+from mtptrain.features.store import FeatureStore, load_manifest
 from mtptrain.heads import FrozenTarget
 from mtptrain.heads.checkpoint import save_head
 from mtptrain.heads.eagle3 import DraftVocab
@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 
 SPECULATORS_VERSION = "0.9.0"
 DONE = "mtptrain-speculators-data.json"  # written last: the directory is complete
+STARTED = "mtptrain-speculators-source.json"  # written first: the store and layers the sample files come from
 
 
 class PeerError(MtptrainError, ValueError):
@@ -73,14 +74,20 @@ def write_offline_data(store_dir: Path, out: Path, feature_layers: list[int], dr
     from datasets import Dataset
 
     out = Path(out)
-    manifest_layers = sorted(set(feature_layers))
-    train = FeatureStore(store_dir, "train", verify="size")
-    last = train.manifest["last_layer"]
-    layers = sorted({*manifest_layers, last})
+    last = load_manifest(Path(store_dir))["last_layer"]
+    layers = sorted({*feature_layers, last})
     stores = [FeatureStore(store_dir, split, layers=layers, verify="size") for split in ("train", "validation")]
+    manifest = stores[0].manifest
     counts = [len(s) for s in stores]
     ratio = train_data_ratio(*counts)
+    # the sample files of a killed run are kept, so they must be this store's and these layers'
+    made = {"plan_id": manifest["plan_id"], "layers": [*feature_layers, last]}
+    marker = out / STARTED
+    if marker.is_file() and json.loads(marker.read_text()) != made:
+        raise PeerError(f"{out} holds speculators data of another store or other layers ({marker}): write to a new "
+                        "directory, or delete this one")
     (out / "hidden_states").mkdir(parents=True, exist_ok=True)
+    atomic_write_json(marker, made)
     columns: dict[str, list] = {"input_ids": [], "loss_mask": [], "seq_len": []}
     row = 0
     progress = tqdm(total=sum(counts), desc="speculators data", unit=" samples", disable=not show_progress)
@@ -104,14 +111,14 @@ def write_offline_data(store_dir: Path, out: Path, feature_layers: list[int], dr
     dataset.set_format("torch")
     dataset.save_to_disk(str(out))
     streams = (stores[0].token_ids(i, assistant_only=True) for i in range(counts[0]))
-    vocab = DraftVocab.from_token_streams(streams, draft_vocab_size, train.manifest["target"]["vocab_size"])
+    vocab = DraftVocab.from_token_streams(streams, draft_vocab_size, manifest["target"]["vocab_size"])
     maps = vocab_maps_of(vocab.draft_to_target, vocab.target_to_draft)
     np.save(out / f"d2t-{draft_vocab_size}.npy", maps["d2t"].numpy())
     np.save(out / f"t2d-{draft_vocab_size}.npy", maps["t2d"].numpy())
     summary = {"store": str(Path(store_dir).resolve()), "rows": row, "train": counts[0], "validation": counts[1],
                "train_data_ratio": ratio, "target_layer_ids": [j + 1 for j in feature_layers],
                "draft_vocab_size": draft_vocab_size, "tokens": int(sum(columns["seq_len"])),
-               "hidden_size": train.manifest["target"]["hidden_size"]}
+               "hidden_size": manifest["target"]["hidden_size"]}
     atomic_write_json(out / DONE, summary)
     return summary
 

@@ -157,7 +157,7 @@ def test_speculators_trains_on_our_store_and_its_checkpoint_drafts_in_our_engine
 
     from mtptrain.config import TargetConfig
     from mtptrain.features.precompute import run_precompute
-    from mtptrain.peers.speculators import import_checkpoint, write_offline_data
+    from mtptrain.peers.speculators import PeerError, import_checkpoint, write_offline_data
 
     recipe = tiny_recipe(target_dir, write_sharegpt(tmp_path / "c.json", 60, seed=2), tmp_path / "features",
                          layers="[1, 2, 4]", dtype="bfloat16")
@@ -166,6 +166,8 @@ def test_speculators_trains_on_our_store_and_its_checkpoint_drafts_in_our_engine
     assert data["target_layer_ids"] == [2, 3, 5] and data["rows"] == data["train"] + data["validation"] == 60
     sample = load_file(tmp_path / "data" / "hidden_states" / "hs_0.safetensors")
     assert sample["hidden_states"].shape == (len(sample["token_ids"]), 4, 64)
+    with pytest.raises(PeerError, match="another store or other layers"):  # its files would be mixed in
+        write_offline_data(tmp_path / "features", tmp_path / "data", [4, 2, 1], 64, show_progress=False)
     run([interop["python"], ROOT / "scripts" / "speculators_train_cpu.py", "--verifier-name-or-path", target_dir,
          "--data-path", tmp_path / "data", "--save-path", tmp_path / "ckpt", "--epochs", 1, "--lr", "3e-3",
          "--total-seq-len", 512, "--ttt-steps", 3, "--draft-vocab-size", 64, "--target-layer-ids", 2, 3, 5,
