@@ -11,6 +11,7 @@ and, by name (--arms), one change each to the EAGLE-3 head at the same training 
   eagle3-lk-hybrid / eagle3-tv            an acceptance-aware loss (train.loss) instead of KL
   eagle3-ttt2 / eagle3-ttt6               2 / 6 training-time-test steps
   eagle3-vocab4k / eagle3-vocab16k        a draft vocabulary of 4,096 / 16,384 tokens
+  eagle3-fp8-store                        features stored as float8 with a scale per row (precompute.dtype)
 and a learning curve: tau of the reference run's head snapshots (train.head_snapshots) against the
 training tokens each had seen.
 
@@ -55,6 +56,8 @@ ARMS = {
     "eagle3-ttt6": ["head.ttt_steps=6"],
     "eagle3-vocab4k": ["head.draft_vocab_size=4096"],
     "eagle3-vocab16k": ["head.draft_vocab_size=16384"],
+    # storage below bfloat16 (its own store: features-fp8 under --out)
+    "eagle3-fp8-store": ["precompute.dtype=float8_e4m3fn"],
 }
 DEFAULT_ARMS = ["eagle3", "eagle3-original", "eagle-restored", "eagle-stripped", "mtp"]
 
@@ -124,24 +127,33 @@ def arm_names(args) -> list[str]:
     return [a for a in args.arms.split(",") if a]
 
 
+# Arms whose data differ from the reference's: the override that makes their store, and the store's name.
+OWN_STORE = {"data.regenerated=null": "original", "precompute.dtype=float8_e4m3fn": "fp8"}
+
+
+def store_of(arm: str) -> str:
+    return next((name for override, name in OWN_STORE.items() if override in ARMS[arm]), "regenerated")
+
+
 def prepare_stores(args, arms: list[str], base: Recipe, out: Path) -> dict[str, str]:
-    """The data of the arms: the regenerated answers (reference) and the original ones, one feature store each."""
+    """The data of the arms: the reference's store (regenerated answers), and one store for each arm whose data
+    differ (the original answers; float8 storage)."""
     recipe_sets = ["--recipe", args.recipe]
-    stores = {"regenerated": base.precompute.output_dir, "original": str(out / "features-original")}
+    stores = {"regenerated": base.precompute.output_dir,
+              **{name: str(out / f"features-{name}") for name in OWN_STORE.values()}}
     if arms and base.data.regenerated:
         cli("regenerate", *recipe_sets, "--no-progress", sets=args.sets)
-    if any("data.regenerated=null" not in ARMS[a] for a in arms):
-        cli("precompute", *recipe_sets, "--no-progress", sets=args.sets)
-    if any("data.regenerated=null" in ARMS[a] for a in arms):
-        cli("precompute", *recipe_sets, "--no-progress",
-            sets=args.sets + ["data.regenerated=null", f"precompute.output_dir={stores['original']}"])
+    for override, name in [(None, "regenerated"), *OWN_STORE.items()]:
+        if any(store_of(a) == name for a in arms):
+            own = [override, f"precompute.output_dir={stores[name]}"] if override else []
+            cli("precompute", *recipe_sets, "--no-progress", sets=args.sets + own)
     return stores
 
 
 def run_arm(args, arm: str, stores: dict[str, str], out: Path) -> dict:
     """Trains and evaluates one arm (reusing what a previous run finished); its row of the report."""
     overrides = ARMS[arm]
-    store = stores["original"] if "data.regenerated=null" in overrides else stores["regenerated"]
+    store = stores[store_of(arm)]
     run_dir = out / arm
     sets = args.sets + overrides + [f"train.features={store}", f"train.output_dir={run_dir / 'train'}",
                                     f"train.epochs={args.epochs}", "train.head_snapshots=false",

@@ -133,8 +133,10 @@ class PrecomputeConfig(_Section):
         description="Inner layers to capture besides the last one, numbered as 'output of decoder "
         "layer i' (0-based). 'eagle3' = [1, L//2 - 1, L - 4] (low, middle, high), 'last' = none.",
     )
-    dtype: Literal["bfloat16", "float16", "float32"] = Field(
-        "bfloat16", description="Storage dtype of the hidden states."
+    dtype: Literal["bfloat16", "float16", "float32", "float8_e4m3fn"] = Field(
+        "bfloat16", description="Storage dtype of the hidden states. float8_e4m3fn: one byte per value, each row "
+        "scaled by its largest magnitude / 448 (a float32 scale per row stored beside it), read back as bfloat16: "
+        "half a bfloat16 store's size."
     )
     batch_tokens: int = Field(
         8192, ge=16, description="Token budget of one forward batch (padded length x batch size)."

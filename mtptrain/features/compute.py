@@ -20,7 +20,7 @@ from tqdm import tqdm
 from mtptrain.data.samples import Sample
 from mtptrain.config import Recipe
 from mtptrain.features.plan import ShardPlan, make_batches
-from mtptrain.features.store import ShardRecord, read_complete_record, write_shard
+from mtptrain.features.store import FP8, READ_DTYPE, ShardRecord, quantize_rows, read_complete_record, write_shard
 from mtptrain.heads.common import FrozenTarget
 from mtptrain.runtime.batch import capture_states
 from mtptrain.target import Target
@@ -79,8 +79,8 @@ class _ShardBuffer:
 class ShardWriter:
     """A background thread that assembles shards from finished batches and writes them."""
 
-    def __init__(self, out_dir: Path, plan_id: str, rank: int, depth: int):
-        self.out_dir, self.plan_id, self.rank = out_dir, plan_id, rank
+    def __init__(self, out_dir: Path, plan_id: str, rank: int, depth: int, dtype: str):
+        self.out_dir, self.plan_id, self.rank, self.dtype = out_dir, plan_id, rank, dtype
         self.records: list[ShardRecord] = []
         self.error: BaseException | None = None
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
@@ -116,10 +116,15 @@ class ShardWriter:
     def _write(self, buffer: _ShardBuffer) -> ShardRecord:
         samples = buffer.plan.samples
         offsets = np.cumsum([0] + [len(s) for s in samples]).astype(np.int64)
+        hidden, scales = buffer.hidden, None
+        if self.dtype == FP8:  # the buffer holds bfloat16 rows: each becomes float8 and its scale
+            quantized = {layer: quantize_rows(states) for layer, states in hidden.items()}
+            hidden = {layer: q for layer, (q, _) in quantized.items()}
+            scales = {layer: scale for layer, (_, scale) in quantized.items()}
         return write_shard(self.out_dir / buffer.plan.name, buffer.plan.split, [s.key for s in samples],
                            np.concatenate([s.input_ids for s in samples]),
-                           np.concatenate([s.loss_mask for s in samples]), offsets, buffer.hidden,
-                           self.plan_id, self.rank, target_top=buffer.top)
+                           np.concatenate([s.loss_mask for s in samples]), offsets, hidden,
+                           self.plan_id, self.rank, target_top=buffer.top, scales=scales)
 
 
 def _to_host(states: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -141,14 +146,14 @@ class RankResult:
 def compute_shards(target: Target, shards: list[ShardPlan], layers: list[int], recipe: Recipe, out_dir: Path,
                    plan_id: str, rank: int, show_progress: bool) -> RankResult:
     cfg = recipe.precompute
-    dtype = getattr(torch, cfg.dtype)
+    dtype = READ_DTYPE if cfg.dtype == FP8 else getattr(torch, cfg.dtype)  # the shard buffers' dtype
     todo = [s for s in shards if read_complete_record(out_dir / s.name, plan_id) is None]
     result = RankResult(shards_skipped=len(shards) - len(todo))
     if result.shards_skipped:
         log.info("resuming: %d of %d shards of this rank are already complete", result.shards_skipped, len(shards))
     if not todo:
         return result
-    writer = ShardWriter(out_dir, plan_id, rank, cfg.write_queue)
+    writer = ShardWriter(out_dir, plan_id, rank, cfg.write_queue, cfg.dtype)
     progress = tqdm(total=sum(s.tokens for s in todo), unit="tok", unit_scale=True, desc="precompute",
                     disable=not show_progress)
     start = time.perf_counter()

@@ -23,7 +23,7 @@ from mtptrain.data.prepare import prepare_samples
 from mtptrain.data.samples import Sample
 from mtptrain.features.compute import forward_batch
 from mtptrain.features.plan import make_plan_id, plan_shards, resolve_layers
-from mtptrain.features.store import SCHEMA_VERSION, TARGET_TOP
+from mtptrain.features.store import SCHEMA_VERSION, TARGET_TOP, as_stored
 from mtptrain.target import Target
 
 ONLINE = "online"  # what a head trained online records as its feature store
@@ -64,7 +64,7 @@ class OnlineFeatures:
         self.target, self.samples, self.runtime = target, samples, runtime
         self.layers = sorted(set(layers) | {target.num_layers - 1})  # the last layer gives the target's choices
         self.read = sorted(set(layers))
-        self.dtype = getattr(torch, dtype)
+        self.dtype = dtype  # precompute.dtype: states are returned as a store of it would return them
         self.keys = [s.key for s in samples]
         self.has_target_top = True
 
@@ -91,7 +91,8 @@ class OnlineFeatures:
         return [{"key": sample.key,
                  "input_ids": torch.from_numpy(sample.input_ids),
                  "loss_mask": torch.from_numpy(sample.loss_mask),
-                 "hidden": {layer: states[layer][row, : len(sample)].to("cpu", self.dtype) for layer in self.read},
+                 "hidden": {layer: as_stored(states[layer][row, : len(sample)].cpu(), self.dtype)
+                            for layer in self.read},
                  TARGET_TOP: top[row, : len(sample)].cpu()}
                 for row, sample in enumerate(batch)]
 

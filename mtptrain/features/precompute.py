@@ -13,8 +13,6 @@ import logging
 from datetime import datetime, timezone
 from pathlib import Path
 
-import torch
-
 from mtptrain.data.prepare import prepare_samples
 from mtptrain.data.samples import RowStats
 from mtptrain.config import Recipe, dump_recipe
@@ -23,7 +21,7 @@ from mtptrain.features.compute import RankResult, compute_shards
 from mtptrain.features.plan import ShardPlan, make_plan_id, plan_shards, resolve_layers
 from mtptrain.features.store import (
     MANIFEST, SCHEMA_VERSION, SPLITS, FeatureStoreError, load_manifest, read_complete_record, record_path,
-    write_manifest,
+    stored_bits, write_manifest,
 )
 from mtptrain.io import atomic_write_json, sha256_file
 from mtptrain.target import Target, load_target
@@ -89,7 +87,7 @@ def _precompute(recipe: Recipe, dist: DistInfo, grouped: bool, show_progress: bo
     for split in SPLITS:
         if not any(s.split == split for s in samples):
             log.warning("the %s split is empty (data.validation_fraction=%s)", split, recipe.data.validation_fraction)
-    bytes_per_token = len(layers) * target.hidden_size * torch.finfo(getattr(torch, recipe.precompute.dtype)).bits // 8
+    bytes_per_token = len(layers) * target.hidden_size * stored_bits(recipe.precompute.dtype) // 8
     plan = plan_shards(samples, max(1, int(recipe.precompute.shard_mb * 2**20 / bytes_per_token)))
     plan_id = make_plan_id(target, recipe, layers, plan)
     # Refuse another recipe's directory before writing anything into it.

@@ -16,6 +16,9 @@ Tensors of one shard (N samples, T tokens in all, H hidden size):
     offsets          int64 [N+1]   sample i is rows offsets[i]:offsets[i+1]
     hidden.<layer>   dtype [T, H]  output of decoder layer <layer> (0-based); the
                                    last layer's entry is its pre-norm output
+    scale.<layer>    float32 [T]   float8_e4m3fn stores only: each row's scale (its
+                                   largest magnitude / 448), the row being hidden * scale
+    target_top       int32 [T]     the target's greedy next token at each position
 
 The shard's safetensors metadata holds the sample keys (JSON list) and the
 plan id. Layer numbering is "output of decoder layer i", 0-based, everywhere
@@ -58,6 +61,39 @@ def hidden_key(layer: int) -> str:
     return f"hidden.{layer}"
 
 
+def scale_key(layer: int) -> str:
+    return f"scale.{layer}"
+
+
+FP8 = "float8_e4m3fn"  # precompute.dtype of 1-byte storage with a scale per row
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+READ_DTYPE = torch.bfloat16  # what a float8 store's rows are read back as
+
+
+def quantize_rows(states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float8_e4m3fn rows [T, H] and their float32 scales [T]: each row divided by its largest magnitude / 448,
+    so that every row uses the format's whole range (3 mantissa bits: within 1/16 of each value)."""
+    wide = states.float()
+    scale = (wide.abs().amax(dim=-1) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    return (wide / scale[:, None]).to(torch.float8_e4m3fn), scale
+
+
+def dequantize_rows(rows: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (rows.float() * scale[:, None].float()).to(READ_DTYPE)
+
+
+def as_stored(states: torch.Tensor, dtype: str) -> torch.Tensor:
+    """States [T, H] as a store of `dtype` (precompute.dtype) returns them once written and read back."""
+    if dtype == FP8:  # precompute quantizes rows from its bfloat16 shard buffer
+        return dequantize_rows(*quantize_rows(states.to(READ_DTYPE)))
+    return states.to(getattr(torch, dtype))
+
+
+def stored_bits(dtype: str) -> int:
+    """Bits per stored value of precompute.dtype (a float8 store's per-row scales come on top)."""
+    return torch.finfo(getattr(torch, dtype)).bits
+
+
 @dataclass
 class ShardRecord:
     file: str
@@ -76,14 +112,16 @@ def record_path(shard_path: Path) -> Path:
 
 def write_shard(path: Path, split: str, keys: list[str], input_ids: np.ndarray, loss_mask: np.ndarray,
                 offsets: np.ndarray, hidden: dict[int, torch.Tensor], plan_id: str, rank: int = 0,
-                target_top: torch.Tensor | None = None) -> ShardRecord:
+                target_top: torch.Tensor | None = None, scales: dict[int, torch.Tensor] | None = None) -> ShardRecord:
     """Write one shard atomically, then its record; the record's presence marks the shard complete.
-    `target_top` [tokens] (int32): the target's greedy next token at each position, where computed."""
+    `target_top` [tokens] (int32): the target's greedy next token at each position, where computed; `scales`
+    (layer -> [tokens]): the per-row scales of float8 hidden states."""
     tensors = {
         "input_ids": torch.from_numpy(np.ascontiguousarray(input_ids, dtype=np.int32)),
         "loss_mask": torch.from_numpy(np.ascontiguousarray(loss_mask, dtype=np.uint8)),
         "offsets": torch.from_numpy(np.ascontiguousarray(offsets, dtype=np.int64)),
         **{hidden_key(layer): states.contiguous() for layer, states in hidden.items()},
+        **{scale_key(layer): scale.to(torch.float32).contiguous() for layer, scale in (scales or {}).items()},
     }
     if target_top is not None:
         tensors[TARGET_TOP] = target_top.to(torch.int32).contiguous()
@@ -97,7 +135,7 @@ def write_shard(path: Path, split: str, keys: list[str], input_ids: np.ndarray, 
 
 
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",
-                       torch.int32: "I32", torch.uint8: "U8"}
+                       torch.int32: "I32", torch.uint8: "U8", torch.float8_e4m3fn: "F8_E4M3"}
 
 
 def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> dict[str, Any]:
@@ -267,6 +305,12 @@ class FeatureStore:
         first = int(trained[0, 0]) if len(trained) else end - start
         return handle.get_slice("input_ids")[start:start + first].tolist()
 
+    def _hidden(self, handle, layer: int, start: int, end: int) -> torch.Tensor:
+        rows = handle.get_slice(hidden_key(layer))[start:end]
+        if self.manifest["dtype"] == FP8:
+            return dequantize_rows(rows, handle.get_slice(scale_key(layer))[start:end])
+        return rows
+
     def items(self, indices: list[int]) -> list[dict[str, Any]]:
         """Samples `indices`, as a micro-batch reads them (features/online.py computes them instead)."""
         return [self[i] for i in indices]
@@ -278,7 +322,7 @@ class FeatureStore:
             "key": self.keys[i],
             "input_ids": handle.get_slice("input_ids")[start:end],
             "loss_mask": handle.get_slice("loss_mask")[start:end],
-            "hidden": {layer: handle.get_slice(hidden_key(layer))[start:end] for layer in self.layers},
+            "hidden": {layer: self._hidden(handle, layer, start, end) for layer in self.layers},
         }
         if self.has_target_top:
             item[TARGET_TOP] = handle.get_slice(TARGET_TOP)[start:end]

@@ -246,3 +246,25 @@ def test_two_processes_store_the_same_samples_as_one(tiny_target_dir, tmp_path):
             assert torch.equal(a[key]["loss_mask"], b[key]["loss_mask"])
             for layer in a[key]["hidden"]:
                 assert torch.allclose(a[key]["hidden"][layer], b[key]["hidden"][layer], atol=1e-5, rtol=1e-4)
+
+
+def test_a_float8_store_keeps_each_row_within_its_scale_at_half_the_size(tiny_target_dir, tmp_path):
+    """float8_e4m3fn with a scale per row: every value within 1/16 of its row's largest magnitude of the bfloat16
+    value it was made from (3 mantissa bits, plus reading back in bfloat16), in about half the bytes."""
+    data = write_sharegpt(tmp_path / "c.json", 30)
+    summaries = {}
+    for dtype in ("bfloat16", "float8_e4m3fn"):
+        summaries[dtype] = run_precompute(tiny_recipe(tiny_target_dir, data, tmp_path / dtype, dtype=dtype),
+                                          show_progress=False)
+    assert summaries["float8_e4m3fn"]["bytes_on_disk"] < 0.65 * summaries["bfloat16"]["bytes_on_disk"]
+    for split in ("train", "validation"):
+        wide, narrow = (FeatureStore(tmp_path / dtype, split) for dtype in ("bfloat16", "float8_e4m3fn"))
+        assert narrow.keys == wide.keys and (len(narrow) > 0 or split == "validation")
+        for i in range(len(narrow)):
+            a, b = wide[i], narrow[i]
+            assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["target_top"], b["target_top"])
+            for layer in narrow.layers:
+                got, ref = b["hidden"][layer], a["hidden"][layer].float()
+                assert got.dtype == torch.bfloat16
+                bound = ref.abs().amax(dim=-1, keepdim=True) * (1 / 16 + 1 / 128)
+                assert ((got.float() - ref).abs() <= bound).all(), (split, i, layer)

@@ -4,6 +4,7 @@ offline training on a store."""
 import json
 import subprocess
 
+import pytest
 import torch
 from conftest import write_sharegpt
 from safetensors.torch import load_file
@@ -13,19 +14,20 @@ from mtptrain.features.precompute import run_precompute
 from mtptrain.train.trainer import run_train
 
 
-def _recipe(target_dir, tmp_path, *overrides):
+def _recipe(target_dir, tmp_path, *overrides, dtype="bfloat16"):
     data = write_sharegpt(tmp_path / "chats.json", 48, seed=11)
     # precompute computes each sample alone (max_batch_size=1), as online micro-batches of one sample do: the
     # states of each sample then come from the same forward pass either way
     return train_recipe(target_dir, tmp_path / "features", tmp_path / "run", f"data.source={data}",
                         "data.max_length=160", "data.validation_fraction=0.1",
                         f"precompute.output_dir={tmp_path / 'features'}", "precompute.layers=[0, 1, 2]",
-                        "precompute.dtype=bfloat16", "precompute.max_batch_size=1", "head.kind=eagle3",
+                        f"precompute.dtype={dtype}", "precompute.max_batch_size=1", "head.kind=eagle3",
                         "train.micro_batch_size=1", "train.max_steps=30", *overrides)
 
 
-def test_online_and_offline_training_give_the_same_weights_on_the_same_data(tiny_target_dir, tmp_path):
-    recipe = _recipe(tiny_target_dir, tmp_path, "train.eval_every=15")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+def test_online_and_offline_training_give_the_same_weights_on_the_same_data(tiny_target_dir, tmp_path, dtype):
+    recipe = _recipe(tiny_target_dir, tmp_path, "train.eval_every=15", dtype=dtype)
     run_precompute(recipe, show_progress=False)
     offline = run_train(recipe.model_copy(deep=True), show_progress=False)
     online_dir = tmp_path / "online"
