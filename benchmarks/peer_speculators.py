@@ -2,8 +2,8 @@
 
     python benchmarks/peer_speculators.py --recipe recipes/reference-10k.yaml --out runs/peer --epochs 1
 
-1. `mtptrain speculators data`: the recipe's store (train.features) in speculators' offline format, with our
-   draft vocabulary.
+1. `mtptrain precompute` (kept when complete), then `mtptrain speculators data`: the recipe's store
+   (train.features) in speculators' offline format, with our draft vocabulary.
 2. speculators' trainer, in its own environment (scripts/setup_interop.sh), on a CPU through
    scripts/speculators_train_cpu.py, for `--epochs` passes over the train split: its own method (optimizer,
    schedule, loss, TTT loss decay, frozen LM head) with our head's shape (TTT steps, feature layers, draft
@@ -53,6 +53,7 @@ def main() -> None:
     out = Path(args.out).resolve()
     recipe = load_recipe(Path(args.recipe), args.sets)
     head = recipe.head
+    cli("precompute", "--recipe", args.recipe, "--no-progress", "--no-wandb", sets=args.sets)  # kept when complete
     data = out / "speculators-data"
     if not (data / "mtptrain-speculators-data.json").is_file():
         cli("speculators", "data", "--recipe", args.recipe, "--out", str(data), "--no-progress", sets=args.sets)
