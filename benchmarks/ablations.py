@@ -11,6 +11,9 @@ and, by name (--arms), one change each to the EAGLE-3 head at the same training 
   eagle3-lk-hybrid / eagle3-tv            an acceptance-aware loss (train.loss) instead of KL
   eagle3-ttt2 / eagle3-ttt6               2 / 6 training-time-test steps
   eagle3-vocab4k / eagle3-vocab16k        a draft vocabulary of 4,096 / 16,384 tokens
+  eagle3-muon                             Muon on the weight matrices instead of AdamW (train.optimizer)
+  eagle3-frozen-lm-head                   the draft LM head kept at the target's rows (train.draft_lm_head)
+  eagle3-equal-steps                      every TTT step weighted alike instead of 0.8^k (head.step_weights)
   eagle3-fp8-store                        features stored as float8 with a scale per row (precompute.dtype)
 and a learning curve: tau of the reference run's head snapshots (train.head_snapshots) against the
 training tokens each had seen.
@@ -56,6 +59,10 @@ ARMS = {
     "eagle3-ttt6": ["head.ttt_steps=6"],
     "eagle3-vocab4k": ["head.draft_vocab_size=4096"],
     "eagle3-vocab16k": ["head.draft_vocab_size=16384"],
+    # how the head is optimised (what speculators' trainer does differently from ours by default)
+    "eagle3-muon": ["train.optimizer=muon"],
+    "eagle3-frozen-lm-head": ["train.draft_lm_head=frozen"],
+    "eagle3-equal-steps": ["head.step_weights=[1,1,1,1]"],
     # storage below bfloat16 (its own store: features-fp8 under --out)
     "eagle3-fp8-store": ["precompute.dtype=float8_e4m3fn"],
 }

@@ -214,8 +214,19 @@ class TrainConfig(_Section):
     max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps (overrides epochs).")
     micro_batch_size: int = Field(4, ge=1, description="Samples per rank per forward/backward.")
     grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
-    lr: float = Field(3e-4, gt=0, description="Peak learning rate (AdamW).")
-    weight_decay: float = Field(0.0, ge=0)
+    lr: float = Field(3e-4, gt=0, description="Peak learning rate (AdamW; under muon, also the base its matrices' "
+                      "rates are scaled from).")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW's decoupled weight decay (under muon: of the vectors).")
+    optimizer: Literal["adamw", "muon"] = Field(
+        "adamw", description="adamw = AdamW on every trained parameter. muon = Muon (momentum orthogonalised by "
+        "Newton-Schulz, DeepSpeed's implementation) on the head's weight matrices and AdamW on its norms, biases and "
+        "LM head, with each matrix's rate lr x 0.2 x sqrt(max(rows, cols)) so that its update has AdamW's RMS and "
+        "one lr serves both (the rule of torch.optim.Muon's match_rms_adamw, which speculators trains with). Muon "
+        "bounds its own steps: train.grad_clip is not applied under it.")
+    muon_weight_decay: float = Field(0.1, ge=0, description="muon: decoupled weight decay of the matrices.")
+    draft_lm_head: Literal["trained", "frozen"] = Field(
+        "trained", description="eagle3: whether the head's own LM head (its draft vocabulary's rows of the target's, "
+        "copied at initialisation) is trained with the rest, or stays the target's rows (as speculators keeps it).")
     warmup_ratio: float = Field(0.05, ge=0, lt=1, description="Share of the steps spent warming up linearly.")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Cosine decay floor, as a share of lr.")
     grad_clip: float = Field(1.0, ge=0, description="Global gradient-norm clipping (0 = off).")

@@ -356,6 +356,18 @@ def load_frozen_target(cfg: TargetConfig, dist: DistInfo | None = None) -> Targe
     return Target(model, tokenizer, name, None, tokenizer_fingerprint(tokenizer), frozen_fingerprint(model))
 
 
+def load_identified_parts(cfg: TargetConfig) -> tuple[Target, dict]:
+    """The target as a head needs it, with the identity a head records: its frozen parts and the fingerprint of
+    every weight read from the safetensors files one tensor at a time, or the whole model where its files do
+    not allow that (then the identity is the loaded model's)."""
+    frozen = load_frozen_target(cfg)
+    fingerprint = checkpoint_fingerprint(cfg) if frozen is not None else None
+    if fingerprint is None:
+        whole = load_target(cfg)
+        return whole, whole.identity()
+    return frozen, {**frozen.identity(), "fingerprint": fingerprint}
+
+
 def load_config(cfg: TargetConfig, source: str | None = None):
     from transformers import AutoConfig  # lazy: see the note after the imports
 

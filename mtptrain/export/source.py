@@ -23,7 +23,7 @@ from mtptrain.heads.checkpoint import head_from, read_head_config
 from mtptrain.heads.spec import HeadSpec
 from mtptrain.heads.common import FrozenTarget
 from mtptrain.target import (
-    checkpoint_fingerprint, identity_mismatch, load_frozen_target, load_target, read_weight_map, resolve_local_dir,
+    identity_mismatch, load_identified_parts, read_weight_map, resolve_local_dir,
 )
 
 # The hub model the embedded GGUF (a Q4_1 quantisation) was made from: what a server loads as the target.
@@ -49,9 +49,7 @@ class HeadSource:
         safetensors files one tensor at a time, or from a whole load on CPU), the tokenizer's and the
         architecture's."""
         cfg = self.target_cfg.model_copy(update={"dtype": "bfloat16", "device": "cpu"})
-        frozen = load_frozen_target(cfg)
-        fingerprint = checkpoint_fingerprint(cfg) if frozen is not None else None
-        loaded = load_target(cfg).identity() if fingerprint is None else {**frozen.identity(), "fingerprint": fingerprint}
+        _, loaded = load_identified_parts(cfg)
         key = identity_mismatch(self.identity, loaded)
         if key is not None:
             raise ExportError(f"target '{self.target_model}' has {key} {loaded.get(key)}, but the head was trained "

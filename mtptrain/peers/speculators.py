@@ -43,7 +43,7 @@ from mtptrain.heads.checkpoint import save_head
 from mtptrain.heads.eagle3 import DraftVocab
 from mtptrain.heads.spec import HeadSpec
 from mtptrain.io import atomic_write_json
-from mtptrain.target import load_target
+from mtptrain.target import load_identified_parts
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +140,7 @@ def import_checkpoint(checkpoint: Path, target_cfg: TargetConfig, out: Path) -> 
         raise PeerError(f"{config_path}: trained with {', '.join(placed)}, a norm placement mtptrain's eagle3 head "
                         "does not have; train with --no-norm-before-residual --no-norm-before-fc (and --fc-norm / "
                         "--norm-output as wanted)")
-    target = load_target(target_cfg)
+    target, identity = load_identified_parts(target_cfg)
     layer = config["transformer_layer_config"]
     for key in ("hidden_size", "vocab_size"):
         ours = getattr(target.model.config, key)
@@ -173,6 +173,6 @@ def import_checkpoint(checkpoint: Path, target_cfg: TargetConfig, out: Path) -> 
     extra = {"train": {"steps": trained.get("global_step"), "recipe": {"name": "speculators", "target": recipe_target}},
              "imported": {"from": str(checkpoint.resolve()), "trainer": f"speculators {config.get('speculators_version')}",
                           "training_state": trained}}
-    save_head(Path(out), head, spec, target.identity(), extra, dtype=tensors["fc.weight"].dtype)
+    save_head(Path(out), head, spec, identity, extra, dtype=tensors["fc.weight"].dtype)
     log.info("imported %s as an mtptrain head in %s (%s)", checkpoint, out, spec)
     return json.loads((Path(out) / "config.json").read_text())

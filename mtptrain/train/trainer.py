@@ -25,6 +25,7 @@ import atexit
 import hashlib
 import json
 import logging
+import math
 import os
 import random
 import shutil
@@ -36,6 +37,7 @@ import deepspeed
 import numpy as np
 import torch
 import torch.distributed as torch_dist
+from torch import nn
 from tqdm import tqdm
 
 from mtptrain.config import Recipe, TrainConfig, dump_recipe
@@ -104,10 +106,11 @@ def deepspeed_config(cfg: TrainConfig, steps: int, world_size: int, precision: s
         "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
         "gradient_accumulation_steps": cfg.grad_accum,
         "train_batch_size": cfg.micro_batch_size * cfg.grad_accum * world_size,
-        "gradient_clipping": cfg.grad_clip,
-        "optimizer": {"type": "AdamW", "params": {"lr": cfg.lr, "betas": [0.9, 0.95], "eps": 1e-8,
-                                                  "weight_decay": cfg.weight_decay,
-                                                  "torch_adam": device_type == "cpu"}},
+        # Under Muon, DeepSpeed's ZeRO path orthogonalises each matrix's momentum where it gathers the gradients,
+        # and would then clip those updates (about sqrt(min(rows, cols)) in norm each), shrinking every step many
+        # times over: Muon bounds its step itself, and AdamW's is invariant to the gradient's scale.
+        "gradient_clipping": 0.0 if cfg.optimizer == "muon" else cfg.grad_clip,
+        "optimizer": optimizer_config(cfg, device_type),
         "scheduler": {"type": "WarmupCosineLR", "params": {
             "total_num_steps": steps, "warmup_num_steps": max(1, round(cfg.warmup_ratio * steps)),
             # No warmup asked: start at the peak (DeepSpeed always warms up over >= 2 steps otherwise).
@@ -119,6 +122,39 @@ def deepspeed_config(cfg: TrainConfig, steps: int, world_size: int, precision: s
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
     }
+
+
+def optimizer_config(cfg: TrainConfig, device_type: str) -> dict:
+    """DeepSpeed's optimizer section: AdamW, or Muon with AdamW for the parameters that are not matrices (the
+    rates of the matrices are set per parameter group, `trained_parameters`)."""
+    adam = {"lr": cfg.lr, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": cfg.weight_decay,
+            "torch_adam": device_type == "cpu"}
+    if cfg.optimizer == "muon":
+        return {"type": "Muon", "params": {**adam, "momentum": 0.95}}
+    return {"type": "AdamW", "params": adam}
+
+
+def trained_parameters(head: nn.Module, cfg: TrainConfig) -> list:
+    """What the optimizer is given: the head's trained parameters (its own LM head left out under
+    train.draft_lm_head=frozen), as one list under AdamW; under Muon one group per weight matrix, whose rate
+    makes its update's RMS AdamW's (lr x 0.2 x sqrt(max(rows, cols)), undoing the sqrt(rows / cols) that
+    DeepSpeed's Muon applies to tall matrices), then one group of the rest at lr."""
+    lm_head = getattr(head, "lm_head", None)
+    if cfg.draft_lm_head == "frozen" and lm_head is not None:
+        lm_head.weight.requires_grad_(False)
+    named = [(name, p) for name, p in head.named_parameters() if p.requires_grad]
+    if cfg.optimizer != "muon":
+        return [p for _, p in named]
+    groups, rest = [], []
+    for name, p in named:
+        if p.ndim == 2 and min(p.shape) > 1 and not any(word in name.lower() for word in ("embed", "lm_head")):
+            rows, cols = p.shape
+            tall = math.sqrt(rows / cols) if rows > cols else 1.0
+            groups.append({"params": [p], "name": name, "lr": cfg.lr * 0.2 * math.sqrt(max(rows, cols)) / tall,
+                           "weight_decay": cfg.muon_weight_decay})
+        else:
+            rest.append(p)
+    return groups + ([{"params": rest, "name": "vectors"}] if rest else [])
 
 
 def run_fingerprint(recipe: Recipe, manifest: dict, world_size: int) -> str:
@@ -268,7 +304,7 @@ class Trainer:
             atomic_write_json(self.run_dir / "deepspeed.json", config)
             dump_recipe(self.recipe, self.run_dir / "recipe.yaml")
         engine, _, _, scheduler = deepspeed.initialize(
-            model=head, model_parameters=[p for p in head.parameters() if p.requires_grad], config=config)
+            model=head, model_parameters=trained_parameters(head, self.cfg), config=config)
         return engine, scheduler
 
     def _resume(self, engine) -> dict:
@@ -344,7 +380,7 @@ class Trainer:
                     logged = window.reduce(self.dist, self.device)
                     if grad_norm is not None:
                         logged["train/grad_norm"] = float(grad_norm)
-                    logged.update({"train/lr": scheduler.get_last_lr()[0],
+                    logged.update({"train/lr": self.cfg.lr * scheduler.get_lr_ratio(),
                                    "train/tokens_per_s": totals["tokens"] / max(totals["compute"], 1e-9),
                                    "train/data_wait_fraction": totals["wait"] / max(totals["wait"] + totals["compute"], 1e-9)})
                     metrics.log(step, logged)

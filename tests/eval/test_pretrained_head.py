@@ -22,8 +22,10 @@ ADDED_SINCE = {"head": {"mtp_input", "fc_norm", "norm_output"}, "target": {"gpus
 TRAIN_KEYS_IGNORED = {"features", "output_dir", "head_dtype", "head_snapshots", "log_every", "eval_every",
                       "checkpoint_every", "target_check", "engine_eval", "online"}
 # (online came after it too: where the features are computed, not what they are; tests/train/test_online.py)
-# Train keys added since, with the value that means how the head was trained (forward KL).
-TRAIN_ADDED_SINCE = {"loss": "kl", "loss_eta": 3.0}
+# Train keys added since, with the value that means how the head was trained (forward KL, AdamW on every
+# trained parameter, the draft LM head trained).
+TRAIN_ADDED_SINCE = {"loss": "kl", "loss_eta": 3.0, "optimizer": "adamw", "muon_weight_decay": 0.1,
+                     "draft_lm_head": "trained"}
 
 
 def shipped_config() -> dict:

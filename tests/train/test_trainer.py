@@ -336,3 +336,63 @@ def test_an_acceptance_loss_trains_and_every_run_logs_alpha(tiny_target_dir, tin
     for p in (1, 2, 3):
         assert logged[-1][f"train/alpha_{p}"] > logged[0][f"train/alpha_{p}"]
     assert summary["val/alpha_1"] > 0.4 and summary["val/acc_1"] > 0.4
+
+
+def _first_update(tiny_target_dir, tiny_store, tmp_path, *overrides) -> dict[str, torch.Tensor]:
+    """Each trained tensor's first moving optimizer step at unit learning rate: the difference of two two-step
+    runs from the same initialisation at lr 1e-3 and 2e-3, divided by 1e-3 (no warmup or weight decay; the
+    default gradient clipping, which Muon's updates must escape). DeepSpeed's schedule gives the first step a
+    rate of 0, so the second is the first that moves."""
+    heads = []
+    for lr in ("1e-3", "2e-3"):
+        run = tmp_path / f"lr{lr}"
+        run_train(train_recipe(tiny_target_dir, tiny_store, run, "head.kind=eagle3", "train.max_steps=2",
+                               f"train.lr={lr}", "train.warmup_ratio=0", "train.grad_clip=1.0",
+                               "train.muon_weight_decay=0", "train.head_dtype=float32", *overrides),
+                  show_progress=False)
+        heads.append(load_file(run / "head" / "model.safetensors"))
+    return {k: (heads[1][k].double() - heads[0][k].double()) / 1e-3 for k in heads[0]
+            if heads[0][k].is_floating_point()}
+
+
+def _rms(t: torch.Tensor) -> float:
+    return float(t.pow(2).mean().sqrt())
+
+
+def _flatness(t: torch.Tensor) -> float:
+    singular = torch.linalg.svdvals(t)
+    return float(singular[: len(singular) // 2].min() / singular[0])
+
+
+def test_muon_gives_the_matrices_orthogonalised_updates_of_adamws_size(tiny_target_dir, tiny_store, tmp_path):
+    """AdamW's early steps move every weight by up to lr (its update is m / sqrt(v), close to the gradient's sign).
+    Under Muon each matrix's update is its orthogonalised momentum scaled to 0.2 lr RMS where the gradient has
+    full rank (torch's match_rms_adamw rule), so its singular values are alike; norms and biases keep AdamW's step."""
+    adamw = _first_update(tiny_target_dir, tiny_store, tmp_path / "adamw")
+    muon = _first_update(tiny_target_dir, tiny_store, tmp_path / "muon", "train.optimizer=muon")
+    matrices = [k for k, t in muon.items() if t.dim() == 2 and min(t.shape) > 1 and "lm_head" not in k]
+    assert "fc.weight" in matrices and any("o_proj" in k for k in matrices) and any("down_proj" in k for k in matrices)
+    for name in matrices:
+        assert 0.5 < _rms(adamw[name]) < 1.01, name
+        assert 0.05 < _rms(muon[name]) < 0.25, name  # 0.2 where the gradient has full rank
+        # how flat the update's singular values are (the smallest of the top half against the largest): a
+        # sign matrix spreads them widely, an orthogonalised one lifts them towards one another
+        assert _flatness(muon[name]) > 3 * _flatness(adamw[name]), name
+    # fc's gradient has full rank: 0.2 lr RMS (without the per-matrix rate it would be lr / sqrt(its 3H inputs))
+    assert 0.12 < _rms(muon["fc.weight"]) < 0.25
+    for name in (k for k, t in muon.items() if t.dim() == 1 and _rms(t) > 0):
+        assert 0.5 < _rms(muon[name]) < 1.01, name  # norms: AdamW's step
+    assert _rms(muon["lm_head.weight"]) > 0.5  # the LM head is AdamW's too
+
+
+def test_a_frozen_draft_lm_head_keeps_the_targets_rows(tiny_target_dir, tiny_store, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    rows = AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32).lm_head.weight
+    for mode in ("frozen", "trained"):
+        run = tmp_path / mode
+        run_train(train_recipe(tiny_target_dir, tiny_store, run, "head.kind=eagle3", "train.max_steps=3",
+                               "train.head_dtype=float32", f"train.draft_lm_head={mode}"), show_progress=False)
+        head = load_file(run / "head" / "model.safetensors")
+        kept = torch.equal(head["lm_head.weight"], rows[head["draft_to_target"]])
+        assert kept == (mode == "frozen"), mode
