@@ -14,6 +14,7 @@ and, by name (--arms), one change each to the EAGLE-3 head at the same training 
   eagle3-muon                             Muon on the weight matrices instead of AdamW (train.optimizer)
   eagle3-frozen-lm-head                   the draft LM head kept at the target's rows (train.draft_lm_head)
   eagle3-equal-steps                      every TTT step weighted alike instead of 0.8^k (head.step_weights)
+  eagle3-speculators-method               the three above together
   eagle3-fp8-store                        features stored as float8 with a scale per row (precompute.dtype)
 and a learning curve: tau of the reference run's head snapshots (train.head_snapshots) against the
 training tokens each had seen.
@@ -63,6 +64,7 @@ ARMS = {
     "eagle3-muon": ["train.optimizer=muon"],
     "eagle3-frozen-lm-head": ["train.draft_lm_head=frozen"],
     "eagle3-equal-steps": ["head.step_weights=[1,1,1,1]"],
+    "eagle3-speculators-method": ["train.optimizer=muon", "train.draft_lm_head=frozen", "head.step_weights=[1,1,1,1]"],
     # storage below bfloat16 (its own store: features-fp8 under --out)
     "eagle3-fp8-store": ["precompute.dtype=float8_e4m3fn"],
 }
