@@ -230,7 +230,8 @@ def format_report(rows: list[dict], curve: list[dict], args, seconds: float) -> 
     lines = [f"Chain drafting on {args.prompts} MT-bench questions x {args.turns} turn(s) x {args.tokens} tokens, "
              f"greedy ({seconds / 60:.0f} min in all)", ""]
     if rows:
-        lines += [f"Arms: {args.epochs} epochs each, same seed and data order; validation agreement is each arm's own "
+        budget = next((o for o in args.sets if o.startswith("train.max_steps=")), f"{args.epochs} epochs")
+        lines += [f"Arms: {budget} each, same seed and data order; validation agreement is each arm's own "
                   "held-out split; the agreement columns score every arm on the same text, teacher-forced "
                   f"(benchmarks/head_agreement.py, answers of {args.agreement_eval}).", ""]
         ref = next((r for r in rows if r["arm"] == "eagle3"), rows[0])
