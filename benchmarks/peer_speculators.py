@@ -13,6 +13,9 @@
    so the last step is exported, as speculators' last epoch is), and `mtptrain eval` of both heads on the same
    MT-bench prompts. Prints tau, acceptance per position and speedup side by side, with the tokens each trained
    on. Every stage is reused when the script runs again.
+
+A second run of ours against the same speculators head, with settings of our trainer only:
+    ... --ours mtptrain-muon --ours-set train.optimizer=muon
 """
 
 from __future__ import annotations
@@ -45,7 +48,22 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prompts", type=int, default=80, help="MT-bench questions evaluated")
     parser.add_argument("--k", default="[2,3,4]", help="chain lengths evaluated")
     parser.add_argument("--set", action="append", default=[], dest="sets", help="recipe override, both trainers")
+    parser.add_argument("--ours", default="mtptrain", help="name of our run under --out (a second run of ours "
+                        "with other --ours-set settings gets another name)")
+    parser.add_argument("--ours-set", action="append", default=[], dest="ours_sets",
+                        help="recipe override for our trainer only (train.optimizer=muon, ...)")
     return parser.parse_args()
+
+
+def evaluated(eval_dir: Path, head: Path, args) -> bool:
+    """An eval of this head on these prompts and chain lengths already finished (a rerun keeps it)."""
+    path = eval_dir / "results.json"
+    if not path.is_file():
+        return False
+    results = json.loads(path.read_text())
+    chains = sorted(m["k"] for m in results["methods"] if m["method"] == "chain")
+    return (results["head"] or {}).get("path") == str(head) and results["settings"]["prompt_count"] == args.prompts \
+        and chains == sorted(json.loads(args.k))
 
 
 def main() -> None:
@@ -78,16 +96,17 @@ def main() -> None:
     theirs = out / "speculators-head"
     last = save / f"epoch{args.epochs - 1}_end"
     cli("speculators", "import", str(last), "--out", str(theirs), "--recipe", args.recipe, sets=args.sets)
-    ours_run = out / "mtptrain"
+    ours_run = out / args.ours
     cli("train", "--recipe", args.recipe, "--no-wandb", "--no-progress",
-        sets=args.sets + [f"train.output_dir={ours_run}", f"train.epochs={args.epochs}", "train.head_snapshots=false",
-                          "train.engine_eval.select_best=false"])
+        sets=args.sets + args.ours_sets + [f"train.output_dir={ours_run}", f"train.epochs={args.epochs}",
+                                           "train.head_snapshots=false", "train.engine_eval.select_best=false"])
     rows = []
-    for name, head_dir in (("mtptrain", ours_run / "head"), ("speculators", theirs)):
+    for name, head_dir in ((args.ours, ours_run / "head"), ("speculators", theirs)):
         eval_dir = out / f"eval-{name}"
-        cli("eval", "--recipe", args.recipe, "--no-wandb", "--no-progress",
-            sets=args.sets + [f"eval.head={head_dir}", f"eval.output_dir={eval_dir}", f"eval.max_prompts={args.prompts}",
-                              f"eval.k={args.k}"])
+        if not evaluated(eval_dir, head_dir, args):
+            cli("eval", "--recipe", args.recipe, "--no-wandb", "--no-progress",
+                sets=args.sets + [f"eval.head={head_dir}", f"eval.output_dir={eval_dir}",
+                                  f"eval.max_prompts={args.prompts}", f"eval.k={args.k}"])
         results = json.loads((eval_dir / "results.json").read_text())
         for method in results["methods"][1:]:
             rows.append((name, method["label"], method["tau"], method.get("speedup"),
