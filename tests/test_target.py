@@ -11,8 +11,8 @@ from conftest import make_tiny_llama, make_tokenizer
 from mtptrain.config import TargetConfig, load_recipe
 from mtptrain.dist import DistInfo
 from mtptrain.target import (
-    _skeleton, frozen_parameters, identity_mismatch, load_frozen_target, load_target, model_fingerprint,
-    rank_devices, split_device_map,
+    _skeleton, frozen_parameters, identity_mismatch, load_frozen_target, load_identified_parts, load_target,
+    model_fingerprint, rank_devices, split_device_map,
 )
 
 # Llama-3.1-70B-Instruct's config.json, as Meta publishes it (the shapes the 70B recipe is sized for).
@@ -83,6 +83,22 @@ def test_checkpoints_without_the_tensors_in_safetensors_fall_back_to_the_whole_t
     assert "model.embed_tokens.weight" in caplog.text and "loading the whole target" in caplog.text
     (directory / "model.safetensors").unlink()
     assert load_frozen_target(TargetConfig(model=str(directory))) is None
+
+
+def test_identified_parts_carry_the_whole_targets_identity_with_the_decoder_layers_unread(tmp_path):
+    from safetensors.torch import load_file
+
+    directory = _save(tmp_path / "t")
+    whole = load_target(TargetConfig(model=str(directory)))
+    part, identity = load_identified_parts(TargetConfig(model=str(directory)))
+    assert identity == whole.identity() and identity["fingerprint"]
+    assert all(t.device.type == "meta" for t in part.model.model.layers.state_dict().values())
+    pickled = _save(tmp_path / "bin")  # weights in a pickle, not safetensors: the whole model loads
+    torch.save(load_file(pickled / "model.safetensors"), pickled / "pytorch_model.bin")
+    (pickled / "model.safetensors").unlink()
+    fallback, fallback_identity = load_identified_parts(TargetConfig(model=str(pickled)))
+    assert fallback_identity == load_target(TargetConfig(model=str(pickled))).identity()
+    assert not any(t.device.type == "meta" for t in fallback.model.state_dict().values())
 
 
 @pytest.mark.real_model
