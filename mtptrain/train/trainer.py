@@ -135,20 +135,17 @@ def optimizer_config(cfg: TrainConfig, device_type: str) -> dict:
 
 
 def trained_parameters(head: nn.Module, cfg: TrainConfig) -> list:
-    """What the optimizer is given: the head's trained parameters (its own LM head left out under
-    train.draft_lm_head=frozen), as one list under AdamW; under Muon one group per weight matrix, whose rate
-    makes its update's RMS AdamW's (lr x 0.2 x sqrt(max(rows, cols)), undoing the sqrt(rows / cols) that
-    DeepSpeed's Muon applies to tall matrices), then one group of the rest at lr."""
-    lm_head = getattr(head, "lm_head", None)
-    if cfg.draft_lm_head == "frozen" and lm_head is not None:
-        lm_head.weight.requires_grad_(False)
+    """What the optimizer is given: the head's parameters that require gradients, as one list under AdamW; under
+    Muon one group per matrix that DeepSpeed's Muon takes (its own rule: two or more dimensions, no "embed" or
+    "lm_head" in the name), whose rate makes its update's RMS AdamW's (lr x 0.2 x sqrt(max(rows, cols)), undoing
+    the sqrt(rows / cols) that DeepSpeed's Muon applies to tall matrices), then one group of the rest at lr."""
     named = [(name, p) for name, p in head.named_parameters() if p.requires_grad]
     if cfg.optimizer != "muon":
         return [p for _, p in named]
     groups, rest = [], []
     for name, p in named:
-        if p.ndim == 2 and min(p.shape) > 1 and not any(word in name.lower() for word in ("embed", "lm_head")):
-            rows, cols = p.shape
+        if p.ndim >= 2 and not any(word in name.lower() for word in ("embed", "lm_head")):
+            rows, cols = p.shape[0], p[0].numel()  # a matrix as DeepSpeed views it
             tall = math.sqrt(rows / cols) if rows > cols else 1.0
             groups.append({"params": [p], "name": name, "lr": cfg.lr * 0.2 * math.sqrt(max(rows, cols)) / tall,
                            "weight_decay": cfg.muon_weight_decay})
@@ -303,6 +300,10 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             atomic_write_json(self.run_dir / "deepspeed.json", config)
             dump_recipe(self.recipe, self.run_dir / "recipe.yaml")
+        if self.cfg.draft_lm_head == "frozen" and hasattr(head, "lm_head"):  # eagle3's own, over its draft vocabulary
+            head.lm_head.weight.requires_grad_(False)
+        if self.cfg.optimizer == "muon" and self.cfg.grad_clip > 0 and self.dist.is_main:
+            log.info("train.grad_clip=%g is not applied under Muon, which bounds its own steps", self.cfg.grad_clip)
         engine, _, _, scheduler = deepspeed.initialize(
             model=head, model_parameters=trained_parameters(head, self.cfg), config=config)
         return engine, scheduler
