@@ -390,7 +390,8 @@ class Trainer:
                     self.last_validation = self.validate(head, dtype)
                     if self.prompts and self.dist.is_main:
                         self.last_validation.update(self._draft(head, step))
-                    metrics.log(step, self.last_validation)
+                    # the tokens seen so far (exact, from the batch plan): the x axis of a learning curve
+                    metrics.log(step, {**self.last_validation, "train/tokens_seen": self.plan.tokens_through(step)})
                 if step % self.cfg.checkpoint_every == 0 or step == self.steps:
                     if self.cfg.head_snapshots and self.dist.is_main:  # first: a resume starts after the checkpoint
                         self._snapshot(head, step)

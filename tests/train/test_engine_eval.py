@@ -37,6 +37,8 @@ def test_the_head_drafts_while_training_and_the_best_validated_head_is_exported(
     config = json.loads((out / "head" / "config.json").read_text())
     assert config["validation"]["step"] == best["step"] and config["validation"]["tau_chain"] == best_tau
     assert config["train"]["steps"] == best["step"]
+    seen = [r["train/tokens_seen"] for r in drafted]  # the x axis of the learning curve, exact
+    assert seen == sorted(seen) and seen[0] > 0 and config["train"]["tokens"] == best["train/tokens_seen"]
     assert summary["selected"] == {"step": best["step"], "tau_chain": best_tau}
     exported, kept = load_file(out / "head" / "model.safetensors"), load_file(out / "best-head" / "model.safetensors")
     assert exported.keys() == kept.keys() and all(torch.equal(exported[k], kept[k]) for k in exported)
