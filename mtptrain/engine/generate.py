@@ -41,7 +41,11 @@ class GenerationStats:
         return self.emitted / self.steps if self.steps else 0.0
 
     def acceptance(self) -> list[float]:
-        return [a / p for a, p in zip(self.accepted, self.proposed) if p]
+        """At position i, the share of all verification steps whose drafts 1..i were all accepted (a step that
+        drafted fewer than i tokens counts as not reaching i). Out of all steps, not out of those that drafted
+        i: a tree's depth and an n-gram's match vary from step to step, and over all steps every method's
+        numbers compare, fall with i, and sum to tau - 1 (each step emits its accepted drafts plus one)."""
+        return [a / self.steps for a in self.accepted] if self.steps else []
 
     def record(self, drafted: int, accepted: int, emitted: int, verified: int | None = None) -> None:
         """drafted: the draft's depth (a chain's length); verified: the draft tokens the target scored."""

@@ -12,8 +12,8 @@ from pathlib import Path
 
 from mtptrain.io import atomic_write_text
 
-# GenerationStats.acceptance(): at position i, the share of steps that drafted i whose drafts 1..i were all
-# accepted, not the share of those that reached i.
+# GenerationStats.acceptance(): at position i, the share of all steps whose drafts 1..i were all accepted, not
+# the share of those that reached i-1.
 ACCEPTANCE_KIND = "cumulative"
 
 

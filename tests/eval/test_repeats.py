@@ -120,6 +120,21 @@ def test_acceptance_per_position_is_cumulative_not_conditional():
         stats.record(drafted=3, accepted=accepted, emitted=accepted + 1)
     # cumulative: steps whose drafts 1..i were all accepted, out of all 4; conditional would be 3/4, 2/3, 1/2
     assert stats.acceptance() == [3 / 4, 2 / 4, 1 / 4]
+    assert stats.tau == 1 + sum(stats.acceptance())
+
+
+def test_acceptance_counts_steps_that_drafted_less_as_not_reaching_the_position():
+    stats = GenerationStats()
+    # a tree's depth varies: 2 deep steps fully accepted, 2 shallow ones with their one node accepted,
+    # and an n-gram-like step that drafted nothing
+    for drafted, accepted in ((3, 3), (3, 3), (1, 1), (1, 1), (0, 0)):
+        stats.record(drafted=drafted, accepted=accepted, emitted=accepted + 1)
+    assert stats.acceptance() == [4 / 5, 2 / 5, 2 / 5]  # out of the drafting steps alone: 1, 1, 1
+    assert stats.tau == 1 + sum(stats.acceptance())
+    merged = GenerationStats()
+    merged.merge(stats)
+    merged.merge(stats)
+    assert merged.acceptance() == stats.acceptance()
 
 
 def test_every_request_is_timed_repeats_times_in_rotated_orders(tiny_target_dir, eagle3_head, tmp_path, monkeypatch):
