@@ -49,7 +49,7 @@ class HeadChainProposer(ProposerBase):
         ids = torch.tensor([next_tokens], device=next(self.head.parameters()).device)
         out = self.stepper.step(self.head.draft_input(hidden, self.spec), ids)
         self.last_feature = out[:, -1:]
-        self.last_logits = self.head.logits(self.last_feature)[0, -1]
+        self.last_logits = self.stepper.logits(self.last_feature)[0, -1]
 
     @torch.inference_mode()
     def propose(self, tokens: list[int], k: int) -> tuple[list[int], torch.Tensor | None]:
@@ -63,7 +63,7 @@ class HeadChainProposer(ProposerBase):
                 break
             ids = torch.tensor([[token]], device=feature.device)
             feature = self.stepper.step(feature, ids)
-            logits = self.head.logits(feature)[0, -1]
+            logits = self.stepper.logits(feature)[0, -1]
         return draft, None if self.sampling.greedy else torch.stack(probs)
 
     def _choose(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:

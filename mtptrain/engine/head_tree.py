@@ -65,7 +65,7 @@ class HeadTreeProposer(HeadChainProposer):
             for n in frontier:
                 slot[n] = len(slot)
             out = self.stepper.step(features, ids, positions, seen)
-            logits = self.head.logits(out)[0]
+            logits = self.stepper.logits(out)[0]
             children = []
             for row, n in enumerate(frontier):
                 for token, logp in zip(*self._top(logits[row])):

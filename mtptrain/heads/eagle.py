@@ -76,7 +76,8 @@ class EagleHead(nn.Module):
             embeds = self.frozen.embed_as(ids, self)
             x = block.proj(torch.cat([block.norm_embed(embeds), block.norm_hidden(feature)], dim=-1))
             return block.layer.input_layernorm(x), x
-        return HeadStepper(block.layer, block.rotary, head_layer_config(self.frozen.config), inputs)
+        return HeadStepper(block.layer, block.rotary, head_layer_config(self.frozen.config), inputs,
+                           lm_head=self.frozen.lm_head, logits_input=self.norm, shared_lm_head=True)
 
 
 class EagleFamily(EagleStyleFamily):

@@ -20,7 +20,7 @@ from torch import nn
 from mtptrain.runtime.cache import KVCache
 from mtptrain.runtime.choice import ATTENTION, PRODUCT, causal_mask, choose
 from mtptrain.runtime.model import LayerKernels, RopeTables
-from mtptrain.runtime.weights import layer_copy
+from mtptrain.runtime.weights import layer_copy, pack, packed_copy
 
 INITIAL_CAPACITY = 512  # positions; the cache doubles when a generation outgrows it
 
@@ -33,7 +33,8 @@ class HeadStepper:
     `head(feature, ids, cache=...)` for the head's KV cache."""
 
     def __init__(self, layer: nn.Module, rotary: nn.Module, config, inputs: Inputs,
-                 output: Callable[[torch.Tensor], torch.Tensor] | None = None):
+                 output: Callable[[torch.Tensor], torch.Tensor] | None = None, lm_head: nn.Linear | None = None,
+                 logits_input: Callable[[torch.Tensor], torch.Tensor] | None = None, shared_lm_head: bool = False):
         weight = layer.post_attention_layernorm.weight
         self.device, self.dtype = weight.device, weight.dtype
         choice = choose(config, self.device, str(self.dtype).removeprefix("torch."))
@@ -46,6 +47,24 @@ class HeadStepper:
         self.output = output  # what a step returns of the layer's output (the state the next step reads)
         k = self.kernels
         self.cache = KVCache(1, 1, k.kv_heads, k.head_dim, INITIAL_CAPACITY, choice.cache_dtype, self.device)
+        # The LM head `logits` multiplies, on the same product as the layer: packed, a one-row product over an
+        # 8,192-token draft vocabulary takes 69 us instead of 243 us (AMD EPYC, avx512_bf16), three times a chain
+        # step at K=3. A head's own LM head is packed as it is now; the target's (shared_lm_head) is packed once
+        # and kept on its module, where the runtime keeps it too.
+        self.logits_input = logits_input
+        self.lm_head, self.lm_head_dtype = None, None
+        if lm_head is not None:
+            self.lm_head_dtype = lm_head.weight.dtype
+            if choice.product != "packed":
+                self.lm_head = lm_head.weight
+            else:
+                self.lm_head = packed_copy(lm_head) if shared_lm_head else pack(lm_head.weight)
+
+    def logits(self, state: torch.Tensor) -> torch.Tensor:
+        """Logits over the head's vocabulary from what a step returned: the head's own `logits`, up to float
+        rounding."""
+        x = state if self.logits_input is None else self.logits_input(state)
+        return self.kernels.product(x.to(self.lm_head_dtype), self.lm_head, None)
 
     @property
     def length(self) -> int:

@@ -27,6 +27,10 @@ def _head(kind: str, dtype: torch.dtype):
     return head
 
 
+def head_lm_head(head):
+    return head.lm_head if hasattr(head, "lm_head") else head.frozen.lm_head
+
+
 def _packed(monkeypatch):
     from mtptrain.heads import fast
     from mtptrain.runtime.choice import Choice
@@ -46,6 +50,7 @@ def test_steps_equal_the_heads_forward_through_prefill_steps_rollback_and_a_tree
     head = _head(kind, dtype)
     stepper = head.stepper()
     assert stepper.layer.packed == packed
+    assert (stepper.lm_head is not head_lm_head(head).weight) == packed  # packed: its own blocked copy
     generator = torch.Generator().manual_seed(1)
     hidden = head.frozen.config.hidden_size
     features = torch.randn(1, 12, hidden, generator=generator, dtype=dtype)
@@ -61,6 +66,8 @@ def test_steps_equal_the_heads_forward_through_prefill_steps_rollback_and_a_tree
         theirs = head(f, i, position_ids=positions, cache=cache, mask=mask)
         ours = stepper.step(f, i, positions, seen)
         assert torch.allclose(ours, theirs, **tolerance), (ours - theirs).abs().max()
+        # the LM head on the stepper's product (packed with the layer) gives the head's own logits
+        assert torch.allclose(stepper.logits(ours), head.logits(theirs), **tolerance)
         return ours
 
     both(features[:, :7], ids[:, :7])  # a prefill
