@@ -18,7 +18,7 @@ quickstart: setup
 	$(BIN)/mtptrain train --recipe recipes/quickstart.yaml $(foreach s,$(SET),--set $(s))
 	$(BIN)/mtptrain eval --recipe recipes/quickstart.yaml $(foreach s,$(SET),--set $(s))
 
-# The reference run (about 80 min on a 2-core CPU, docs/reference-run.md): self-distilled data, EAGLE-3 head, MT-bench
+# The reference run (about 3 hours on a 2-core CPU, docs/reference-run.md): self-distilled data, EAGLE-3 head, MT-bench
 # eval at temperature 0 (both turns), then the chain again at temperature 1 (first turns).
 reference: setup
 	$(BIN)/mtptrain pipeline --recipe recipes/reference.yaml $(foreach s,$(SET),--set $(s))

@@ -1,6 +1,6 @@
 """Our EAGLE-3 trainer against vLLM's `speculators` (0.9.0) trainer, on the same store and training tokens.
 
-    python benchmarks/peer_speculators.py --recipe recipes/reference-10k.yaml --out runs/peer --epochs 1
+    python benchmarks/peer_speculators.py --recipe recipes/reference.yaml --out runs/peer --epochs 1
 
 1. `mtptrain precompute` (kept when complete), then `mtptrain speculators data`: the recipe's store
    (train.features) in speculators' offline format, with our draft vocabulary.
@@ -40,7 +40,7 @@ def cli(*args: str, sets: list[str] = ()) -> None:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--recipe", default="recipes/reference-10k.yaml")
+    parser.add_argument("--recipe", default="recipes/reference.yaml")
     parser.add_argument("--out", default="runs/peer")
     parser.add_argument("--epochs", type=int, default=1, help="passes over the train split, both trainers")
     parser.add_argument("--total-seq-len", type=int, default=2048, help="speculators: tokens per packed row")

@@ -1,4 +1,4 @@
-"""Copy the head of a finished reference run into pretrained/, with its eval results and a README.
+"""Copy the head of a finished reference run into pretrained/, with its eval results, learning curve and a README.
 
     make reference                      # runs/reference: regenerate, precompute, train, eval (T=0 and T=1)
     python scripts/ship_reference_head.py
@@ -14,29 +14,39 @@ import json
 import shutil
 from pathlib import Path
 
+from learning_curve import plot, table, validations  # scripts/learning_curve.py
+
 from mtptrain.eval.report import methods_table, run_line
 from mtptrain.heads.checkpoint import PRETRAINED_HEAD
 
 EVALS = {"eval": "temperature 0", "eval-t1": "temperature 1"}
 
 
-def readme(config: dict, summary: dict, tokens: int | None, evals: dict[str, dict], size: int) -> str:
+def readme(config: dict, curve: list[dict], evals: dict[str, dict], size: int) -> str:
     head, target, train = config["head"], config["target"], config["train"]
-    val = [summary.get(f"val/acc_{i}") for i in range(1, head["ttt_steps"] + 1)]
+    norms = head["norms"] + (", EAGLE-3.1 norms (fc_norm, norm_output)" if head.get("fc_norm") else "")
+    recipe = train["recipe"]["train"]
+    validated = next((r for r in curve if r["step"] == train["steps"]), {})
+    agreement = [validated[f"val/acc_{i}"] for i in range(1, head["ttt_steps"] + 1) if f"val/acc_{i}" in validated]
+    chosen = config.get("validation")
     lines = [
         f"# {target['name']} EAGLE-3 head (reference run)",
         "",
         f"An `{head['kind']}` head for `{target['name']}` (fingerprint `{target['fingerprint']}`): one decoder "
         f"layer over the target's layers {head['feature_layers']} and its last layer {head['last_layer']}, "
-        f"norms {head['norms']}, {head['ttt_steps']} training-time-test steps, a draft vocabulary of "
+        f"norms {norms}, {head['ttt_steps']} training-time-test steps, a draft vocabulary of "
         f"{head['draft_vocab_size']} tokens. Weights in bfloat16, {size / 2**20:.1f} MiB.",
         "",
         "Reproduce it with `make reference` (recipes/reference.yaml: self-distilled ShareGPT answers, precompute, "
         "train, eval), then `python scripts/ship_reference_head.py`. `mtptrain eval` on the embedded default "
         "uses this head whenever the recipe's own head has not been trained yet.",
         "",
-        f"Training: {train['steps']} steps" + (f", {tokens:,} tokens seen" if tokens else "") + "; validation top-1 "
-        "agreement with the target per position: " + " / ".join(f"{v:.3f}" for v in val if v is not None) + ".",
+        f"Training: optimizer {recipe['optimizer']}, lr {recipe['lr']}, {train['steps']} steps, "
+        f"{train['tokens']:,} tokens seen."
+        + (f" Exported from step {chosen['step']}, the best chain tau of the validations through the engine "
+           f"({chosen['tau_chain']:.2f} on held-out prompts)." if chosen else "")
+        + (" Teacher-forced top-1 agreement with the target on the held-out conversations, per position: "
+           + " / ".join(f"{v:.3f}" for v in agreement) + "." if agreement else ""),
         "",
         "What this CPU-scale training buys and what limits it: docs/reference-run.md in the repository.",
     ]
@@ -44,6 +54,10 @@ def readme(config: dict, summary: dict, tokens: int | None, evals: dict[str, dic
         lines += ["", f"## MT-bench, {EVALS[name]}", "", run_line(results), "tau is tokens per target forward, bonus "
                   "included; speedup is against the baseline of the same run.", ""]
         lines += methods_table(results)
+    if curve:
+        lines += ["", "## Learning curve", "", "The validations while training (`scripts/learning_curve.py`): the "
+                  "head drafting in the engine on held-out prompts, greedy, and its teacher-forced agreement "
+                  "(learning-curve.png).", "", table(curve)]
     return "\n".join(lines) + "\n"
 
 
@@ -54,7 +68,7 @@ def main() -> None:
     args = parser.parse_args()
     run, out = Path(args.run), Path(args.out)
     head = run / "train" / "head"
-    missing = [p for p in (head / "config.json", head / "model.safetensors", run / "train" / "summary.json",
+    missing = [p for p in (head / "config.json", head / "model.safetensors", run / "train" / "metrics.jsonl",
                            *(run / n / "results.json" for n in EVALS)) if not p.is_file()]
     if missing:
         raise SystemExit(f"error: {', '.join(map(str, missing))} missing: run `make reference` first")
@@ -69,12 +83,11 @@ def main() -> None:
         (out / f"{name}.json").write_text(json.dumps(results, indent=2) + "\n")
         evals[name] = results
     config = json.loads((head / "config.json").read_text())
-    summary = json.loads((run / "train" / "summary.json").read_text())
-    # The snapshot of the last step (train.head_snapshots) records the exact tokens seen.
-    snapshot = run / "train" / "snapshots" / f"step-{config['train']['steps']:07d}" / "config.json"
-    tokens = json.loads(snapshot.read_text())["train"]["tokens"] if snapshot.is_file() else None
+    curve = validations(run / "train")
     size = (head / "model.safetensors").stat().st_size
-    (out / "README.md").write_text(readme(config, summary, tokens, evals, size))
+    if curve:
+        plot(curve, out / "learning-curve.png")
+    (out / "README.md").write_text(readme(config, curve, evals, size))
     print(f"shipped {head} -> {out}")
 
 

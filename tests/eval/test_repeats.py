@@ -17,7 +17,8 @@ from mtptrain.engine.generate import GenerationStats
 
 from test_eval import eagle3_head, eval_args, write_prompts  # noqa: F401  (eagle3_head: a fixture)
 
-PRETRAINED_RESULTS = Path(__file__).resolve().parents[2] / "pretrained" / "smollm2-135m-instruct-eagle3" / "eval.json"
+# results.json as an eval wrote it before repeats, spreads and the CPU description (the first reference run's)
+OLD_RESULTS = Path(__file__).resolve().parent / "fixtures" / "results-before-repeats.json"
 
 
 @pytest.mark.parametrize("count", [3, 4, 7])
@@ -107,7 +108,7 @@ def test_an_unmeasured_load_is_said_not_silently_dropped():
 
 
 def test_results_written_before_repeats_still_render():
-    results = json.loads(PRETRAINED_RESULTS.read_text())
+    results = json.loads(OLD_RESULTS.read_text())
     assert "speedup_spread" not in results["methods"][0]
     assert len(methods_table(results)) == 2 + len(results["methods"])
     assert "x86_64" in run_line(results)

@@ -326,10 +326,14 @@ def test_the_shipped_head_drafts_the_same_tokens_from_its_exports(tmp_path):
     prompt = target.tokenizer(text, add_special_tokens=False)["input_ids"]
     ours = drafts(target.model, head.float(), spec, list(prompt))
     assert len(ours) > 5
+    shipped = json.loads((PRETRAINED_HEAD / "eval.json").read_text())
+    chain = next(m for m in shipped["methods"] if m["label"] == "chain K=3")
+    quoted = f"| chain K=3 | {chain['tau']:.2f} | {chain['speedup']:.2f}x | {chain['acceptance'][0]:.2f} "
+    assert chain["tau"] > 1.5 and chain["speedup"] > 1.0  # the reference run's head, which pays
     for fmt in ("eagle3", "speculators"):
         summary = export_head(PRETRAINED_HEAD, tmp_path / fmt, ExportConfig(format=fmt))
         readme = (tmp_path / fmt / "README.md").read_text()
-        assert "| chain K=3 | 1.32 | 0.92x | 0.25 0.06 0.02 |" in readme  # the shipped eval.json, quoted
+        assert quoted in readme  # the shipped eval.json, quoted
         assert "4 training-time-test steps, draft vocabulary 8192 tokens" in readme
         assert summary["notes"] and all(mode == 0o644 for mode in
                                         (p.stat().st_mode & 0o777 for p in (tmp_path / fmt).iterdir()))
