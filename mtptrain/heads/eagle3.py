@@ -139,8 +139,8 @@ class Eagle3Head(nn.Module):
         """This head's drafting steps on the runtime's kernels (heads/fast.py)."""
         return HeadStepper(self.layer, self.rotary, head_layer_config(self.frozen.config),
                            lambda feature, ids: (self.attention_input(feature, ids), feature),
-                           self.carry if self.norm_output else None, self.lm_head,
-                           None if self.norm_output else self.norm)
+                           self.carry if self.norm_output else None, lm_head=self.lm_head,
+                           logits_input=None if self.norm_output else self.norm)
 
     def unroll(self, fused: torch.Tensor, input_ids: torch.Tensor, steps: int) -> list[torch.Tensor]:
         """Training-time test over whole sequences: fused [B, T, H] (step-0 features), input_ids [B, T].

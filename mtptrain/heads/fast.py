@@ -33,7 +33,7 @@ class HeadStepper:
     `head(feature, ids, cache=...)` for the head's KV cache."""
 
     def __init__(self, layer: nn.Module, rotary: nn.Module, config, inputs: Inputs,
-                 output: Callable[[torch.Tensor], torch.Tensor] | None = None, lm_head: nn.Linear | None = None,
+                 output: Callable[[torch.Tensor], torch.Tensor] | None = None, *, lm_head: nn.Linear,
                  logits_input: Callable[[torch.Tensor], torch.Tensor] | None = None, shared_lm_head: bool = False):
         weight = layer.post_attention_layernorm.weight
         self.device, self.dtype = weight.device, weight.dtype
@@ -52,13 +52,11 @@ class HeadStepper:
         # step at K=3. A head's own LM head is packed as it is now; the target's (shared_lm_head) is packed once
         # and kept on its module, where the runtime keeps it too.
         self.logits_input = logits_input
-        self.lm_head, self.lm_head_dtype = None, None
-        if lm_head is not None:
-            self.lm_head_dtype = lm_head.weight.dtype
-            if choice.product != "packed":
-                self.lm_head = lm_head.weight
-            else:
-                self.lm_head = packed_copy(lm_head) if shared_lm_head else pack(lm_head.weight)
+        self.lm_head_dtype = lm_head.weight.dtype
+        if choice.product != "packed":
+            self.lm_head = lm_head.weight
+        else:
+            self.lm_head = packed_copy(lm_head) if shared_lm_head else pack(lm_head.weight)
 
     def logits(self, state: torch.Tensor) -> torch.Tensor:
         """Logits over the head's vocabulary from what a step returned: the head's own `logits`, up to float
