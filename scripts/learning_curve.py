@@ -77,7 +77,7 @@ def plot(rows: list[dict], path: Path) -> None:
             left.plot(x, [r.get(key) for r in rows], marker="o", label=label)
     left.set(xlabel="training tokens (M)", ylabel="tau (engine, held-out prompts)")
     left.legend()
-    for i in range(1, len(_series(rows[0], "val/acc_")) + 1 if rows else 1):
+    for i, _ in enumerate(_series(rows[0], "val/acc_") if rows else [], 1):
         right.plot(x, [r[f"val/acc_{i}"] for r in rows], marker="o", label=f"position {i}")
     right.set(xlabel="training tokens (M)", ylabel="teacher-forced agreement")
     right.legend()
