@@ -44,7 +44,8 @@ class GenerationStats:
         """At position i, the share of all verification steps whose drafts 1..i were all accepted (a step that
         drafted fewer than i tokens counts as not reaching i). Out of all steps, not out of those that drafted
         i: a tree's depth and an n-gram's match vary from step to step, and over all steps every method's
-        numbers compare, fall with i, and sum to tau - 1 (each step emits its accepted drafts plus one)."""
+        numbers compare, fall with i, and sum to tau - 1 (each step emits its accepted drafts plus one), less
+        the tokens cut where an answer ends (its token budget or an end of sequence) inside a step."""
         return [a / self.steps for a in self.accepted] if self.steps else []
 
     def record(self, drafted: int, accepted: int, emitted: int, verified: int | None = None) -> None:

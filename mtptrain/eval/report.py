@@ -218,7 +218,8 @@ def markdown(results: dict) -> str:
     lines += ["", "tau counts tokens per target forward, bonus included; speedup is tokens/s against the baseline "
               "measured in the same run on the same prompts. Acceptance per position is cumulative: at position i, "
               "the share of all steps in which drafts 1..i were all accepted (a step that drafted fewer than i "
-              "tokens did not reach i), so tau = 1 + their sum; not the share of the steps that got as far as "
+              "tokens did not reach i), so tau = 1 + their sum, less the tokens cut where an answer ended inside a "
+              "step (its token budget or an end of sequence); not the share of the steps that got as far as "
               "position i.", ""]
     lines += [f"{line[0].upper()}{line[1:]}." for line in timing_lines(results)]
     lines += ["", *methods_table(results), "", "## Best configuration per method", ""]
