@@ -2,7 +2,7 @@
 
     python benchmarks/engine_speed.py [--prompts 8] [--new-tokens 128] [--k 3] [--repeats 3]
                                       [--dtype auto] [--head pretrained/smollm2-135m-instruct-eagle3]
-                                      [--methods ngram,suffix,chain,tree] [--no-peers]
+                                      [--methods ngram,suffix,chain,tree] [--ngram 2-3] [--no-peers]
 
 Greedy decoding of the embedded SmolLM2-135M-Instruct, batch 1:
   runtime AR        mtptrain's runtime (mtptrain/runtime/), no drafting: the baseline of every ratio
@@ -10,7 +10,8 @@ Greedy decoding of the embedded SmolLM2-135M-Instruct, batch 1:
   hf-generate       transformers' model.generate(do_sample=False)
   llama.cpp         llama-cpp-python's greedy decoding of the same GGUF (quantised weights; install with
                     `pip install -e .[bench]`; not compared for exactness)
-  ngram / suffix    the runtime with n-gram prompt lookup / the suffix index over past outputs, K = --k
+  ngram / suffix    the runtime with n-gram prompt lookup / the suffix index over past outputs, K = --k;
+                    --ngram lists the n-gram lengths matched (min-max, e.g. 1-3,2-3: one method per range)
   hf-prompt-lookup  transformers' generate(prompt_lookup_num_tokens=K)
   chain / tree      the runtime with the trained head (--head), chain K and a tree of --tree-budget nodes
 --k takes a list (1,2,3: each chain method at each K); --methods picks eval's methods; --no-peers leaves out
@@ -34,6 +35,7 @@ import argparse
 import logging
 import statistics
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -41,6 +43,7 @@ import torch
 from mtptrain.config import Recipe, load_recipe
 from mtptrain.data.chat import prompt_ids, stop_tokens
 from mtptrain.engine.generate import generate
+from mtptrain.engine.ngram import NgramProposer
 from mtptrain.engine.verify import Sampling
 from mtptrain.eval.prompts import load_prompts
 from mtptrain.eval.run import build_configs, top2
@@ -113,6 +116,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--methods", default="ngram,suffix,chain,tree", help="eval's methods to measure")
     parser.add_argument("--no-peers", action="store_true",
                         help="only the runtime's methods (no transformers, hf-generate or llama.cpp)")
+    parser.add_argument("--ngram", default=None,
+                        help="n-gram lengths matched, min-max, comma-separated ranges each measured as its own "
+                             "method (default: eval.ngram's, 2-3)")
     parser.add_argument("--tree-budget", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
@@ -150,10 +156,26 @@ def build_methods(args, recipe: Recipe, target) -> tuple[list[Method], list, boo
     if cpp is not None:
         methods.append(Method("llama.cpp", cpp, compare=False))
     for c in configs[1:]:
-        methods.append(Method(c.label, engine(reading if c.uses_head else plain, c.make, c.k or 1)))
+        if c.method == "ngram" and args.ngram:
+            for low, high in ngram_ranges(args.ngram):
+                make = partial(NgramProposer, low, high)
+                methods.append(Method(f"{c.label} n={low}-{high}", engine(plain, make, c.k)))
+        else:
+            methods.append(Method(c.label, engine(reading if c.uses_head else plain, c.make, c.k or 1)))
         if c.method == "ngram" and not args.no_peers:
             methods.append(Method(f"hf-prompt-lookup K={c.k}", hf(reference, prompt_lookup_num_tokens=c.k)))
     return methods, modules, cpp is not None, reference
+
+
+def ngram_ranges(text: str) -> list[tuple[int, int]]:
+    """'1-3,2-3' -> [(1, 3), (2, 3)]"""
+    ranges = []
+    for part in text.split(","):
+        low, _, high = part.partition("-")
+        if not (low.strip().isdigit() and high.strip().isdigit()) or not 1 <= int(low) <= int(high):
+            raise SystemExit(f"--ngram {text}: each range is min-max with 1 <= min <= max, e.g. 1-3,2-3")
+        ranges.append((int(low), int(high)))
+    return ranges
 
 
 def measure(methods, prompts, args, modules, product, stops) -> None:

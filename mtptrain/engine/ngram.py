@@ -15,7 +15,7 @@ from mtptrain.engine.proposer import ProposerBase
 class NgramProposer(ProposerBase):
     name = "ngram"
 
-    def __init__(self, min_n: int = 1, max_n: int = 3):
+    def __init__(self, min_n: int = 2, max_n: int = 3):
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.min_n, self.max_n = min_n, max_n

@@ -51,6 +51,14 @@ def test_ngram_drafts_are_accepted_on_repetitive_text(model64):
     assert 0 <= sum(result.stats.accepted) + result.stats.steps - result.stats.emitted <= 1
 
 
+def test_ngram_matches_at_least_min_n_tokens():
+    tokens = [5, 7, 9, 4, 5]  # only the last token recurs
+    assert NgramProposer(1, 3).propose(tokens, 2) == ([7, 9], None)
+    assert NgramProposer().propose(tokens, 2) == ([], None)  # the default matches 2 tokens or more
+    assert NgramProposer().propose(tokens + [7], 3) == ([9, 4, 5], None)
+    assert NgramProposer(2, 3).propose([1, 2, 3, 1, 2, 8, 1, 2], 2) == ([8, 1], None)  # the latest match wins
+
+
 def test_end_of_sequence_stops_generation(model64):
     runner = open_runner(model64)
     prompt = _prompts()[1]
