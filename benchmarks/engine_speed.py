@@ -168,13 +168,13 @@ def build_methods(args, recipe: Recipe, target) -> tuple[list[Method], list, boo
 
 
 def ngram_ranges(text: str) -> list[tuple[int, int]]:
-    """'1-3,2-3' -> [(1, 3), (2, 3)]"""
-    ranges = []
-    for part in text.split(","):
-        low, _, high = part.partition("-")
-        if not (low.strip().isdigit() and high.strip().isdigit()) or not 1 <= int(low) <= int(high):
-            raise SystemExit(f"--ngram {text}: each range is min-max with 1 <= min <= max, e.g. 1-3,2-3")
-        ranges.append((int(low), int(high)))
+    """'1-3,2-3' -> [(1, 3), (2, 3)], each checked by NgramProposer itself."""
+    try:
+        ranges = [(int(part.partition("-")[0]), int(part.partition("-")[2])) for part in text.split(",")]
+        for low, high in ranges:
+            NgramProposer(low, high)
+    except ValueError as error:
+        raise SystemExit(f"--ngram {text}: each range is min-max, e.g. 1-3,2-3 ({error})") from None
     return ranges
 
 
