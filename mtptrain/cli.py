@@ -62,10 +62,11 @@ def regenerate(recipe: RecipeOpt = None, overrides: SetOpt = None,
     """Rewrite the assistant turns of the recipe's conversations with the target itself (self-distillation).
 
     Reads data.source (at most data.max_conversations rows), keeps the user turns and asks the target for every
-    answer in order, batched (regenerate.batch_size), greedy or sampled (regenerate.temperature), each answer at
-    most regenerate.max_new_tokens and the whole conversation within data.max_length. Writes data.regenerated
-    (JSONL, same ids as the source); precompute then reads it in place of the original answers. Rerunning the
-    same command resumes after the last finished batch.
+    answer in order, batched (regenerate.batch_size rows, each refilled as soon as its answer ends), greedy or
+    sampled (regenerate.temperature), each answer at most regenerate.max_new_tokens and the whole conversation
+    within data.max_length. Writes data.regenerated (JSONL, same ids as the source); precompute then reads it in
+    place of the original answers. Rerunning the same command resumes after the last finished group of
+    conversations.
     """
     from mtptrain.data.regenerate import format_summary, run_regenerate
 
@@ -170,8 +171,8 @@ def pipeline(recipe: RecipeOpt = None, overrides: SetOpt = None,
     eval.
 
     Each stage is the command of the same name with the same recipe and overrides, so a rerun after an
-    interruption resumes where it stopped: finished regeneration batches, feature shards and training steps
-    are kept, and eval (which measures, so has nothing to resume) runs again.
+    interruption resumes where it stopped: finished groups of regenerated conversations, feature shards and
+    training steps are kept, and eval (which measures, so has nothing to resume) runs again.
     """
     from mtptrain.tracking import pipeline_group
 

@@ -117,7 +117,9 @@ class RegenerateConfig(_Truncation):
     min_answer_tokens: int = Field(
         16, ge=1, description="A turn is generated only if at least this many tokens of data.max_length are left "
         "after its prompt; a conversation whose first prompt leaves fewer is skipped.")
-    batch_size: int = Field(32, ge=1, description="Conversations generated together (finished rows leave the batch).")
+    batch_size: int = Field(
+        32, ge=1, description="Rows decoded together; when an answer ends, its row takes the conversation's next turn "
+        "or the next conversation at once. Conversations are written (and resumed) in groups of 8 x batch_size.")
     temperature: float = Field(0.0, ge=0, description="0 = greedy; above 0, sampled with per-conversation seeds.")
     seed: int = Field(0, description="Seed of the sampling streams (one per conversation and turn).")
     cpu_matmul: Literal["auto", "skinny", "packed", "stock"] = Field(

@@ -13,18 +13,21 @@ rows, with the source's ids (so the train/validation split is the same as
 for the original answers), and a state file next to it (`<output>.state.json`)
 with the settings, the target's identity and how far the job got.
 
-Resuming. Conversations are cut into batches in a fixed order (source order,
-sorted by prompt length inside windows of 8 batches to keep padding low).
-After each batch the rows are appended and fsynced, then the state records
-the batch count and the file's byte length. A rerun cuts the file back to
-that length and goes on with the next batch; sampling draws from one seeded
-generator per conversation and turn. A killed job therefore finishes with
-the same file as an uninterrupted one. Output written with other settings or
-by another target is refused, never mixed.
+Decoding is batched on the target's runtime (mtptrain/runtime/batch.py), with
+`regenerate.batch_size` rows that are kept busy: when an answer ends, its row
+takes the conversation's next turn at once (prefilling only what the turn
+adds to the cached conversation), or else the next conversation.
 
-Decoding is batched on the target's runtime (mtptrain/runtime/batch.py):
-finished rows leave the batch (their cache rows are dropped), so a long
-answer does not keep short ones computing.
+Resuming. Conversations are cut into groups of 8 batches in a fixed order
+(source order, sorted by first prompt length inside a group). After each
+group its conversations are appended in that order and fsynced, then the
+state records the group count and the file's byte length. A rerun cuts the
+file back to that length and goes on with the next group, which it decodes
+in the same order as an uninterrupted run would; sampling draws from one
+seeded generator per conversation and turn. A killed job therefore finishes
+with the same file as an uninterrupted one. Output written with other
+settings, by another target or by another version of this stage is refused,
+never mixed.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 from tqdm import tqdm
@@ -50,14 +54,15 @@ from mtptrain.dist import DistInfo
 from mtptrain.engine.verify import Sampling, distribution
 from mtptrain.errors import MtptrainError
 from mtptrain.io import atomic_write_json, fsync_dir
-from mtptrain.runtime.batch import decode_batch
+from mtptrain.runtime.batch import Request, decode_stream
 from mtptrain.runtime.linears import fast_linears, product_for
 from mtptrain.runtime.runner import native_decoder
 from mtptrain.target import identity_mismatch, load_target, tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
-WINDOW_BATCHES = 8
-STATE_VERSION = 1
+HOW = ("version", "batch_size")  # settings that change how the work is cut, not what is asked of the target
+GROUP_BATCHES = 8  # a group (the unit written and resumed) holds this many batches of conversations
+STATE_VERSION = 2
 
 
 class RegenerateError(MtptrainError, RuntimeError):
@@ -121,21 +126,22 @@ def read_jobs(recipe: Recipe, tokenizer, stats: RowStats) -> list[tuple[Job, int
     return jobs
 
 
-def make_batches(jobs: list[tuple[Job, int]], batch_size: int) -> list[list[Job]]:
-    """Fixed batches: windows of WINDOW_BATCHES batches in source order, sorted by prompt length inside."""
-    batches = []
-    window = batch_size * WINDOW_BATCHES
-    for start in range(0, len(jobs), window):
-        chunk = sorted(jobs[start:start + window], key=lambda pair: pair[1])  # stable: ties keep source order
-        for b in range(0, len(chunk), batch_size):
-            batches.append([job for job, _ in chunk[b:b + batch_size]])
-    return batches
+def make_groups(jobs: list[tuple[Job, int]], batch_size: int) -> list[list[Job]]:
+    """Fixed groups of GROUP_BATCHES x batch_size conversations in source order, sorted by first prompt length
+    inside (rows decoding together then hold sequences of similar length, which the batch's attention reads to
+    the longest of)."""
+    groups = []
+    size = batch_size * GROUP_BATCHES
+    for start in range(0, len(jobs), size):
+        chunk = sorted(jobs[start:start + size], key=lambda pair: pair[1])  # stable: ties keep source order
+        groups.append([job for job, _ in chunk])
+    return groups
 
 
-def plan_digest(batches: list[list[Job]]) -> list[str]:
-    """One digest per batch of its conversations (ids and questions, in order): what a resume must find again."""
-    return [hashlib.sha256(json.dumps([[j.id, j.system, j.questions] for j in batch]).encode()).hexdigest()[:16]
-            for batch in batches]
+def plan_digest(groups: list[list[Job]]) -> list[str]:
+    """One digest per group of its conversations (ids and questions, in order): what a resume must find again."""
+    return [hashlib.sha256(json.dumps([[j.id, j.system, j.questions] for j in group]).encode()).hexdigest()[:16]
+            for group in groups]
 
 
 def turn_seed(seed: int, conversation_id: str, turn: int) -> int:
@@ -143,57 +149,62 @@ def turn_seed(seed: int, conversation_id: str, turn: int) -> int:
     return int.from_bytes(digest[:8], "big") >> 1
 
 
-def generate_batch(model, prompts: list[list[int]], budgets: list[int], stops: set[int], sampling: Sampling,
-                   generators: list[torch.Generator | None], pad_id: int,
-                   runtime: str = "auto") -> list[tuple[list[int], bool]]:
-    """Decode each prompt for at most its budget of tokens (greedy, or sampled from each row's own generator).
-    Returns (new ids without the stop token, stopped)."""
-    def pick(row: int, logits: torch.Tensor) -> int:
-        if sampling.greedy:
-            return int(logits.argmax())
-        q = distribution(logits, sampling).cpu()  # CPU generators: the same stream on any device
-        return int(torch.multinomial(q, 1, generator=generators[row]))
+def sampler(sampling: Sampling, seed: int):
+    """A request's `pick` (runtime/batch.py): None for greedy decoding, else a draw from the distribution that
+    `sampling` makes of the logits, with its own seeded generator (on the CPU: the same stream on any device)."""
+    if sampling.greedy:
+        return None
+    generator = torch.Generator().manual_seed(seed)
 
-    return decode_batch(model, prompts, budgets, stops, pick, pad_id, runtime)
+    def pick(logits: torch.Tensor) -> int:
+        return int(torch.multinomial(distribution(logits, sampling).cpu(), 1, generator=generator))
+    return pick
 
 
-def regenerate_jobs(model, tokenizer, batch: list[Job], recipe: Recipe, stops: set[int]) -> int:
-    """Answer every turn of a batch of conversations, turn by turn. Returns the number of new tokens."""
+def regenerate_jobs(model, tokenizer, group: list[Job], recipe: Recipe, stops: set[int],
+                    finished: Callable[[Job], None] = lambda job: None) -> int:
+    """Answer every turn of a group of conversations, `regenerate.batch_size` rows at a time: a conversation's
+    next turn is asked as soon as its answer ends. `finished(job)` is called as each conversation ends.
+    Returns the number of new tokens."""
     r, max_length = recipe.regenerate, recipe.data.max_length
     sampling = Sampling(r.temperature, r.top_k, r.top_p)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stops, default=0)
+    asking: dict[int, tuple[Job, int]] = {}  # id(request) -> its conversation and turn
     total = 0
-    for turn in range(r.max_turns or max(len(job.questions) for job in batch)):
-        live, prompts, budgets, generators = [], [], [], []
-        for job in batch:
-            if job.stopped or turn >= len(job.questions):
-                continue
+
+    def ask(job: Job, turn: int) -> Request | None:
+        """The request for `turn` of `job`, or None when the conversation is over (finished is then called)."""
+        if job.stopped is None and turn < len(job.questions) and (r.max_turns is None or turn < r.max_turns):
             asked = job.system + job.messages + [{"role": "user", "content": job.questions[turn]}]
             prompt = prompt_ids(tokenizer, asked, limit=max_length)  # a huge question: only enough to see it is over
             room = max_length - len(prompt) - 1  # the end-of-turn token after the answer
-            if room < r.min_answer_tokens:
-                job.stopped = "context full"
-                continue
-            live.append(job)
-            prompts.append(prompt)
-            budgets.append(min(r.max_new_tokens, room))
-            generators.append(None if sampling.greedy else
-                              torch.Generator().manual_seed(turn_seed(r.seed, job.id, turn)))
-        if not live:
-            break
-        for job, (tokens, stopped), budget in zip(live, generate_batch(model, prompts, budgets, stops, sampling,
-                                                                       generators, pad_id, recipe.target.runtime),
-                                                        budgets):
-            text = tokenizer.decode(tokens, skip_special_tokens=True).strip()
-            total += len(tokens)
-            if not text:  # an empty answer cannot be a training turn; the conversation ends before it
-                job.stopped = "empty answer"
-                continue
+            if room >= r.min_answer_tokens:
+                pick = sampler(sampling, turn_seed(r.seed, job.id, turn))
+                request = Request(prompt, min(r.max_new_tokens, room), pick)
+                asking[id(request)] = (job, turn)
+                return request
+            job.stopped = "context full"
+        finished(job)
+        return None
+
+    def answered(request: Request) -> Request | None:
+        nonlocal total
+        job, turn = asking.pop(id(request))
+        total += len(request.tokens)
+        text = tokenizer.decode(request.tokens, skip_special_tokens=True).strip()
+        if not text:  # an empty answer cannot be a training turn; the conversation ends before it
+            job.stopped = "empty answer"
+        else:
             job.messages += [{"role": "user", "content": job.questions[turn]}, {"role": "assistant", "content": text}]
-            job.new_tokens.append(len(tokens))
-            job.finished.append(stopped)
-            if not stopped:
-                job.stopped = "answer cut at max_new_tokens" if budget == r.max_new_tokens else "context full"
+            job.new_tokens.append(len(request.tokens))
+            job.finished.append(request.stopped)
+            if not request.stopped:
+                job.stopped = ("answer cut at max_new_tokens" if request.budget == r.max_new_tokens else
+                               "context full")
+        return ask(job, turn + 1)
+
+    firsts = (request for request in (ask(job, 0) for job in group) if request is not None)
+    decode_stream(model, firsts, answered, r.batch_size, stops, pad_id, recipe.target.runtime)
     return total
 
 
@@ -209,36 +220,44 @@ def run_regenerate(recipe: Recipe, show_progress: bool = True) -> dict:
     tokenizer, model = target.tokenizer, target.model
     settings = settings_of(recipe)
     state = _resume_state(output, settings, target.identity())
+    if state["complete"] and state["settings"] != settings:
+        log.info("regenerate: %s is complete (written with %s); nothing to do", output,
+                 ", ".join(f"{k}={state['settings'].get(k)!r}" for k in HOW))
+        return {"output": str(output), "groups": 0, **state["counts"], "read": state["read"],
+                "tokens_this_run": 0, "seconds_this_run": 0.0}
 
     stats = RowStats()
     jobs = read_jobs(recipe, tokenizer, stats)
     if not jobs:
         raise NoUsableData(f"no usable conversation in {recipe.data.source}:\n{stats.report()}")
-    batches = make_batches(jobs, recipe.regenerate.batch_size)
-    digests = plan_digest(batches)
-    done = state["batches_done"]
+    groups = make_groups(jobs, recipe.regenerate.batch_size)
+    digests = plan_digest(groups)
+    done = state["groups_done"]
     if state.get("plan", [])[:done] != digests[:done]:
-        raise RegenerateError(f"{output}: the source no longer yields the conversations of the {done} batches "
+        raise RegenerateError(f"{output}: the source no longer yields the conversations of the {done} groups "
                               "already written (the file, dataset or chat template changed); write to a new "
                               "data.regenerated path")
     _truncate(output, state["bytes"])
-    state["plan"], state["complete"] = digests, done == len(batches)
+    state["plan"], state["complete"] = digests, done == len(groups)
     stops = stop_tokens(tokenizer, model)
     counts = state["counts"]
-    conversations_done = sum(len(b) for b in batches[:done])
+    conversations_done = sum(len(g) for g in groups[:done])
     progress = tqdm(total=len(jobs), initial=conversations_done, desc="regenerating", unit=" conv",
                     disable=not show_progress)
     started, tokens_now = time.perf_counter(), 0
+
+    def finished(job: Job) -> None:
+        progress.update(1)
     # The transformers fallback only (the native runtime has its own products): up to 8 rows the swap is faster on
     # CPU; wider decoding batches are compute-bound and keep torch's GEMM.
     product = product_for(recipe.regenerate.cpu_matmul, model)
     native = native_decoder(model, recipe.target.runtime) is not None
     with fast_linears(model, product=product, max_rows=8, enabled=not native):
-        for b in range(done, len(batches)):
-            batch = batches[b]
-            tokens_now += regenerate_jobs(model, tokenizer, batch, recipe, stops)
+        for g in range(done, len(groups)):
+            group = groups[g]
+            tokens_now += regenerate_jobs(model, tokenizer, group, recipe, stops, finished)
             lines = []
-            for job in batch:
+            for job in group:
                 if not job.messages:
                     reason = _reason(job)
                     counts["skipped"][reason] = counts["skipped"].get(reason, 0) + 1
@@ -251,15 +270,14 @@ def run_regenerate(recipe: Recipe, show_progress: bool = True) -> dict:
                                          "meta": {"source": job.ref, "new_tokens": job.new_tokens,
                                                   "finished": job.finished}}, ensure_ascii=False) + "\n")
             state["bytes"] = _append(output, lines)
-            state["batches_done"] = b + 1
+            state["groups_done"] = g + 1
             atomic_write_json(state_path(output), state)
-            progress.update(len(batch))
             progress.set_postfix_str(f"{tokens_now / (time.perf_counter() - started):.0f} tok/s")
     progress.close()
     state["complete"] = True
     state["read"] = stats.to_dict()
     atomic_write_json(state_path(output), state)
-    summary = {"output": str(output), "batches": len(batches), **counts, "read": stats.to_dict(),
+    summary = {"output": str(output), "groups": len(groups), **counts, "read": stats.to_dict(),
                "tokens_this_run": tokens_now, "seconds_this_run": time.perf_counter() - started}
     log.info("regenerate: %s", summary)
     return summary
@@ -271,7 +289,7 @@ def _reason(job: Job) -> str:
 
 def _resume_state(output: Path, settings: dict, identity: dict) -> dict:
     path = state_path(output)
-    fresh = {"settings": settings, "target": identity, "batches_done": 0, "bytes": 0, "complete": False,
+    fresh = {"settings": settings, "target": identity, "groups_done": 0, "bytes": 0, "complete": False,
              "counts": {"conversations": 0, "answers": 0, "answer_tokens": 0, "unfinished_answers": 0,
                         "skipped": {}}}
     if not path.is_file():
@@ -285,7 +303,13 @@ def _resume_state(output: Path, settings: dict, identity: dict) -> dict:
         raise RegenerateError(f"{path} is not valid JSON ({exc}); delete it and {output} to start over") from None
     before = state.get("settings", {})
     changed = [k for k in sorted(set(settings) | set(before)) if settings.get(k) != before.get(k)]
-    if changed:
+    kept = state.get("complete") and set(changed) <= set(HOW)  # finished: however its work was cut, it stands
+    if changed and not kept:
+        if "version" in changed and set(changed) <= set(HOW):
+            raise RegenerateError(f"{output} is unfinished and was written by another version of `mtptrain "
+                                  f"regenerate` (state format {before.get('version')}, this one's "
+                                  f"{settings['version']}): finish it with that version, or set data.regenerated to "
+                                  "a new path")
         detail = ", ".join(f"{k}: {before.get(k)!r} -> {settings.get(k)!r}" for k in changed)
         raise RegenerateError(f"{output} was written with other settings ({detail}); keep the old settings to "
                               "resume, or set data.regenerated to a new path")
@@ -328,7 +352,7 @@ def check_complete(path: Path, data, tokenizer) -> None:
         return
     state = json.loads(state_file.read_text())
     if not state.get("complete"):
-        raise RegenerateError(f"{path} is unfinished ({state.get('batches_done', 0)} batches so far): rerun "
+        raise RegenerateError(f"{path} is unfinished ({state.get('groups_done', 0)} groups of conversations so far): rerun "
                               "`mtptrain regenerate` with the same recipe to finish it")
     made = state.get("settings", {})
     changed = [k for k in DATA_KEYS if made.get(k) != getattr(data, k)]

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mtptrain.runtime.choice import causal_mask
+from mtptrain.runtime.choice import additive_mask, causal_mask
 from mtptrain.runtime.weights import STATE, layer_weights, lm_head_weights
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
@@ -101,10 +101,14 @@ class LayerKernels:
             qk = F.rms_norm(qk, (self.head_dim,), None, self.eps) * layer.qk_norm
         qk = qk * cos + rotate_half(qk) * sin
         q, k = qk[:, :, : self.heads].transpose(1, 2), qk[:, :, self.heads :].transpose(1, 2)
-        keys, values = (k, v) if cache is None else cache.write(index, k, v, start)
-        if start == 0:  # nothing cached before: attend the new keys as computed, whatever the cache's dtype
-            keys, values = k, v
-        attended = attention(q, keys, values, mask, causal)
+        attend = getattr(cache, "attend", None)
+        if attend is not None:  # a cache that writes and attends group by group (batched decoding: runtime/batch.py)
+            attended = attend(index, q, k, v, attention)
+        else:
+            keys, values = (k, v) if cache is None else cache.write(index, k, v, start)
+            if start == 0:  # nothing cached before: attend the new keys as computed, whatever the cache's dtype
+                keys, values = k, v
+            attended = attention(q, keys, values, mask, causal)
         attended = attended.transpose(1, 2).reshape(batch, count, q_size)
         x = residual + self.product(attended, layer.out, None)
         h = F.rms_norm(x, (x.shape[-1],), layer.norm_post, self.eps)
@@ -157,6 +161,10 @@ class FastDecoder:
     def batch_cache_dtype(self) -> torch.dtype:
         """The KV cache's dtype for `forward(..., batched=True)`: what the batch attention kernel reads."""
         return self.choice.batch_cache_dtype if self.choice is not None else self.dtype
+
+    def batch_mask(self, seen: torch.Tensor) -> torch.Tensor:
+        """The mask [B, 1, 1, S] (True = seen) of a batched step, in the form its attention kernel reads fastest."""
+        return additive_mask(seen, self.choice.attention_batch if self.choice is not None else None, self.dtype)
 
     @property
     def device(self) -> torch.device:

@@ -16,10 +16,11 @@ from transformers import AutoModelForCausalLM
 from mtptrain.data.chat import prompt_ids
 from mtptrain.data.prepare import prepare_samples, split_of
 from mtptrain.data.samples import RowStats
-from mtptrain.data.regenerate import (RegenerateError, generate_batch, read_jobs, regenerate_jobs, run_regenerate,
-                                  state_path, turn_seed)
+from mtptrain.data.regenerate import (RegenerateError, read_jobs, regenerate_jobs, run_regenerate, sampler, state_path,
+                                     turn_seed)
 from mtptrain.config import load_recipe
 from mtptrain.engine.verify import Sampling
+from mtptrain.runtime.batch import Request, decode_stream
 from mtptrain.target import load_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -49,24 +50,60 @@ def model64(varied_target_dir):
     return AutoModelForCausalLM.from_pretrained(varied_target_dir, dtype=torch.float64).eval()
 
 
-@pytest.mark.parametrize("grow", [64, 2])  # 2: the batch's cache grows while rows leave it
-def test_batched_decoding_equals_decoding_each_prompt_alone(model64, varied_target_dir, grow, monkeypatch):
+@pytest.mark.parametrize("runtime", ["auto", "transformers"])
+# small: the bands' caches grow in rows and positions, and rows move from band to band, while rows are refilled
+# and leave
+@pytest.mark.parametrize("grow, first_band, rows_grow", [(64, 128, 8), (2, None, 1)])
+def test_streamed_decoding_equals_decoding_each_prompt_alone(model64, varied_target_dir, grow, first_band, rows_grow,
+                                                             runtime, monkeypatch):
     from mtptrain.runtime import batch
+    from mtptrain.runtime.model import FastDecoder
 
-    monkeypatch.setattr(batch, "GROW", grow)
+    for name, value in (("GROW", grow), ("ROWS_GROW", rows_grow)):
+        monkeypatch.setattr(batch, name, value)
+    prefilled = []  # tokens of every one-row forward (a prompt's prefill) on the native decoder
+    forward = FastDecoder.forward
+
+    def spy(self, ids, *args, **kwargs):
+        if not kwargs.get("batched"):
+            prefilled.append(ids.shape[1])
+        return forward(self, ids, *args, **kwargs)
+
+    monkeypatch.setattr(FastDecoder, "forward", spy)
     tok = load_tokenizer(load_recipe(None, [f"target.model={varied_target_dir}"]).target)
     texts = ["the a of", "water than call first who may down side been now find", "hot", "one have this from or"]
     prompts = [prompt_ids(tok, [{"role": "user", "content": t}]) for t in texts]
-    budgets = [9, 4, 12, 1]
+    # None: the third prompt just fits the first band, so its row moves to the next band at its first step
+    monkeypatch.setattr(batch, "FIRST_BAND", first_band or len(prompts[2]))
+    moved = []  # positions a row brought along into another band
+    take = batch._Band.take
+    monkeypatch.setattr(batch._Band, "take", lambda band, row, keep, length: (moved.append(keep),
+                                                                              take(band, row, keep, length)))
     # stop on a token the first row emits mid-way, so rows end by stop token and by budget at different steps
     first_alone = greedy_alone(model64, prompts[0], 12, set())[0]
     stops = {first_alone[5]}
+    requests = [Request(p, b) for p, b in zip(prompts, [9, 4, 12, 1])]
+    # The third request is followed by a next turn: what it was asked and answered, then new tokens.
+    turn = Request([], 6)  # its prompt is known once the third request has ended
+    ended = []
+
+    def done(request: Request) -> Request | None:
+        ended.append(request)
+        if request is requests[2]:
+            turn.prompt = request.prompt + request.tokens + prompts[3]
+            return turn
+        return None
+
     with torch.inference_mode():
-        batched = generate_batch(model64, prompts, budgets, stops, Sampling(), [None] * 4, tok.pad_token_id)
-        alone = [greedy_alone(model64, p, b, stops) for p, b in zip(prompts, budgets)]
-    assert batched == alone
-    assert batched[0] == (first_alone[:5], True)
-    assert [len(t) for t, _ in batched[1:]] == [4, 12, 1]
+        decode_stream(model64, requests, done, 2, stops, tok.pad_token_id, runtime)  # 2 rows: refilled twice
+        alone = [greedy_alone(model64, r.prompt, r.budget, stops) for r in [*requests, turn]]
+    assert [(r.tokens, r.stopped) for r in [*requests, turn]] == alone
+    assert (requests[0].tokens, requests[0].stopped) == (first_alone[:5], True)
+    assert [len(r.tokens) for r in requests[1:]] == [4, 12, 1]
+    assert len(ended) == 5 and any(r is turn for r in ended)
+    if runtime == "auto":  # the next turn prefilled only what it adds to the row's cached prefix
+        assert prefilled[-1] == len(prompts[3]) and len(prefilled) == 5
+        assert (len(prompts[2]) in moved) == (first_band is None)  # the third row outgrew its band at once
 
 
 def test_sampled_rows_do_not_depend_on_their_batch(model64, varied_target_dir):
@@ -74,15 +111,18 @@ def test_sampled_rows_do_not_depend_on_their_batch(model64, varied_target_dir):
     prompts = [prompt_ids(tok, [{"role": "user", "content": t}]) for t in ["the a", "of to and in is it you"]]
     sampling = Sampling(temperature=1.0, top_p=0.9)
 
-    def gens(*seeds):
-        return [torch.Generator().manual_seed(s) for s in seeds]
+    def sampled(chosen: list[list[int]], seeds: list[int]) -> list[list[int]]:
+        requests = [Request(p, 15, sampler(sampling, seed)) for p, seed in zip(chosen, seeds)]
+        decode_stream(model64, requests, lambda request: None, 2, set(), tok.pad_token_id)
+        return [r.tokens for r in requests]
 
     with torch.inference_mode():
-        together = generate_batch(model64, prompts, [15, 15], set(), sampling, gens(7, 8), tok.pad_token_id)
-        second = generate_batch(model64, prompts[1:], [15], set(), sampling, gens(8), tok.pad_token_id)
-        reseeded = generate_batch(model64, prompts[1:], [15], set(), sampling, gens(9), tok.pad_token_id)
+        together = sampled(prompts, [7, 8])
+        second = sampled(prompts[1:], [8])
+        reseeded = sampled(prompts[1:], [9])
     assert together[1] == second[0]
     assert reseeded[0] != second[0]
+    assert sampler(Sampling(), 0) is None  # greedy rows take the batch's argmax
     assert turn_seed(0, "a", 1) == turn_seed(0, "a", 1) != turn_seed(0, "a", 2)
 
 
@@ -180,6 +220,31 @@ def test_settings_target_and_foreign_files_are_refused(varied_target_dir, tiny_t
     assert out.read_bytes() == before
 
 
+def test_a_finished_file_stands_however_its_work_was_cut(varied_target_dir, tiny_target_dir, tmp_path):
+    source = write_sharegpt(tmp_path / "chats.json", 4)
+    out = tmp_path / "r.jsonl"
+    run_regenerate(load_recipe(None, regen_overrides(varied_target_dir, source, out)), show_progress=False)
+    before = out.read_bytes()
+    state = json.loads(state_path(out).read_text())
+    # As the first state format left a finished file: batches instead of groups, another batch size.
+    state["settings"].update(version=1, batch_size=64)
+    state["batches_done"] = state.pop("groups_done")
+    state_path(out).write_text(json.dumps(state))
+    summary = run_regenerate(load_recipe(None, regen_overrides(varied_target_dir, source, out)), show_progress=False)
+    assert summary["tokens_this_run"] == 0 and summary["conversations"] == state["counts"]["conversations"]
+    assert out.read_bytes() == before
+    with pytest.raises(RegenerateError, match="another target"):  # what it is still has to match
+        run_regenerate(load_recipe(None, regen_overrides(tiny_target_dir, source, out)), show_progress=False)
+    with pytest.raises(RegenerateError, match=r"other settings \(batch_size: 64 -> 3, max_new_tokens: 24 -> 8"):
+        run_regenerate(load_recipe(None, regen_overrides(varied_target_dir, source, out, "regenerate.max_new_tokens=8")),
+                       show_progress=False)
+    state["complete"] = False  # unfinished: its batches cannot be resumed as groups
+    state_path(out).write_text(json.dumps(state))
+    with pytest.raises(RegenerateError, match=r"unfinished and was written by another version .*state format 1"):
+        run_regenerate(load_recipe(None, regen_overrides(varied_target_dir, source, out)), show_progress=False)
+    assert out.read_bytes() == before
+
+
 def test_one_process_only(varied_target_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
@@ -218,7 +283,7 @@ def _cli(recipe_path: Path, *extra: str) -> list[str]:
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_a_killed_regeneration_resumes_to_the_same_file(varied_target_dir, tmp_path, temperature):
-    source = write_sharegpt(tmp_path / "chats.json", 24)
+    source = write_sharegpt(tmp_path / "chats.json", 48)  # 3 groups of 8 batches of 2
     raw: dict = {}
     for item in regen_overrides(varied_target_dir, source, tmp_path / "clean.jsonl", "regenerate.batch_size=2",
                                 "regenerate.max_new_tokens=40", "data.max_length=200",
@@ -236,13 +301,13 @@ def test_a_killed_regeneration_resumes_to_the_same_file(varied_target_dir, tmp_p
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
     while time.time() < deadline and proc.poll() is None:
-        if state_path(killed).is_file() and json.loads(state_path(killed).read_text() or "{}").get("batches_done", 0) >= 2:
+        if state_path(killed).is_file() and json.loads(state_path(killed).read_text() or "{}").get("groups_done"):
             break
         time.sleep(0.01)
     os.kill(proc.pid, signal.SIGKILL)
     assert proc.wait() == -signal.SIGKILL
     state = json.loads(state_path(killed).read_text())
-    assert not state["complete"] and 2 <= state["batches_done"] < 12
+    assert not state["complete"] and 1 <= state["groups_done"] < 3
     # A kill can land mid-append: simulate the worst case, a torn last line after the recorded bytes.
     with open(killed, "ab") as fh:
         fh.write(b'{"id": "torn", "mess')

@@ -9,11 +9,14 @@ from safetensors import safe_open
 from mtptrain.eval.run import run_eval
 from mtptrain.heads.checkpoint import PRETRAINED_HEAD, head_directory
 from mtptrain.config import load_recipe
+from mtptrain.data.regenerate import HOW
 
 REFERENCE = "recipes/reference.yaml"
-# The recipe as the shipped head's config records it, but for the keys that only say where files are.
+# The recipe as the shipped head's config records it, but for the keys that only say where files are, or how the
+# regeneration's work was cut into batches (a finished regeneration stands whatever its batch size).
 TRAINING_SECTIONS = ("target", "data", "regenerate", "precompute", "head", "train")
-PATHS = {"data": {"regenerated"}, "precompute": {"output_dir"}, "train": {"features", "output_dir"}}
+PATHS = {"data": {"regenerated"}, "regenerate": set(HOW), "precompute": {"output_dir"},
+         "train": {"features", "output_dir"}}
 
 
 def shipped_config() -> dict:
