@@ -4,11 +4,12 @@ Both run on the native decoder when the model allows it and on transformers' for
 same results up to float rounding.
 
 Decoding on the native decoder keeps every row busy: each row of the cache holds its own sequence at its
-own length, a prompt is prefilled by itself into its row (causal attention, no padding computed), and the
-rows then step together, one token each, with the attention kernel measured for batches
+own length, and the rows step together, one token each, with the attention kernel measured for batches
 (runtime/choice.py) under a mask of each row's length. A row whose answer ends takes the next request at
-once, keeping the prefix the two share, so a conversation's next turn prefills only its new tokens. On
-transformers' forward, requests run in waves of left-padded prompts, and a row that stops leaves its wave.
+once, keeping the prefix the two share; the rest of the new prompt rides along with the next step (its
+tokens join the step's products, and attend causally within their row, no padding computed), so a
+conversation's next turn takes in only its new tokens. On transformers' forward, requests run in waves of
+left-padded prompts, and a row that stops leaves its wave.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 
 from mtptrain.runtime.cache import KVCache
+from mtptrain.runtime.choice import causal_mask
 from mtptrain.runtime.runner import native_decoder
 from mtptrain.target import LayerCapture
 
@@ -67,7 +69,7 @@ def decode_stream(model, requests: Iterable[Request], done: Done, rows: int, sto
 
     On the native decoder a finished row is refilled at once (continuous batching): the next request takes its
     row, keeps the cached prefix it shares with what the row held (a conversation's earlier turns, a system
-    prompt) and prefills only the rest. Rows leave the batch only when nothing is left to decode. On
+    prompt) and takes in the rest with the next step. Rows leave the batch only when nothing is left to decode. On
     transformers' forward the requests run in waves of `rows` that each finish before the next starts."""
     pending = iter(requests)
     first = list(itertools.islice(pending, rows))
@@ -146,7 +148,8 @@ ROWS_GROW = 8  # rows a band's cache grows by
 class _Row:
     request: Request
     held: list[int]  # the ids whose keys and values the row's cache holds
-    feed: int  # the token the row takes in at the next step
+    feed: int  # the token the row takes in at the next step, and whose logits it gets
+    chunk: list[int] = field(default_factory=list)  # a new prompt's tokens taken in before `feed` at the next step
     band: "_Band | None" = None
     index: int = -1  # the row's place in its band's cache
 
@@ -209,9 +212,9 @@ class _Band(KVCache):
         row.band, row.index = None, -1
 
     def place(self, decoder) -> None:
-        """Before a step: room for one more position in every row, where each row writes it and what it sees."""
+        """Before a step: room for every row's new tokens, where each row writes its `feed` and what it sees."""
         device = decoder.device
-        lengths = torch.tensor([len(row.held) for row in self.rows], device=device)
+        lengths = torch.tensor([len(row.held) + len(row.chunk) for row in self.rows], device=device)
         self._grow(len(self.rows), int(lengths.max()) + 1)
         _, kv_heads, capacity, _ = self.keys[0].shape
         heads = torch.arange(kv_heads, device=device)
@@ -230,11 +233,24 @@ class _Band(KVCache):
         values.view(-1, dim).index_copy_(0, self.slots, v.reshape(-1, dim))
         return attention(q, keys[:count], values[:count], self.mask, False)
 
+    def prefill(self, layer: int, row: _Row, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kernels) -> torch.Tensor:
+        """A row's chunk of new tokens [1, H, n, D]: keys and values written after what the row holds, then causal
+        attention over the row, as a forward over the chunk alone would run it."""
+        start, count = len(row.held), k.shape[2]
+        keys, values = self.keys[layer][row.index: row.index + 1], self.values[layer][row.index: row.index + 1]
+        keys[:, :, start: start + count] = k
+        values[:, :, start: start + count] = v
+        if start == 0:  # nothing cached before: the new keys as computed, whatever the cache's dtype
+            return kernels.attention_for(count)(q, k, v, None, count > 1)
+        mask = causal_mask(count, start, q.device)[None, None] if count > 1 else None
+        return kernels.attention_for(count)(q, keys[:, :, : start + count], values[:, :, : start + count], mask, False)
+
 
 class _Slots:
-    """The native decoder's rows, held in bands by length (`_Band`). A row admits a request (its prompt
-    prefilled by itself, after the prefix its cache already holds) and then takes one token per step with the
-    others; the batch's order is the bands' rows in turn."""
+    """The native decoder's rows, held in bands by length (`_Band`). A row admits a request (its cache keeps
+    the prefix it shares with the prompt; the rest comes in with the next step) and then takes one token per
+    step with the others; the batch's order is the bands' rows in turn."""
 
     def __init__(self, decoder):
         self.decoder = decoder
@@ -266,8 +282,8 @@ class _Slots:
             band._grow(len(band.rows), length)
 
     def admit(self, row: _Row | None, request: Request) -> None:
-        """Give `row` (None: a new row) a new request: all but the last token of its prompt go into the row's
-        cache, after the prefix the cache already holds; the last token is taken in at the next step."""
+        """Give `row` (None: a new row) a new request. Its cache keeps the prefix it shares with the prompt; the
+        rest of the prompt is taken in at the next step, with the other rows' tokens."""
         if row is None:
             row = _Row(request, [], request.prompt[-1])
             self.rows.append(row)
@@ -278,43 +294,66 @@ class _Slots:
                 break
             keep += 1
         self._fit(row, len(body) + 1, keep)
-        if keep < len(body):
-            ids = torch.tensor([body[keep:]], device=self.decoder.device)
-            positions = torch.arange(keep, len(body), device=ids.device)[None]
-            self.decoder.forward(ids, positions, row.band.row(row.index, 0), keep, None, logits=False)
-        row.request, row.held, row.feed = request, list(body), request.prompt[-1]
+        row.request, row.held, row.chunk, row.feed = request, body[:keep], body[keep:], request.prompt[-1]
 
     def step(self) -> tuple[list[_Row], torch.Tensor]:
-        """Every row takes in its token: the rows in batch order, and their logits [B, V]."""
+        """Every row takes in its token (after the rest of its prompt, for a row just given a request): the rows
+        in batch order, and the logits [B, V] after each one's token."""
         for row in self.rows:
-            if len(row.held) + 1 > row.band.limit:
-                self._fit(row, len(row.held) + 1, len(row.held))
+            if len(row.held) + len(row.chunk) + 1 > row.band.limit:
+                self._fit(row, len(row.held) + len(row.chunk) + 1, len(row.held))
         bands = [band for band in self.bands if band.rows]
         for band in bands:
             band.place(self.decoder)
         order = [row for band in bands for row in band.rows]
+        chunked = [row for row in order if row.chunk]
+        ids = [row.feed for row in order] + [t for row in chunked for t in row.chunk]
+        positions = [len(row.held) + len(row.chunk) for row in order]
+        positions += [p for row in chunked for p in range(len(row.held), len(row.held) + len(row.chunk))]
         device = self.decoder.device
-        ids = torch.tensor([[row.feed] for row in order], device=device)
-        positions = torch.tensor([[len(row.held)] for row in order], device=device)
-        longest = max(len(row.held) for row in order)
-        logits, _ = self.decoder.forward(ids, positions, _Step(bands), longest, None, batched=True)
+        step = _Step(bands, chunked)
+        logits, _ = self.decoder.forward(torch.tensor([ids], device=device), torch.tensor([positions], device=device),
+                                         step, step.end - 1, None, batched=True, logits_for=len(order))
         for row in order:
-            row.held.append(row.feed)
-        return order, logits[:, -1]
+            row.held += row.chunk + [row.feed]
+            row.chunk = []
+        return order, logits[0]
 
 
 class _Step:
-    """What the decoder's layers see as the cache of one batched step: each band writes and attends its own
-    rows, which are consecutive in the batch."""
+    """What the decoder's layers see as the cache of one batched step, whose tokens come as one sequence: first
+    one token of every row (the bands' rows in turn), then the prompt chunks of rows just given a request. The
+    chunks are written and attended first, row by row (causal, as a forward over the chunk alone), then each
+    band writes and attends its rows' tokens together. The products of every layer thus run over all the
+    step's tokens at once: a prompt's prefill costs what its tokens add to a wide product, rather than a forward
+    of its own (measured on an AMD EPYC: a 40-token prefill after 300 cached positions ran at 1,043 tok/s by
+    itself)."""
 
-    def __init__(self, bands: list[_Band]):
-        self.bands = bands
+    def __init__(self, bands: list[_Band], chunked: list[_Row]):
+        self.bands, self.chunked = bands, chunked
         self.bounds = list(itertools.accumulate([0] + [len(band.rows) for band in bands]))
+        self.end = max(len(row.held) + len(row.chunk) + 1 for band in bands for row in band.rows)
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention) -> torch.Tensor:
-        parts = [band.write_and_attend(layer, q[a:b], k[a:b], v[a:b], attention)
-                 for band, a, b in zip(self.bands, self.bounds, self.bounds[1:])]
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernels) -> torch.Tensor:
+        """q [1, H, N, D], k and v [1, Hkv, N, D] of the step's N tokens -> the attention's output [1, H, N, D]."""
+        rows = self.bounds[-1]
+        parts = []
+        start = rows
+        for row in self.chunked:
+            end = start + len(row.chunk)
+            parts.append(row.band.prefill(layer, row, q[:, :, start:end], k[:, :, start:end], v[:, :, start:end],
+                                          kernels)[0])
+            start = end
+
+        def one_each(x: torch.Tensor) -> torch.Tensor:  # [1, h, N, D] -> [rows, h, 1, D]: each row's token
+            return x[0, :, :rows].transpose(0, 1).unsqueeze(2)
+
+        q1, k1, v1 = one_each(q), one_each(k), one_each(v)
+        attention = kernels.attention_for(1, batched=True)
+        tokens = [band.write_and_attend(layer, q1[a:b], k1[a:b], v1[a:b], attention)
+                  for band, a, b in zip(self.bands, self.bounds, self.bounds[1:])]
+        tokens = tokens[0] if len(tokens) == 1 else torch.cat(tokens)
+        return torch.cat([tokens.squeeze(2).transpose(0, 1), *parts], dim=1)[None]
 
 
 def _left_padded(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -102,8 +102,8 @@ class LayerKernels:
         qk = qk * cos + rotate_half(qk) * sin
         q, k = qk[:, :, : self.heads].transpose(1, 2), qk[:, :, self.heads :].transpose(1, 2)
         attend = getattr(cache, "attend", None)
-        if attend is not None:  # a cache that writes and attends group by group (batched decoding: runtime/batch.py)
-            attended = attend(index, q, k, v, attention)
+        if attend is not None:  # a cache that writes and attends part by part (batched decoding: runtime/batch.py)
+            attended = attend(index, q, k, v, self)
         else:
             keys, values = (k, v) if cache is None else cache.write(index, k, v, start)
             if start == 0:  # nothing cached before: attend the new keys as computed, whatever the cache's dtype
@@ -184,22 +184,26 @@ class FastDecoder:
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache, start: int, mask: torch.Tensor | None,
                 capture: tuple[int, ...] = (), last_only: bool = False, logits: bool = True,
-                batched: bool = False) -> tuple[torch.Tensor | None, dict]:
-        """Logits [B, T, V] (or [B, 1, V] with `last_only`; None without `logits`) for ids [B, T] at `positions`
-        [B, T], whose keys and values are written to the cache at [start, start + T) (no cache: a forward over
-        these tokens alone); `mask` [B, 1, T, start + T] (True = seen) or None for plain causal attention over
-        everything cached. Also the states after each layer of `capture`. `batched`: one new token in each of
-        many rows, attended with the batch kernel over a cache of `batch_cache_dtype`."""
+                batched: bool = False, logits_for: int | None = None) -> tuple[torch.Tensor | None, dict]:
+        """Logits [B, T, V] (or [B, 1, V] with `last_only`, [B, logits_for, V] with `logits_for`: the first tokens'
+        only; None without `logits`) for ids [B, T] at `positions` [B, T], whose keys and values are written to
+        the cache at [start, start + T) (no cache: a forward over these tokens alone); `mask` [B, 1, T, start + T]
+        (True = seen) or None for plain causal attention over everything cached. Also the states after each
+        layer of `capture`. `batched`: one new token in each of many rows, attended with the batch kernel over a
+        cache of `batch_cache_dtype`. A cache with an `attend` method (a step of batched decoding,
+        runtime/batch.py) writes and attends the tokens itself, with its own masks; its `end` is the longest
+        row's length after the step."""
         batch, count = ids.shape
         x = F.embedding(ids, self.embed)
         cos, sin = self.rope(positions)
         cos, sin = cos[:, :, None], sin[:, :, None]  # [B, T, 1, D]: broadcast over heads
-        end = start + count
+        parted = hasattr(cache, "attend")
+        end = cache.end if parted else start + count
         if self.window is not None and end > self.window:
             raise ValueError(f"context of {end} tokens is longer than the model's sliding window ({self.window}): "
                              "the fast decoder keeps full attention only")
-        causal = mask is None and count > 1 and start == 0
-        if mask is None and count > 1 and start > 0:
+        causal = not parted and mask is None and count > 1 and start == 0
+        if not parted and mask is None and count > 1 and start > 0:
             mask = causal_mask(count, start, ids.device)[None, None]
         attention = self.kernels.attention_for(count, batched)
         captured = {}
@@ -212,6 +216,8 @@ class FastDecoder:
             return None, captured
         if last_only:
             x = x[:, -1:]
+        elif logits_for is not None:
+            x = x[:, :logits_for]
         x = F.rms_norm(x, (x.shape[-1],), self.norm, self.eps)
         return self.kernels.product(x, self.lm_head, None), captured
 

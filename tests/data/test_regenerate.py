@@ -57,19 +57,18 @@ def model64(varied_target_dir):
 def test_streamed_decoding_equals_decoding_each_prompt_alone(model64, varied_target_dir, grow, first_band, rows_grow,
                                                              runtime, monkeypatch):
     from mtptrain.runtime import batch
-    from mtptrain.runtime.model import FastDecoder
 
     for name, value in (("GROW", grow), ("ROWS_GROW", rows_grow)):
         monkeypatch.setattr(batch, name, value)
-    prefilled = []  # tokens of every one-row forward (a prompt's prefill) on the native decoder
-    forward = FastDecoder.forward
+    prefilled = []  # the tokens of every prompt chunk a row takes in (counted at the first layer)
+    prefill = batch._Band.prefill
 
-    def spy(self, ids, *args, **kwargs):
-        if not kwargs.get("batched"):
-            prefilled.append(ids.shape[1])
-        return forward(self, ids, *args, **kwargs)
+    def spy(band, layer, row, q, *args):
+        if layer == 0:
+            prefilled.append(q.shape[2])
+        return prefill(band, layer, row, q, *args)
 
-    monkeypatch.setattr(FastDecoder, "forward", spy)
+    monkeypatch.setattr(batch._Band, "prefill", spy)
     tok = load_tokenizer(load_recipe(None, [f"target.model={varied_target_dir}"]).target)
     texts = ["the a of", "water than call first who may down side been now find", "hot", "one have this from or"]
     prompts = [prompt_ids(tok, [{"role": "user", "content": t}]) for t in texts]
