@@ -313,7 +313,7 @@ class _Slots:
         device = self.decoder.device
         step = _Step(bands, chunked)
         logits, _ = self.decoder.forward(torch.tensor([ids], device=device), torch.tensor([positions], device=device),
-                                         step, step.end - 1, None, batched=True, logits_for=len(order))
+                                         step, step.end - 1, None, logits_for=len(order))
         for row in order:
             row.held += row.chunk + [row.feed]
             row.chunk = []

@@ -49,29 +49,3 @@ class KVCache:
                 for tensor in store:
                     tensor[:, :, length : length + len(rows)] = tensor.index_select(2, index)
         self.length = length + len(rows)
-
-    def select_rows(self, rows: torch.Tensor) -> None:
-        """Keep only these rows of the batch (rows that finished leave it); only filled positions are copied."""
-        for store in (self.keys, self.values):
-            for i, tensor in enumerate(store):
-                kept = tensor.new_empty((len(rows), *tensor.shape[1:]))
-                kept[:, :, : self.length] = tensor[:, :, : self.length].index_select(0, rows)
-                store[i] = kept
-
-    def row(self, index: int, offset: int) -> "RowView":
-        """Row `index` alone, its position 0 stored at column `offset` (a left-padded prompt's first token)."""
-        return RowView(self, index, offset)
-
-
-class RowView:
-    """One row of a batched cache, written as if it were a cache of its own (a row's prompt run by itself)."""
-
-    def __init__(self, cache: KVCache, index: int, offset: int):
-        self.cache, self.index, self.offset = cache, index, offset
-
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        rows, begin, end = slice(self.index, self.index + 1), self.offset + start, self.offset + start + k.shape[2]
-        keys, values = self.cache.keys[layer][rows], self.cache.values[layer][rows]
-        keys[:, :, begin:end] = k
-        values[:, :, begin:end] = v
-        return keys[:, :, self.offset : end], values[:, :, self.offset : end]

@@ -159,7 +159,7 @@ class FastDecoder:
 
     @property
     def batch_cache_dtype(self) -> torch.dtype:
-        """The KV cache's dtype for `forward(..., batched=True)`: what the batch attention kernel reads."""
+        """The KV cache's dtype of batched decoding (runtime/batch.py): what the batch attention kernel reads."""
         return self.choice.batch_cache_dtype if self.choice is not None else self.dtype
 
     def batch_mask(self, seen: torch.Tensor) -> torch.Tensor:
@@ -184,15 +184,14 @@ class FastDecoder:
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache, start: int, mask: torch.Tensor | None,
                 capture: tuple[int, ...] = (), last_only: bool = False, logits: bool = True,
-                batched: bool = False, logits_for: int | None = None) -> tuple[torch.Tensor | None, dict]:
+                logits_for: int | None = None) -> tuple[torch.Tensor | None, dict]:
         """Logits [B, T, V] (or [B, 1, V] with `last_only`, [B, logits_for, V] with `logits_for`: the first tokens'
         only; None without `logits`) for ids [B, T] at `positions` [B, T], whose keys and values are written to
         the cache at [start, start + T) (no cache: a forward over these tokens alone); `mask` [B, 1, T, start + T]
         (True = seen) or None for plain causal attention over everything cached. Also the states after each
-        layer of `capture`. `batched`: one new token in each of many rows, attended with the batch kernel over a
-        cache of `batch_cache_dtype`. A cache with an `attend` method (a step of batched decoding,
-        runtime/batch.py) writes and attends the tokens itself, with its own masks; its `end` is the longest
-        row's length after the step."""
+        layer of `capture`. A cache with an `attend` method (a step of batched decoding, runtime/batch.py) writes
+        and attends the tokens itself, with its own masks and kernels; its `end` is the longest row's length
+        after the step."""
         batch, count = ids.shape
         x = F.embedding(ids, self.embed)
         cos, sin = self.rope(positions)
@@ -205,7 +204,7 @@ class FastDecoder:
         causal = not parted and mask is None and count > 1 and start == 0
         if not parted and mask is None and count > 1 and start > 0:
             mask = causal_mask(count, start, ids.device)[None, None]
-        attention = self.kernels.attention_for(count, batched)
+        attention = self.kernels.attention_for(count)
         captured = {}
         for index, layer in enumerate(self.layers):
             h = F.rms_norm(x, (x.shape[-1],), layer.norm_in, self.eps)
