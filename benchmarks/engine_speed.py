@@ -84,9 +84,9 @@ def engine(runner, make=None, k=1):
 
 def hf(model, **kwargs):
     def run(ids, n, stops):
-        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=sorted(stops),
-                             pad_token_id=sorted(stops)[0], **kwargs)[0, len(ids):].tolist()
-        return out, None
+        out = model.generate(torch.tensor([ids], device=model.device), max_new_tokens=n, do_sample=False,
+                             eos_token_id=sorted(stops), pad_token_id=sorted(stops)[0], **kwargs)[0, len(ids):]
+        return out.tolist(), None
     return run
 
 
@@ -225,14 +225,22 @@ def print_table(methods, prompts, plain) -> None:
                       f"{top2(plain, ids + theirs[:at])[1]:.4f}")
 
 
-def bandwidth() -> float:
-    """GB/s of a 512 MiB copy (bytes read + bytes written), the best of 9: the most the machine gave."""
-    src = torch.ones(256 << 20, dtype=torch.uint8)
+def synchronizer(device: torch.device):
+    """What waits for the device's queued work before a clock is read (nothing on a CPU)."""
+    return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+
+def bandwidth(device: torch.device) -> float:
+    """GB/s of a 512 MiB copy on `device` (bytes read + bytes written), the best of 9: the most it gave."""
+    src = torch.ones(256 << 20, dtype=torch.uint8, device=device)
     dst = torch.zeros_like(src)
+    sync = synchronizer(device)
     times = []
     for _ in range(9):
+        sync()
         start = time.perf_counter()
         dst.copy_(src)
+        sync()
         times.append(time.perf_counter() - start)
     return 2 * src.numel() / min(times) / 1e9
 
@@ -243,6 +251,7 @@ def forward_costs(model, reference, repeats: int = 9) -> dict[str, list[float]]:
     prefix = list(range(1000, 1200))
     runners = {"runtime": open_runner(model), "transformers": open_runner(reference, runtime="transformers")}
     times = {name: {w: [] for w in WIDTHS} for name in runners}
+    sync = synchronizer(runners["runtime"].device)
     for runner in runners.values():
         runner.reset()
         runner.forward(prefix, last_only=True)
@@ -250,8 +259,10 @@ def forward_costs(model, reference, repeats: int = 9) -> dict[str, list[float]]:
         for w in WIDTHS:
             for name, runner in runners.items():
                 runner.rollback(len(prefix))
+                sync()
                 start = time.perf_counter()
                 runner.forward(list(range(2000, 2000 + w)))
+                sync()
                 times[name][w].append(time.perf_counter() - start)
     return {name: [1000 * statistics.median(per[w]) for w in WIDTHS] for name, per in times.items()}
 
@@ -260,13 +271,17 @@ def print_machine(reference, runner, methods) -> None:
     cpu = describe_cpu()
     model = reference  # the same weights in their plain form (the runtime's are packed)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    gbs = bandwidth()
+    device = next(model.parameters()).device
+    gbs = bandwidth(device)
     roofline_ms = weight_bytes / gbs / 1e6
     step_ms = 1000 / statistics.median(methods[0].tps())
     print(f"\nCPU {cpu['model']} ({cpu['logical_cores']} logical cores, torch kernels {cpu['capability']}, "
           f"{' '.join(cpu['extensions'] or [])}); {torch.get_num_threads()} threads")
+    if device.type == "cuda":
+        print(f"GPU {torch.cuda.get_device_name(device)} (torch {torch.__version__}, CUDA {torch.version.cuda}); "
+              "bandwidth and roofline below are the GPU's memory")
     print(f"target: {runtime_description(runner)}")
-    print(f"copy bandwidth {gbs:.1f} GB/s (read + write); weights {weight_bytes / 1e6:.0f} MB "
+    print(f"{device.type} copy bandwidth {gbs:.1f} GB/s (read + write); weights {weight_bytes / 1e6:.0f} MB "
           f"({str(next(model.parameters()).dtype).removeprefix('torch.')}): roofline {roofline_ms:.1f} ms/token; "
           f"runtime AR {step_ms:.1f} ms/token = {roofline_ms / step_ms:.0%} of the roofline")
     costs = forward_costs(runner.model, reference)

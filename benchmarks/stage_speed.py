@@ -33,6 +33,7 @@ import torch
 
 from mtptrain.config import load_recipe
 from mtptrain.data.regenerate import run_regenerate
+from mtptrain.dist import DistInfo, pick_device
 from mtptrain.features.precompute import run_precompute
 from mtptrain.machine import describe_cpu
 from mtptrain.runtime.choice import choose
@@ -73,11 +74,15 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     recipe = load_recipe(args.recipe, args.sets)
-    choice = choose(load_config(recipe.target), torch.device("cpu"))
+    device = pick_device(recipe.target.device, DistInfo.from_env())
+    choice = choose(load_config(recipe.target), device)
     cpu = describe_cpu()
     print(f"CPU {cpu['model']} ({cpu['logical_cores']} logical cores, torch kernels {cpu['capability']}, "
           f"{' '.join(cpu['extensions'] or [])}), {torch.get_num_threads()} threads; runtime choice: "
           f"{choice.describe()}")
+    if device.type == "cuda":
+        print(f"GPU {torch.cuda.get_device_name(device)} (torch {torch.__version__}, CUDA {torch.version.cuda}): "
+              "both paths run there")
     print(f"regenerate: the former path on {args.conversations} conversations, the runtime on "
           f"{args.regenerate_conversations}; precompute on {args.conversations}")
     speeds = {(stage, path): [] for stage in ("regenerate", "precompute") for path in ("before", "after")}
