@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from mtptrain.io import atomic_write_json, cache_root
 from mtptrain.machine import describe_cpu
+from mtptrain.runtime.native_kernels import decode_attention_kernel
 from mtptrain.runtime.weights import pack, packed_product
 
 log = logging.getLogger(__name__)
@@ -43,7 +44,7 @@ ROWS = (1, 4, 8)
 PRODUCTS = ("linear", "skinny", "packed") if torch.backends.mkldnn.is_available() else ("linear", "skinny")
 SKINNY_ROWS = 32  # above this many rows (a prefill) every product is F.linear
 BATCH_ROWS = 32  # rows of the batched-decoding attention timing
-VERSION = 2  # of what is measured: a cached answer from another version is measured again
+VERSION = 3  # of what is measured: a cached answer from another version is measured again
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -78,7 +79,7 @@ def sdpa_attention(q, k, v, mask, causal: bool):
 def plain_attention(q, k, v, mask, causal: bool):
     """The same as two products with a float32 softmax between them; each key-value head serves its group of
     query heads (head h reads kv head h // group), without repeating the keys. `mask` is boolean (True = seen)
-    or float32 and added to the scores (0 = seen, -inf = not: `additive_mask`)."""
+    or float32 and added to the scores (0 = seen, -inf = not: `batch_mask`)."""
     batch, heads, count, dim = q.shape
     kv_heads, length = k.shape[1], k.shape[2]
     group = heads // kv_heads
@@ -103,20 +104,51 @@ def _in_float32(attention):
     return attend
 
 
-def additive_mask(seen: torch.Tensor, kernel: str | None, dtype: torch.dtype) -> torch.Tensor:
-    """A boolean mask (True = seen) as `kernel` reads it fastest when one mask serves every layer of a step:
-    plain products add a float32 mask to their float32 scores in place (measured on an AMD EPYC, 64 rows of
-    320 positions over 30 layers: 29.9 ms against 33.6 ms for a boolean mask filled in on every layer), and
-    SDPA takes it in its queries' dtype (float32 for the kernels over a float32 cache)."""
+def batch_mask(seen: torch.Tensor, kernel: str | None, dtype: torch.dtype) -> torch.Tensor:
+    """A batched step's boolean mask [B, 1, 1, S] (True = seen; each row sees a prefix of the positions) as
+    `kernel` reads it fastest when one mask serves every layer of a step:
+    - the fused kernel takes each row's number of seen positions (an int64 tensor [B]) and reads nothing else;
+    - plain products add a float32 mask to their float32 scores in place (measured on an AMD EPYC, 64 rows of
+      320 positions over 30 layers: 29.9 ms against 33.6 ms for a boolean mask filled in on every layer);
+    - SDPA takes it in its queries' dtype (float32 for the kernels over a float32 cache)."""
     if kernel is None:
         return seen
+    if usable(kernel) == "fused":
+        return seen.reshape(seen.shape[0], -1).sum(-1)
     dtype = dtype if kernel == "sdpa" else torch.float32
     return torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill_(~seen, float("-inf"))
+
+
+def fused_attention(q, k, v, lengths, causal: bool):
+    """Batched decoding's attention in one C++ kernel (runtime/native_kernels.py): q [R, H, 1, D], k and v
+    [>= R, Hkv, C, D] contiguous, row r attending over its first lengths[r] positions only."""
+    return decode_attention_kernel()(q, k, v, lengths)
 
 
 ATTENTION = {"sdpa": sdpa_attention, "plain": plain_attention,
              "sdpa-f32": _in_float32(sdpa_attention), "plain-f32": _in_float32(plain_attention)}
 F32_CACHE = ("sdpa-f32", "plain-f32")  # kernels that read a float32 cache
+
+
+def batch_kernels(dtype: torch.dtype) -> list[str]:
+    """The kernels batched decoding may use in `dtype`: torch's, and the fused one where it builds here (in
+    float32 and bfloat16; the plain kernels serve float64)."""
+    kernels = [a for a in ATTENTION if dtype != torch.float32 or a not in F32_CACHE]
+    if dtype in (torch.float32, torch.bfloat16) and decode_attention_kernel() is not None:
+        kernels.append("fused")
+    return kernels
+
+
+def usable(kernel: str) -> str:
+    """`kernel`, or "plain" for "fused" where the fused kernel does not build (a machine's measured choice is
+    cached, and its compiler may be gone since)."""
+    return "plain" if kernel == "fused" and decode_attention_kernel() is None else kernel
+
+
+def batch_attention(kernel: str):
+    """The batch kernel named `kernel` (a key of ATTENTION, or "fused"), as `usable` allows."""
+    kernel = usable(kernel)
+    return fused_attention if kernel == "fused" else ATTENTION[kernel]
 
 
 @dataclass(frozen=True)
@@ -219,7 +251,8 @@ def _cpu_timings(config) -> tuple[dict, str]:
             "products": {p: _time_layer(shapes(config), dtype, PRODUCT[p]) for p in PRODUCTS},
             "attention_one": {a: _time_attention(_heads(config), dtype, a, 1) for a in kernels},
             "attention_many": {a: _time_attention(_heads(config), dtype, a, 8) for a in kernels},
-            "attention_batch": {a: _time_attention(_heads(config), dtype, a, 1, BATCH_ROWS) for a in kernels},
+            "attention_batch": {a: _time_attention(_heads(config), dtype, a, 1, BATCH_ROWS)
+                                for a in batch_kernels(dtype)},
         }
     known[key] = timings
     try:
@@ -266,20 +299,21 @@ def _time_layer(layer_shapes, dtype: torch.dtype, product, repeats: int = 5) -> 
 def _time_attention(heads: tuple[int, int, int], dtype: torch.dtype, kernel: str, count: int, rows: int = 1,
                     repeats: int = 5) -> float:
     """Median ms of 20 attention calls of `count` new tokens over 512 cached positions (a cache of the kernel's
-    dtype); for several rows, one token each over 256 positions behind a padding mask, as batched decoding
-    has them."""
+    dtype); for several rows, one token each over the first 128 to 256 of 256 positions, as batched decoding
+    has them (its mask in the form the kernel reads)."""
     generator = torch.Generator().manual_seed(0)
     query_heads, kv_heads, dim = heads
     length = 512 if rows == 1 else 256
-    attention = ATTENTION[kernel]
+    attention = batch_attention(kernel) if rows > 1 else ATTENTION[kernel]
     cache = torch.float32 if kernel in F32_CACHE else dtype
     q = torch.randn(rows, query_heads, count, dim, generator=generator).to(dtype)
     k, v = (torch.randn(rows, kv_heads, length, dim, generator=generator).to(cache) for _ in range(2))
     mask = None
     if count > 1:
         mask = causal_mask(count, length - count)[None, None]
-    elif rows > 1:  # each row's prompt left-padded to the longest
-        mask = (torch.arange(length) >= torch.randint(0, length // 2, (rows, 1), generator=generator))[:, None, None]
+    elif rows > 1:  # each row sees its own first positions
+        seen = torch.arange(length) < torch.randint(length // 2, length + 1, (rows, 1), generator=generator)
+        mask = batch_mask(seen[:, None, None], kernel, dtype)
 
     def once() -> float:
         started = time.perf_counter()

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mtptrain.runtime.choice import additive_mask, causal_mask
+from mtptrain.runtime.choice import batch_mask, causal_mask
 from mtptrain.runtime.weights import STATE, layer_weights, lm_head_weights
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
@@ -164,7 +164,7 @@ class FastDecoder:
 
     def batch_mask(self, seen: torch.Tensor) -> torch.Tensor:
         """The mask [B, 1, 1, S] (True = seen) of a batched step, in the form its attention kernel reads fastest."""
-        return additive_mask(seen, self.choice.attention_batch if self.choice is not None else None, self.dtype)
+        return batch_mask(seen, self.choice.attention_batch if self.choice is not None else None, self.dtype)
 
     @property
     def device(self) -> torch.device:

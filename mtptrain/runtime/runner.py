@@ -16,7 +16,7 @@ from typing import Protocol
 import torch
 
 from mtptrain.runtime.cache import KVCache
-from mtptrain.runtime.choice import ATTENTION, PRODUCT, choose
+from mtptrain.runtime.choice import ATTENTION, PRODUCT, batch_attention, choose
 from mtptrain.runtime.model import FastDecoder, unsupported
 from mtptrain.runtime.transformers_runner import TransformersRunner
 
@@ -69,7 +69,7 @@ def fast_decoder(model: torch.nn.Module) -> FastDecoder | None:
             # stays usable where autograd runs later (inference tensors cannot enter a recorded graph).
             with torch.inference_mode(False), torch.no_grad():
                 known = FastDecoder(model, PRODUCT[choice.product], ATTENTION[choice.attention_one],
-                                    ATTENTION[choice.attention_many], choice, ATTENTION[choice.attention_batch])
+                                    ATTENTION[choice.attention_many], choice, batch_attention(choice.attention_batch))
             if first:
                 log.info("target runs on mtptrain's runtime: %s", choice.describe())
         else:

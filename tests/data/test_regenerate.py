@@ -105,6 +105,37 @@ def test_streamed_decoding_equals_decoding_each_prompt_alone(model64, varied_tar
         assert (len(prompts[2]) in moved) == (first_band is None)  # the third row outgrew its band at once
 
 
+def test_the_fused_kernel_decodes_as_the_plain_products_do(varied_target_dir, monkeypatch):
+    """In float32, batched decoding with the fused attention kernel (runtime/native_kernels.py) chooses the tokens
+    the plain products choose, with rows refilled, moved between bands as they grow, and prefilled in chunks."""
+    import dataclasses
+
+    from mtptrain.runtime import batch, choice, runner
+
+    for name, value in (("GROW", 2), ("ROWS_GROW", 1), ("FIRST_BAND", 8)):
+        monkeypatch.setattr(batch, name, value)
+    kernel = choice.decode_attention_kernel()
+    assert kernel is not None, "the fused kernel must build here (see the warning logged above)"
+    calls = []
+    monkeypatch.setattr(choice, "decode_attention_kernel", lambda: lambda *a: (calls.append(1), kernel(*a))[1])
+    tok = load_tokenizer(load_recipe(None, [f"target.model={varied_target_dir}"]).target)
+    texts = ["the a of", "water than call first who may down side been now find", "hot", "one have this from or",
+             "been now find the a of to"]
+    prompts = [prompt_ids(tok, [{"role": "user", "content": t}]) for t in texts]
+    answers = {}
+    for name in ("plain", "fused"):
+        chosen = runner.choose
+        monkeypatch.setattr(runner, "choose", lambda *a, name=name, chosen=chosen:
+                            dataclasses.replace(chosen(*a), attention_batch=name))
+        model = AutoModelForCausalLM.from_pretrained(varied_target_dir, dtype=torch.float32).eval()
+        requests = [Request(p, 14) for p in prompts]
+        decode_stream(model, requests, lambda request: None, 3, set(), tok.pad_token_id)
+        monkeypatch.setattr(runner, "choose", chosen)
+        answers[name] = [r.tokens for r in requests]
+    assert calls and answers["fused"] == answers["plain"]
+    assert all(len(a) == 14 for a in answers["fused"])
+
+
 def test_sampled_rows_do_not_depend_on_their_batch(model64, varied_target_dir):
     tok = load_tokenizer(load_recipe(None, [f"target.model={varied_target_dir}"]).target)
     prompts = [prompt_ids(tok, [{"role": "user", "content": t}]) for t in ["the a", "of to and in is it you"]]

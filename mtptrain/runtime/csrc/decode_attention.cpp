@@ -1,0 +1,501 @@
+// Decode attention over a batch of rows that each take one new token: row r's query heads attend over the
+// first lengths[r] positions of its own keys and values, and over nothing past them (never read: the cache's
+// tail may hold anything). Built by mtptrain/runtime/native_kernels.py with -O3 -march=native -fopenmp.
+//
+//   q        [R, H, 1, D]         any strides, float32 or bfloat16
+//   keys     [Rcap, Hkv, C, D]    contiguous, q's dtype, Rcap >= R (rows past R are not read)
+//   values   [Rcap, Hkv, C, D]    likewise
+//   lengths  [R] int64            1 <= lengths[r] <= C
+//   returns  [R, H, 1, D]         q's dtype: softmax(q.k * D^-0.5) . v, accumulated in float32
+//
+// One work item is a (row, kv head): the G = H / Hkv query heads of its group share every key and value
+// loaded. Two passes per item: the keys give G x n float32 scores (a per-thread buffer, a few KB, in L1), a
+// max-subtracted softmax turns them into weights in place, and the values are summed under them. Keys and
+// values are each read once, in order. The threads (at::parallel_for, torch's thread count) take runs of
+// items of about equal length.
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+namespace {
+
+using bf16 = c10::BFloat16;
+
+inline float to_float(float x) { return x; }
+inline float to_float(bf16 x) {  // bfloat16 is the top half of a float32
+  const uint32_t bits = uint32_t(x.x) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof out);
+  return out;
+}
+
+inline int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
+
+// exp(x) for x <= 0 (scores minus their max), in plain arithmetic the compiler vectorises in a simd loop
+// (std::exp stays a scalar call without -ffast-math): x = n ln2 + r with |r| <= ln2/2, exp(r) by its Taylor
+// polynomial to r^7 (truncation error < 1e-8, below float32's rounding), 2^n put in the exponent bits. Below
+// -87 the result is about 2^-126 (exp(-87) ~ 1.6e-38: against the max weight exp(0) = 1, nothing).
+inline float exp_nonpositive(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  const float shift = 12582912.0f;  // 1.5 * 2^23: adding and subtracting it rounds to the nearest integer
+  const float n = (x * 1.44269504088896341f + shift) - shift;
+  float r = x - n * 0.693359375f;      // ln2 in two parts: the first exact in a float times n
+  r = r - n * -2.12194440e-4f;
+  float p = 1.0f / 5040;
+  p = p * r + 1.0f / 720;
+  p = p * r + 1.0f / 120;
+  p = p * r + 1.0f / 24;
+  p = p * r + 1.0f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t bits = (int32_t(n) + 127) << 23;  // n in [-126, 0]: a normal power of two
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// Per-thread scratch, sized once per parallel chunk for the longest row.
+struct Scratch {
+  std::vector<float> q;       // G x D: the group's queries in float32
+  std::vector<bf16> q16;      // G x D: the same in bfloat16 (the bf16 dot-product instruction reads these)
+  std::vector<float> scores;  // G x stride: scores, then softmax weights
+  std::vector<float> acc;     // G x D: the weighted sum of values
+  std::vector<float> row;     // 16 x D floats: a row's last block of keys zero-padded, or keys widened
+  std::vector<float> sums;    // G: the softmax denominators
+  int64_t stride = 0;         // positions per head in `scores`, a multiple of 16
+
+  Scratch(int64_t G, int64_t D, int64_t C)
+      : q(G * D), q16(G * D), scores(G * round_up(C, 16)), acc(G * D), row(16 * D), sums(G),
+        stride(round_up(C, 16)) {}
+};
+
+// ---------------------------------------------------------------------------------------------------------
+// Portable path: any D, plain loops (vectorised by the compiler). Used for D other than 64 and 128, and for
+// every D on CPUs without AVX-512.
+
+template <int DC, typename T>  // DC: D known at compile time, or 0 to read it from `dim`
+void item_portable(int64_t G, int64_t dim, const T* k, const T* v, int64_t n, float scale, Scratch& s) {
+  const int64_t D = DC ? DC : dim;
+  float* kf = s.row.data();
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t j = 0; j < D; ++j) kf[j] = to_float(k[t * D + j]);
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = s.q.data() + g * D;
+      float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t j = 0; j < D; ++j) dot += qg[j] * kf[j];
+      s.scores[g * s.stride + t] = dot * scale;
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float* w = s.scores.data() + g * s.stride;
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < n; ++t) top = std::max(top, w[t]);
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < n; ++t) {
+      w[t] = exp_nonpositive(w[t] - top);
+      sum += w[t];
+    }
+    s.sums[g] = sum;
+  }
+  std::fill(s.acc.begin(), s.acc.end(), 0.0f);
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t j = 0; j < D; ++j) kf[j] = to_float(v[t * D + j]);
+    for (int64_t g = 0; g < G; ++g) {
+      const float p = s.scores[g * s.stride + t];
+      float* a = s.acc.data() + g * D;
+#pragma omp simd
+      for (int64_t j = 0; j < D; ++j) a[j] += p * kf[j];
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// AVX-512 path for D = 64 and 128. The scores are summed over 256-bit vectors: on an AMD EPYC (Zen 4),
+// which runs a 512-bit operation as two 256-bit halves, the same over 512-bit vectors (twice the shuffles
+// per score) made the whole kernel 1.2x (float32) to 1.3x (bfloat16) slower over caches larger than L3.
+// The value pass accumulates in 512-bit vectors (as many products per instruction, half the registers).
+
+#ifdef __AVX512F__
+
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+#define DECODE_ATTENTION_BF16_DOT 1  // vdpbf16ps: bfloat16 pairs multiplied and summed into float32 lanes
+#endif
+
+inline __m512 load16(const bf16* p) {  // 16 bfloat16 widened to float32
+  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+// The 8 sums of 8 vectors' lanes as one vector, in 7 adds and 14 shuffles instead of 8 horizontal sums.
+// Lane 4h + j of the result is the sum of v[2j + h]: callers put position p's vector in slot `slot8(p)`.
+inline __m256 sum_each8(const __m256* v) {
+  __m256 w[4];
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i)  // 128-bit half h of w[i]: four partial sums of v[2i + h]
+    w[i] = _mm256_add_ps(_mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x20),
+                         _mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x31));
+  const __m256 e0 = _mm256_add_ps(_mm256_shuffle_ps(w[0], w[1], 0x44), _mm256_shuffle_ps(w[0], w[1], 0xEE));
+  const __m256 e1 = _mm256_add_ps(_mm256_shuffle_ps(w[2], w[3], 0x44), _mm256_shuffle_ps(w[2], w[3], 0xEE));
+  return _mm256_add_ps(_mm256_shuffle_ps(e0, e1, 0x88), _mm256_shuffle_ps(e0, e1, 0xDD));
+}
+
+constexpr int slot8(int position) { return (position % 4) * 2 + position / 4; }  // 4h + j -> 2j + h
+
+// Eight lanes whose sum is q . row.
+template <int D>
+inline __m256 dot8(const __m256* q, const float* row) {
+  __m256 acc = _mm256_mul_ps(q[0], _mm256_loadu_ps(row));
+#pragma GCC unroll 16
+  for (int j = 1; j < D / 8; ++j) acc = _mm256_fmadd_ps(q[j], _mm256_loadu_ps(row + 8 * j), acc);
+  return acc;
+}
+
+#ifdef DECODE_ATTENTION_BF16_DOT
+template <int D>
+inline __m256 dot8(const __m256bh* q, const bf16* row) {
+  // Products of bfloat16 are exact in float32, so this is the arithmetic of converting and using FMAs, but
+  // for subnormal inputs, which the instruction flushes to zero.
+  __m256 acc = _mm256_setzero_ps();
+#pragma GCC unroll 8
+  for (int j = 0; j < D / 16; ++j)
+    acc = _mm256_dpbf16_ps(acc, q[j], (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16 * j)));
+  return acc;
+}
+#endif
+
+// Scores of 16 positions (rows of `block`, D apart) for each of the G queries, times `scale`.
+template <int D, typename Q, typename K>
+void score_block(int64_t G, const Q* q, const K* block, float* scores, int64_t stride, __m256 vscale) {
+  constexpr int W = D / (sizeof(K) == 2 ? 16 : 8);  // 256-bit vectors of the query
+  using Vec = std::conditional_t<sizeof(K) == 2, __m256bh, __m256>;
+  for (int64_t g = 0; g < G; ++g) {
+    Vec qv[W];
+#pragma GCC unroll 16
+    for (int j = 0; j < W; ++j) std::memcpy(&qv[j], q + g * D + j * (32 / sizeof(Q)), 32);
+#pragma GCC unroll 2
+    for (int half = 0; half < 2; ++half) {
+      __m256 part[8];
+#pragma GCC unroll 8
+      for (int p = 0; p < 8; ++p) part[slot8(p)] = dot8<D>(qv, block + (8 * half + p) * D);
+      _mm256_storeu_ps(scores + g * stride + 8 * half, _mm256_mul_ps(sum_each8(part), vscale));
+    }
+  }
+}
+
+// Pass 1: scores[g][t] = q_g . k_t * scale, 16 positions at a time, each block of keys read from memory
+// once and by the G queries from L1.
+template <int D, typename T>
+void key_scores(int64_t G, const T* k, int64_t n, float scale, Scratch& s) {
+  constexpr int64_t row_bytes = D * sizeof(T);
+#ifdef DECODE_ATTENTION_BF16_DOT
+  constexpr bool direct = true;  // float32 keys, or bfloat16 ones with vdpbf16ps: read where they lie
+#else
+  constexpr bool direct = std::is_same_v<T, float>;
+#endif
+  const __m256 vscale = _mm256_set1_ps(scale);
+  for (int64_t t0 = 0; t0 < n; t0 += 16) {
+    const int64_t m = std::min<int64_t>(16, n - t0);
+    float* scores = s.scores.data() + t0;
+    if constexpr (direct) {
+      const T* block = k + t0 * D;
+      if (m < 16) {  // the row's last block: its positions, then zeros (what lies past the row is never read)
+        T* padded = reinterpret_cast<T*>(s.row.data());
+        std::memcpy(padded, block, m * row_bytes);
+        std::memset(padded + m * D, 0, (16 - m) * row_bytes);
+        block = padded;
+      }
+      if constexpr (std::is_same_v<T, float>) score_block<D>(G, s.q.data(), block, scores, s.stride, vscale);
+#ifdef DECODE_ATTENTION_BF16_DOT
+      else score_block<D>(G, s.q16.data(), block, scores, s.stride, vscale);
+#endif
+    } else {  // bfloat16 keys without vdpbf16ps: widened to float32 once, into `row`
+      float* block = s.row.data();
+      for (int64_t i = 0; i < 16; ++i) {
+#pragma GCC unroll 8
+        for (int j = 0; j < D / 16; ++j)
+          _mm512_storeu_ps(block + i * D + 16 * j, i < m ? load16(k + (t0 + i) * D + 16 * j) : _mm512_setzero_ps());
+      }
+      score_block<D>(G, s.q.data(), static_cast<const float*>(block), scores, s.stride, vscale);
+    }
+  }
+}
+
+// exp(x) for x <= 0, 16 lanes: as exp_nonpositive, with the power of two applied by scalef.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);  // max(c, x) returns x when x is NaN
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 5040);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline __mmask16 first_lanes(int64_t count) {  // lanes 0 .. count-1 (count <= 16)
+  return count >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1);
+}
+
+// Scores to unnormalised softmax weights in place (lanes past n set to 0), and their sums.
+inline void softmax_rows(int64_t G, int64_t n, Scratch& s) {
+  const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t g = 0; g < G; ++g) {
+    float* w = s.scores.data() + g * s.stride;
+    __m512 top = minus_inf;
+    for (int64_t t = 0; t < n; t += 16)
+      top = _mm512_max_ps(top, _mm512_mask_loadu_ps(minus_inf, first_lanes(n - t), w + t));
+    const __m512 vmax = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t t = 0; t < n; t += 16) {
+      const __m512 e = _mm512_maskz_mov_ps(first_lanes(n - t), exp16(_mm512_sub_ps(_mm512_loadu_ps(w + t), vmax)));
+      _mm512_storeu_ps(w + t, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    s.sums[g] = _mm512_reduce_add_ps(sum);
+  }
+}
+
+// One row of values as D / 16 float32 vectors. bfloat16 rows come in a pair order: each 32-bit lane holds
+// elements 2i and 2i + 1, which a shift and a mask turn into float32 (two operations per 32 elements, where
+// widening takes four); the accumulators keep that order, `unpair` restores the natural one at the end.
+template <int D>
+inline void load_values(const float* row, __m512* x) {
+#pragma GCC unroll 8
+  for (int j = 0; j < D / 16; ++j) x[j] = _mm512_loadu_ps(row + 16 * j);
+}
+template <int D>
+inline void load_values(const bf16* row, __m512* x) {
+  const __m512i high = _mm512_set1_epi32(int32_t(0xFFFF0000u));
+#pragma GCC unroll 4
+  for (int j = 0; j < D / 32; ++j) {
+    const __m512i pairs = _mm512_loadu_si512(row + 32 * j);
+    x[2 * j] = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));           // elements 32j + 2i
+    x[2 * j + 1] = _mm512_castsi512_ps(_mm512_and_si512(pairs, high));      // elements 32j + 2i + 1
+  }
+}
+
+template <int D>
+inline void unpair(float* acc) {  // [even 16 | odd 16] per 32 elements back to their order
+  const __m512i low = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i high = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  for (int j = 0; j < D / 32; ++j) {
+    const __m512 even = _mm512_loadu_ps(acc + 32 * j), odd = _mm512_loadu_ps(acc + 32 * j + 16);
+    _mm512_storeu_ps(acc + 32 * j, _mm512_permutex2var_ps(even, low, odd));
+    _mm512_storeu_ps(acc + 32 * j + 16, _mm512_permutex2var_ps(even, high, odd));
+  }
+}
+
+// Pass 2 for NG query heads (g0 ..): acc[g] += sum over t in [t0, t1) of w[g][t] * v_t, the NG x D
+// accumulators held in registers (NG * D / 16 <= 16 of the 32), each row of values loaded once for them.
+template <int D, int NG, typename T>
+void add_values(int64_t g0, const T* v, int64_t t0, int64_t t1, Scratch& s) {
+  constexpr int W = D / 16;
+  __m512 a[NG][W];
+  const float* w[NG];
+#pragma GCC unroll 8
+  for (int g = 0; g < NG; ++g) {
+    w[g] = s.scores.data() + (g0 + g) * s.stride;
+#pragma GCC unroll 8
+    for (int j = 0; j < W; ++j) a[g][j] = _mm512_loadu_ps(s.acc.data() + (g0 + g) * D + 16 * j);
+  }
+  for (int64_t t = t0; t < t1; ++t) {
+    __m512 x[W];
+    load_values<D>(v + t * D, x);
+#pragma GCC unroll 8
+    for (int g = 0; g < NG; ++g) {
+      const __m512 p = _mm512_set1_ps(w[g][t]);
+#pragma GCC unroll 8
+      for (int j = 0; j < W; ++j) a[g][j] = _mm512_fmadd_ps(p, x[j], a[g][j]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int g = 0; g < NG; ++g) {
+#pragma GCC unroll 8
+    for (int j = 0; j < W; ++j) _mm512_storeu_ps(s.acc.data() + (g0 + g) * D + 16 * j, a[g][j]);
+  }
+}
+
+template <int D, typename T>
+void add_values_heads(int64_t g0, int64_t count, const T* v, int64_t t0, int64_t t1, Scratch& s) {
+  static_assert(D == 64 || D == 128, "");
+  switch (count) {  // at most 16 accumulator registers: 4 heads of 64, 2 of 128
+    case 1: return add_values<D, 1>(g0, v, t0, t1, s);
+    case 2: return add_values<D, 2>(g0, v, t0, t1, s);
+    case 3: if constexpr (D == 64) return add_values<D, 3>(g0, v, t0, t1, s); break;
+    case 4: if constexpr (D == 64) return add_values<D, 4>(g0, v, t0, t1, s); break;
+  }
+  TORCH_CHECK(false, "decode_attention: internal error, ", count, " heads in one value pass");
+}
+
+template <int D, typename T>
+void item_avx512(int64_t G, const T* k, const T* v, int64_t n, float scale, Scratch& s) {
+  key_scores<D>(G, k, n, scale, s);
+  softmax_rows(G, n, s);
+  std::fill(s.acc.begin(), s.acc.end(), 0.0f);
+  constexpr int64_t per_pass = D == 64 ? 4 : 2;
+  if (G <= per_pass) {
+    add_values_heads<D>(0, G, v, 0, n, s);
+  } else {
+    // More heads than registers hold: blocks of positions small enough to stay in L1 while each group of
+    // heads reads them, so the values still come from memory once.
+    constexpr int64_t block = 16384 / (D * sizeof(T));
+    for (int64_t t0 = 0; t0 < n; t0 += block) {
+      const int64_t t1 = std::min(n, t0 + block);
+      for (int64_t g0 = 0; g0 < G; g0 += per_pass) add_values_heads<D>(g0, std::min(per_pass, G - g0), v, t0, t1, s);
+    }
+  }
+  if constexpr (std::is_same_v<T, bf16>)
+    for (int64_t g = 0; g < G; ++g) unpair<D>(s.acc.data() + g * D);
+}
+
+#endif  // __AVX512F__
+
+// ---------------------------------------------------------------------------------------------------------
+
+template <typename T>
+void one_item(int64_t G, int64_t D, const T* k, const T* v, int64_t n, float scale, Scratch& s) {
+#ifdef __AVX512F__
+  if (D == 64) return item_avx512<64>(G, k, v, n, scale, s);
+  if (D == 128) return item_avx512<128>(G, k, v, n, scale, s);
+#else
+  if (D == 64) return item_portable<64>(G, D, k, v, n, scale, s);
+  if (D == 128) return item_portable<128>(G, D, k, v, n, scale, s);
+#endif
+  item_portable<0>(G, D, k, v, n, scale, s);
+}
+
+// The group's G query heads (head_stride apart, elements dim_stride apart) into s.q as float32 and, for
+// bfloat16, into s.q16 as they are.
+template <typename T>
+void load_queries(const T* q, int64_t head_stride, int64_t dim_stride, int64_t G, int64_t D, Scratch& s) {
+  for (int64_t g = 0; g < G; ++g) {
+    const T* qg = q + g * head_stride;
+    float* f = s.q.data() + g * D;
+    for (int64_t j = 0; j < D; ++j) f[j] = to_float(qg[j * dim_stride]);
+    if constexpr (std::is_same_v<T, bf16>)
+      for (int64_t j = 0; j < D; ++j) s.q16[g * D + j] = qg[j * dim_stride];
+  }
+}
+
+inline void store_output(float* out, const float* acc, float inv, int64_t D) {
+  for (int64_t j = 0; j < D; ++j) out[j] = acc[j] * inv;
+}
+
+inline void store_output(bf16* out, const float* acc, float inv, int64_t D) {
+  // Rounded to nearest even as c10::BFloat16 rounds (a NaN as 0x7FC0), in a loop the compiler vectorises.
+  uint16_t* bits = reinterpret_cast<uint16_t*>(out);
+  for (int64_t j = 0; j < D; ++j) {
+    const float x = acc[j] * inv;
+    uint32_t u;
+    std::memcpy(&u, &x, sizeof u);
+    bits[j] = x != x ? uint16_t(0x7FC0) : uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+  }
+}
+
+template <typename T>
+void run(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values, const int64_t* lengths,
+         torch::Tensor& out) {
+  const int64_t R = q.size(0), H = q.size(1), D = q.size(3);
+  const int64_t Hkv = keys.size(1), C = keys.size(2), G = H / Hkv;
+  const float scale = 1.0f / std::sqrt(float(D));
+  const T* qp = q.data_ptr<T>();
+  const int64_t q_row = q.stride(0), q_head = q.stride(1), q_dim = q.stride(3);
+  const T* kp = keys.data_ptr<T>();
+  const T* vp = values.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+
+  // Items (row, kv head) cost their length plus a fixed part (the queries, the output: measured about 100 ns,
+  // some 16 positions); the threads get contiguous runs of items of about equal cost (rows of different
+  // lengths split evenly by count would leave one thread waiting).
+  const int64_t items = R * Hkv;
+  std::vector<int64_t> start(items + 1, 0);
+  for (int64_t i = 0; i < items; ++i) start[i + 1] = start[i] + lengths[i / Hkv] + 16;
+  const int64_t total = start[items];
+  // A parallel region costs about 1 us (measured on 2 threads), a part of 256 positions 2 to 4 us.
+  const int64_t min_part = 256;
+  const int64_t threads = at::get_num_threads();
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>({threads, items, total / min_part}));
+  std::vector<int64_t> first(parts + 1);
+  for (int64_t p = 0; p <= parts; ++p)
+    first[p] = std::lower_bound(start.begin(), start.end(), total * p / parts) - start.begin();
+  first[parts] = items;
+
+  at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
+    Scratch s(G, D, C);
+    for (int64_t item = first[p0]; item < first[p1]; ++item) {
+      const int64_t r = item / Hkv, h = item % Hkv, n = lengths[r];
+      load_queries(qp + r * q_row + h * G * q_head, q_head, q_dim, G, D, s);
+      const int64_t offset = (r * Hkv + h) * C * D;
+      one_item<T>(G, D, kp + offset, vp + offset, n, scale, s);
+      for (int64_t g = 0; g < G; ++g)
+        store_output(op + (r * H + h * G + g) * D, s.acc.data() + g * D, 1.0f / s.sums[g], D);
+    }
+  });
+}
+
+torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
+                               const torch::Tensor& lengths) {
+  TORCH_CHECK(q.device().is_cpu() && keys.device().is_cpu() && values.device().is_cpu() && lengths.device().is_cpu(),
+              "decode_attention: every tensor must be on the CPU");
+  TORCH_CHECK(q.dim() == 4 && q.size(2) == 1, "decode_attention: q must be [rows, heads, 1, dim], got ", q.sizes());
+  TORCH_CHECK(keys.dim() == 4, "decode_attention: keys must be [rows, kv_heads, capacity, dim], got ", keys.sizes());
+  TORCH_CHECK(values.sizes() == keys.sizes(), "decode_attention: values ", values.sizes(), " differ from keys ",
+              keys.sizes());
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
+              "decode_attention: q must be float32 or bfloat16, got ", q.scalar_type());
+  TORCH_CHECK(keys.scalar_type() == q.scalar_type() && values.scalar_type() == q.scalar_type(),
+              "decode_attention: keys (", keys.scalar_type(), ") and values (", values.scalar_type(),
+              ") must have q's dtype (", q.scalar_type(), ")");
+  TORCH_CHECK(keys.is_contiguous() && values.is_contiguous(), "decode_attention: keys and values must be contiguous");
+  const int64_t R = q.size(0), H = q.size(1), D = q.size(3), Hkv = keys.size(1), C = keys.size(2);
+  TORCH_CHECK(keys.size(3) == D, "decode_attention: keys' dim ", keys.size(3), " differs from q's ", D);
+  TORCH_CHECK(keys.size(0) >= R, "decode_attention: keys hold ", keys.size(0), " rows, q has ", R);
+  TORCH_CHECK(Hkv > 0 && H % Hkv == 0, "decode_attention: q's ", H, " heads are not a multiple of the ", Hkv,
+              " kv heads");
+  TORCH_CHECK(D > 0, "decode_attention: dim must be positive");
+  TORCH_CHECK(lengths.scalar_type() == at::kLong && lengths.dim() == 1 && lengths.size(0) == R,
+              "decode_attention: lengths must be an int64 tensor of ", R, " rows, got ", lengths.scalar_type(), " ",
+              lengths.sizes());
+  const torch::Tensor lens = lengths.contiguous();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r)
+    TORCH_CHECK(lp[r] >= 1 && lp[r] <= C, "decode_attention: row ", r, " has length ", lp[r],
+                ", outside 1 .. ", C, " (the cache's capacity)");
+
+  torch::Tensor out = torch::empty({R, H, 1, D}, q.options().memory_format(at::MemoryFormat::Contiguous));
+  if (R == 0) return out;
+  if (q.scalar_type() == at::kFloat) run<float>(q, keys, values, lp, out);
+  else run<bf16>(q, keys, values, lp, out);
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_attention", &decode_attention, py::call_guard<py::gil_scoped_release>(),
+        "softmax(q.k * D^-0.5) . v for one new token per row over each row's first lengths[r] positions",
+        py::arg("q"), py::arg("keys"), py::arg("values"), py::arg("lengths"));
+}

@@ -1,0 +1,169 @@
+"""The fused decode-attention kernel (mtptrain/runtime/csrc/decode_attention.cpp) computes what
+`choice.plain_attention` computes over a masked rectangle: in float32 within 1e-5, in bfloat16 within the
+output's rounding of a float64 reference and no further from it than plain_attention. It reads nothing past a
+row's length (NaN there changes nothing), checks its inputs, and builds here: a build failure fails the tests."""
+
+import logging
+
+import pytest
+import torch
+
+from mtptrain.runtime import native_kernels
+from mtptrain.runtime.choice import plain_attention
+from mtptrain.runtime.native_kernels import decode_attention_kernel, extension_name
+
+
+@pytest.fixture(scope="module")
+def attend():
+    kernel = decode_attention_kernel()
+    assert kernel is not None, "the decode attention kernel did not build (see the warning logged above)"
+    return kernel
+
+
+def _inputs(rows, heads, kv_heads, dim, capacity, dtype, spare_rows=2, seed=0):
+    """q as the runtime passes it (a transposed view), keys and values with `spare_rows` rows more than q,
+    lengths from 1 to the capacity (both ends included)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(rows, 1, heads, dim, generator=g).to(dtype).transpose(1, 2)
+    keys = torch.randn(rows + spare_rows, kv_heads, capacity, dim, generator=g).to(dtype)
+    values = torch.randn(rows + spare_rows, kv_heads, capacity, dim, generator=g).to(dtype)
+    lengths = torch.randint(1, capacity + 1, (rows,), generator=g)
+    lengths[0] = 1
+    lengths[-1] = capacity
+    if rows > 2:
+        lengths[1] = capacity - 1
+    return q, keys, values, lengths
+
+
+def _poisoned(tensor, lengths):
+    """A copy with NaN at every position the kernel must not read: past each row's length, and in the rows
+    past q's."""
+    out = tensor.clone()
+    out[len(lengths):] = float("nan")
+    for row, length in enumerate(lengths.tolist()):
+        out[row, :, length:] = float("nan")
+    return out
+
+
+def _plain(q, keys, values, lengths):
+    rows, capacity = len(lengths), keys.shape[2]
+    seen = (torch.arange(capacity)[None] < lengths[:, None])[:, None, None, :]
+    return plain_attention(q, keys[:rows], values[:rows], seen, False)
+
+
+def _float64(q, keys, values, lengths):
+    """softmax(q.k / sqrt(D)) . v in float64, row by row over each row's live positions."""
+    rows, heads, _, dim = q.shape
+    group = heads // keys.shape[1]
+    out = torch.empty(rows, heads, 1, dim, dtype=torch.float64)
+    for row, length in enumerate(lengths.tolist()):
+        k = keys[row, :, :length].double().repeat_interleave(group, 0)
+        v = values[row, :, :length].double().repeat_interleave(group, 0)
+        weights = torch.softmax(q[row].double() @ k.transpose(-1, -2) * dim ** -0.5, dim=-1)
+        out[row] = weights @ v
+    return out
+
+
+SHAPES = [  # rows, heads, kv_heads, dim, capacity
+    (1, 9, 3, 64, 200),    # SmolLM2's heads, one row
+    (37, 8, 2, 128, 300),  # D = 128, a group of 4 (more heads than one value pass holds)
+    (5, 4, 4, 80, 70),     # the generic path (D = 80), no grouping
+    (3, 16, 2, 64, 150),   # a group of 8
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "R{}-H{}-Hkv{}-D{}-C{}".format(*s))
+def test_float32_matches_plain_attention_and_reads_no_position_past_a_row(attend, shape):
+    rows, heads, kv_heads, dim, capacity = shape
+    q, keys, values, lengths = _inputs(rows, heads, kv_heads, dim, capacity, torch.float32)
+    expected = _plain(q, keys, values, lengths)
+    out = attend(q, _poisoned(keys, lengths), _poisoned(values, lengths), lengths)
+    assert out.shape == (rows, heads, 1, dim) and out.dtype == torch.float32 and out.is_contiguous()
+    assert torch.isfinite(out).all()
+    assert float((out - expected).abs().max()) <= 1e-5
+    assert float((out.double() - _float64(q, keys, values, lengths)).abs().max()) <= 1e-5
+    assert torch.equal(out, attend(q, keys, values, lengths))  # the NaN tails changed nothing
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "R{}-H{}-Hkv{}-D{}-C{}".format(*s))
+def test_bfloat16_is_the_float64_result_rounded_and_closer_than_plain_attention(attend, shape):
+    rows, heads, kv_heads, dim, capacity = shape
+    q, keys, values, lengths = _inputs(rows, heads, kv_heads, dim, capacity, torch.bfloat16, seed=1)
+    reference = _float64(q, keys, values, lengths)
+    out = attend(q, _poisoned(keys, lengths), _poisoned(values, lengths), lengths)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), reference, rtol=1e-2, atol=1e-4)
+    # plain_attention rounds its scores and weights to bfloat16 as well as its output
+    mine = (out.double() - reference).abs()
+    plain = (_plain(q, keys, values, lengths).double() - reference).abs()
+    assert float(mine.max()) <= float(plain.max()) + 1e-6
+    assert float(mine.mean()) <= float(plain.mean())
+    assert torch.equal(out, attend(q, keys, values, lengths))
+
+
+def test_the_result_does_not_depend_on_the_thread_count(attend):
+    q, keys, values, lengths = _inputs(64, 9, 3, 64, 256, torch.bfloat16, seed=2)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = attend(q, keys, values, lengths)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, attend(q, keys, values, lengths))
+
+
+@pytest.mark.parametrize("fault, message", [
+    ("dtype", "must have q's dtype"),
+    ("zero length", "has length 0, outside 1 .. 16"),
+    ("long length", "has length 17, outside 1 .. 16"),
+    ("heads", "not a multiple"),
+    ("lengths dtype", "lengths must be an int64 tensor"),
+    ("strided keys", "must be contiguous"),
+])
+def test_bad_inputs_raise_a_clear_error(attend, fault, message):
+    q, keys, values, lengths = _inputs(3, 4, 2, 64, 16, torch.float32)
+    if fault == "dtype":
+        q = q.to(torch.bfloat16)
+    elif fault == "zero length":
+        lengths[1] = 0
+    elif fault == "long length":
+        lengths[1] = 17
+    elif fault == "heads":
+        keys, values = keys[:, :1].expand(-1, 3, -1, -1).contiguous(), values[:, :1].expand(-1, 3, -1, -1).contiguous()
+    elif fault == "lengths dtype":
+        lengths = lengths.int()
+    elif fault == "strided keys":
+        keys = keys.transpose(2, 3).contiguous().transpose(2, 3)
+    with pytest.raises(RuntimeError, match=message):
+        attend(q, keys, values, lengths)
+
+
+def test_the_extension_name_follows_the_source_torch_and_the_cpu(monkeypatch, tmp_path):
+    source = tmp_path / "kernel.cpp"
+    source.write_text("int x;\n")
+    name = extension_name(source)
+    assert name.startswith("mtptrain_kernel_") and name.isidentifier()
+    assert extension_name(source) == name
+    monkeypatch.setattr(native_kernels, "_cpu_flags", lambda: "fpu sse2 avx2")
+    other_cpu = extension_name(source)
+    assert other_cpu != name
+    monkeypatch.setattr(torch, "__version__", "0.0.0")
+    assert extension_name(source) not in (name, other_cpu)
+    source.write_text("int y;\n")
+    assert extension_name(source) not in (name, other_cpu)
+
+
+def test_a_failed_build_warns_once_and_returns_none(monkeypatch, tmp_path, caplog):
+    source = tmp_path / "broken.cpp"
+    source.write_text("#error deliberately broken\n")
+    monkeypatch.setattr(native_kernels, "SOURCE", source)
+    monkeypatch.setenv("MTPTRAIN_CACHE", str(tmp_path / "cache"))
+    decode_attention_kernel.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger=native_kernels.__name__):
+            assert decode_attention_kernel() is None
+            assert decode_attention_kernel() is None  # tried once per process
+        warnings = [r for r in caplog.records if r.name == native_kernels.__name__]
+        assert len(warnings) == 1 and "deliberately broken" in warnings[0].getMessage()
+    finally:
+        decode_attention_kernel.cache_clear()  # the real kernel again for whatever runs next
