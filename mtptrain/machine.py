@@ -25,12 +25,16 @@ PROC = Path("/proc")
 
 
 def describe_cpu(proc: Path = PROC) -> dict:
-    """The CPU's model name, torch's kernel level for it, the extensions of EXTENSIONS it has (None where
-    /proc/cpuinfo cannot say) and its logical core count."""
+    """The CPU's model name (with its x86 family and model numbers where /proc/cpuinfo gives them: a cloud VM
+    may name two CPU generations alike, e.g. "AMD EPYC" for family 25 and 26), torch's kernel level for it, the
+    extensions of EXTENSIONS it has (None where /proc/cpuinfo cannot say) and its logical core count."""
     fields = _first_processor(proc / "cpuinfo")
     flags = fields.get("flags", fields.get("features"))
+    model = fields.get("model name") or platform.processor() or platform.machine() or "unknown"
+    if "cpu family" in fields and "model" in fields:
+        model = f"{model} (family {fields['cpu family']}, model {fields['model']})"
     return {
-        "model": fields.get("model name") or platform.processor() or platform.machine() or "unknown",
+        "model": model,
         "capability": torch.backends.cpu.get_cpu_capability(),
         "extensions": None if flags is None else [e for e in EXTENSIONS if e in set(flags.split())],
         "logical_cores": os.cpu_count(),

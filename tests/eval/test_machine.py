@@ -34,6 +34,9 @@ def test_describe_cpu_reads_arm_features_and_says_unknown_without_cpuinfo(tmp_pa
     (tmp_path / "x86" / "cpuinfo").write_text("model name\t: Example Xeon\nflags\t\t: fpu avx2 avx512f amx_tile\n")
     assert describe_cpu(tmp_path / "x86")["model"] == "Example Xeon"
     assert describe_cpu(tmp_path / "x86")["extensions"] == ["avx2", "avx512f", "amx_tile"]
+    (tmp_path / "epyc").mkdir()
+    (tmp_path / "epyc" / "cpuinfo").write_text("cpu family\t: 25\nmodel\t\t: 17\nmodel name\t: AMD EPYC\n")
+    assert describe_cpu(tmp_path / "epyc")["model"] == "AMD EPYC (family 25, model 17)"
     assert describe_cpu(tmp_path / "none")["extensions"] is None
 
 
