@@ -13,12 +13,14 @@ and returns None: callers keep torch's kernels.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
 import platform
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -63,6 +65,26 @@ def _reason(error: Exception) -> str:
     return f"{type(error).__name__}: {reason[:500]}"
 
 
+@contextlib.contextmanager
+def _only_builder(build: Path) -> Iterator[None]:
+    """Hold `build` alone while torch's loader builds or loads the extension there.
+
+    The loader marks a build with a `lock` file and waits, without end, for it to vanish. A process killed
+    mid-build (a job cancelled during the first call's compile) leaves it behind, and every later run would
+    hang. So processes first take an flock on a file of their own, which the kernel releases when its holder
+    dies; whoever holds it is the only one in the loader, and a `lock` it finds is stale: removed."""
+    with open(build / "build.flock", "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        try:
+            stale = build / "lock"
+            if stale.exists():
+                log.warning("removing %s, left by a build of the decode attention kernel that was killed", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(guard, fcntl.LOCK_UN)
+
+
 @functools.cache
 def decode_attention_kernel() -> Callable[..., torch.Tensor] | None:
     """`attend(q, keys, values, lengths) -> out`, or None when the extension does not build.
@@ -79,8 +101,9 @@ def decode_attention_kernel() -> Callable[..., torch.Tensor] | None:
         name = extension_name(SOURCE)  # reads the source: a wheel built without csrc/ fails here, not at import
         build = cache_root() / "kernels" / name
         build.mkdir(parents=True, exist_ok=True)
-        module = load(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
-                      build_directory=str(build), verbose=False)
+        with _only_builder(build):
+            module = load(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+                          build_directory=str(build), verbose=False)
     except Exception as error:  # no source, compiler, ninja, or an import failure: the caller falls back
         log.warning("the decode attention kernel (%s) did not build, torch's kernels stay in use: %s",
                     SOURCE.name, _reason(error))

@@ -167,3 +167,25 @@ def test_a_failed_build_warns_once_and_returns_none(monkeypatch, tmp_path, caplo
         assert len(warnings) == 1 and "deliberately broken" in warnings[0].getMessage()
     finally:
         decode_attention_kernel.cache_clear()  # the real kernel again for whatever runs next
+
+
+def test_a_lock_left_by_a_killed_build_does_not_hang_the_next(attend):
+    """torch's loader waits for its `lock` file to vanish; a build killed midway leaves it. The next load removes
+    it (it holds the build directory alone, by an flock the kernel drops when its holder dies) and goes on."""
+    import threading
+
+    from mtptrain.io import cache_root
+
+    lock = cache_root() / "kernels" / extension_name() / "lock"
+    lock.write_text("")  # as a build killed before its end leaves it
+    decode_attention_kernel.cache_clear()
+    loaded = []
+    try:
+        loader = threading.Thread(target=lambda: loaded.append(decode_attention_kernel()), daemon=True)
+        loader.start()
+        loader.join(timeout=120)
+        assert loaded and loaded[0] is not None, "the loader still waits on the stale lock"
+        assert not lock.exists()
+    finally:
+        lock.unlink(missing_ok=True)  # let a hung loader thread finish rather than spin for ever
+        decode_attention_kernel.cache_clear()
