@@ -19,27 +19,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import time
 
 import torch
 
+from mtptrain.machine import describe_cpu
 from mtptrain.runtime.choice import batch_mask, plain_attention
 from mtptrain.runtime.native_kernels import decode_attention_kernel
 
 HEADS, KV_HEADS, DIM, LAYERS = 9, 3, 64, 30
 LENGTHS = (60, 384)
 BANDS = (128, 256, 512)
-
-
-def cpu_name() -> str:
-    try:
-        for line in subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    return "unknown"
 
 
 def best_seconds(fn, repeats: int = 7) -> float:
@@ -139,8 +129,9 @@ def main() -> None:
     built = time.perf_counter() - start
     if attend is None:
         raise SystemExit("the kernel did not build (see the warning above)")
-    print(f"CPU: {cpu_name()}, torch {torch.__version__}, capability {torch.backends.cpu.get_cpu_capability()}, "
-          f"{torch.get_num_threads()} threads; kernel loaded in {built:.1f} s")
+    cpu = describe_cpu()
+    print(f"CPU {cpu['model']} (torch kernels {cpu['capability']}, {' '.join(cpu['extensions'] or [])}), torch "
+          f"{torch.__version__}, {torch.get_num_threads()} threads; kernel loaded in {built:.1f} s")
     copy, read = memory_bandwidth()
     print(f"memory: copy {copy:.1f} GB/s (read + written), read {read:.1f} GB/s (sum over 256 MB)")
     for name in args.dtypes.split(","):

@@ -29,7 +29,7 @@ def describe_cpu(proc: Path = PROC) -> dict:
     may name two CPU generations alike, e.g. "AMD EPYC" for family 25 and 26), torch's kernel level for it, the
     extensions of EXTENSIONS it has (None where /proc/cpuinfo cannot say) and its logical core count."""
     fields = _first_processor(proc / "cpuinfo")
-    flags = fields.get("flags", fields.get("features"))
+    flags = _flags(fields)
     model = fields.get("model name") or platform.processor() or platform.machine() or "unknown"
     if "cpu family" in fields and "model" in fields:
         model = f"{model} (family {fields['cpu family']}, model {fields['model']})"
@@ -39,6 +39,15 @@ def describe_cpu(proc: Path = PROC) -> dict:
         "extensions": None if flags is None else [e for e in EXTENSIONS if e in set(flags.split())],
         "logical_cores": os.cpu_count(),
     }
+
+
+def cpu_flags(proc: Path = PROC) -> str | None:
+    """The CPU's whole flags line of /proc/cpuinfo (x86 "flags", ARM "Features"); None where it cannot say."""
+    return _flags(_first_processor(proc / "cpuinfo"))
+
+
+def _flags(fields: dict[str, str]) -> str | None:
+    return fields.get("flags", fields.get("features"))
 
 
 def _first_processor(path: Path) -> dict[str, str]:

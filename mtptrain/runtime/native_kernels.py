@@ -25,24 +25,12 @@ from typing import Callable, Iterator
 import torch
 
 from mtptrain.io import cache_root
+from mtptrain.machine import cpu_flags
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "decode_attention.cpp"
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
-
-
-def _cpu_flags() -> str:
-    """The instruction-set extensions the compiler's -march=native sees: /proc/cpuinfo's flags line (x86;
-    "Features" on ARM), or platform.processor() where there is none."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() in ("flags", "Features"):
-                return value.strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def extension_name(source: Path | None = None) -> str:
@@ -51,7 +39,8 @@ def extension_name(source: Path | None = None) -> str:
     shared by machines of both."""
     source = SOURCE if source is None else source
     digest = hashlib.sha256()
-    for part in (source.read_bytes(), torch.__version__.encode(), _cpu_flags().encode(), " ".join(CFLAGS).encode()):
+    cpu = cpu_flags() or platform.processor()  # what -march=native sees
+    for part in (source.read_bytes(), torch.__version__.encode(), cpu.encode(), " ".join(CFLAGS).encode()):
         digest.update(hashlib.sha256(part).digest())
     return f"mtptrain_{source.stem}_{digest.hexdigest()[:12]}"
 

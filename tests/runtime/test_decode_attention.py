@@ -144,7 +144,7 @@ def test_the_extension_name_follows_the_source_torch_and_the_cpu(monkeypatch, tm
     name = extension_name(source)
     assert name.startswith("mtptrain_kernel_") and name.isidentifier()
     assert extension_name(source) == name
-    monkeypatch.setattr(native_kernels, "_cpu_flags", lambda: "fpu sse2 avx2")
+    monkeypatch.setattr(native_kernels, "cpu_flags", lambda: "fpu sse2 avx2")
     other_cpu = extension_name(source)
     assert other_cpu != name
     monkeypatch.setattr(torch, "__version__", "0.0.0")
