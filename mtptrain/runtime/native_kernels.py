@@ -91,6 +91,9 @@ def decode_attention_kernel() -> Callable[..., torch.Tensor] | None:
         build = cache_root() / "kernels" / name
         build.mkdir(parents=True, exist_ok=True)
         with _only_builder(build):
+            if not (build / f"{name}.so").is_file():
+                log.info("compiling the decode attention kernel for this CPU, once (about 35 s on 2 cores) in %s",
+                         build)
             module = load(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
                           build_directory=str(build), verbose=False)
     except Exception as error:  # no source, compiler, ninja, or an import failure: the caller falls back
