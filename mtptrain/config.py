@@ -368,9 +368,9 @@ class EvalConfig(_Truncation):
     near_tie: float = Field(1e-3, ge=0, description="At temperature 0 a divergence from the baseline is accepted "
                             "only where the baseline's top-2 logit gap is below this (a float near-tie).")
     near_tie_ulps: float = Field(4, ge=0, description="In bfloat16 or float16 the near-tie bound is at least this "
-                                 "many rounding steps (units in the last place) of the top logit: the logits "
-                                 "themselves are rounded that coarsely, so a batched and a one-token forward can "
-                                 "order two of them either way.")
+                                 "many rounding steps (units in the last place) of the largest logit in "
+                                 "magnitude: the logits carry rounding errors of that scale, so a batched and a "
+                                 "one-token forward can order two of them either way.")
     cpu_matmul: Literal["auto", "skinny", "packed", "stock"] = Field(
         "auto", description="On CPU, the product of short (verification) inputs for the linear layers of draft "
         "heads and draft models, and of the target under the transformers fallback: skinny = W @ x.T, packed = "
