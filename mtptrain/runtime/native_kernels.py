@@ -1,14 +1,19 @@
 """CPU kernels of the runtime written in C++ (csrc/), built on first use with torch's JIT extension loader.
 
-`decode_attention_kernel()`: attention for batched decoding, where each row takes one new token and attends
-over its own number of cached positions (csrc/decode_attention.cpp). `choice.plain_attention` runs two
-`torch.matmul`s over the rows' rectangle with a mask, reading every row's masked tail too; the kernel reads
-only each row's live keys and values, once. Measured on a 2-core AMD EPYC (avx512_bf16) with SmolLM2-135M's
-heads, 128 rows of 60..384 positions in the runtime's length bands, one 30-layer step (benchmarks/
-decode_attention.py): bfloat16 64 ms -> 32 ms (20 GB/s of live keys and values), float32 116 ms -> 54 ms
-(24 GB/s), against a copy at 34 GB/s. The first call builds it (about 35 s on 2 cores), later processes load
-it from `<cache_root>/kernels/` (0.13 s). Where the build fails (no compiler, no ninja) it logs one warning
-and returns None: callers keep torch's kernels.
+- `decode_attention_kernel()` and `step_attention_kernel()` (csrc/decode_attention.cpp): attention for
+  batched decoding, where each row attends over its own number of cached positions. `choice.plain_attention`
+  runs two `torch.matmul`s over the rows' rectangle with a mask, reading every row's masked tail too; the
+  kernel reads only each row's live keys and values, once. Measured on a 2-core AMD EPYC (avx512_bf16) with
+  SmolLM2-135M's heads, 128 rows of 60..384 positions in the runtime's length bands, one 30-layer step
+  (benchmarks/decode_attention.py): bfloat16 64 ms -> 32 ms (20 GB/s of live keys and values), float32
+  116 ms -> 54 ms (24 GB/s), against a copy at 34 GB/s. The step kernel also writes the step's keys and
+  values and takes the prompt chunks riding along with the step, so a band's whole attention is one call.
+- `layer_ops()` (csrc/layer_ops.cpp): a decoder layer's elementwise steps (residual sum and RMSNorm, silu
+  times up, the rotary embedding), one pass each.
+
+The first call builds them (about 30 s on 2 cores), later processes load them from `<cache_root>/kernels/`
+(0.13 s). Where the build fails (no compiler, no ninja) it logs one warning and every function returns None:
+callers keep torch's operations.
 """
 
 from __future__ import annotations
@@ -29,20 +34,23 @@ from mtptrain.machine import cpu_flags
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "decode_attention.cpp"
+CSRC = Path(__file__).parent / "csrc"
+# The first holds the module's bindings (it binds the others' functions too).
+SOURCES = [CSRC / "decode_attention.cpp", CSRC / "layer_ops.cpp"]
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 
-def extension_name(source: Path | None = None) -> str:
-    """The extension's module name, unique to the source (SOURCE by default), torch's version, the CPU and the
+def extension_name(sources: list[Path] | None = None) -> str:
+    """The extension's module name, unique to the sources (SOURCES by default), torch's version, the CPU and the
     flags: a -march=native binary built on one CPU may not run on another, and the cache directory may be
     shared by machines of both."""
-    source = SOURCE if source is None else source
+    sources = SOURCES if sources is None else sources
     digest = hashlib.sha256()
     cpu = cpu_flags() or platform.processor()  # what -march=native sees
-    for part in (source.read_bytes(), torch.__version__.encode(), cpu.encode(), " ".join(CFLAGS).encode()):
+    parts = [source.read_bytes() for source in sources]
+    for part in (*parts, torch.__version__.encode(), cpu.encode(), " ".join(CFLAGS).encode()):
         digest.update(hashlib.sha256(part).digest())
-    return f"mtptrain_{source.stem}_{digest.hexdigest()[:12]}"
+    return f"mtptrain_{sources[0].stem}_{digest.hexdigest()[:12]}"
 
 
 def _reason(error: Exception) -> str:
@@ -75,6 +83,27 @@ def _only_builder(build: Path) -> Iterator[None]:
 
 
 @functools.cache
+def extension():
+    """The built extension, or None (one warning logged) when it does not build."""
+    try:
+        # torch.utils.cpp_extension takes 0.12 s to import (measured): only the first call needs it
+        from torch.utils.cpp_extension import load
+
+        name = extension_name(SOURCES)  # reads the sources: a wheel built without csrc/ fails here, not at import
+        build = cache_root() / "kernels" / name
+        build.mkdir(parents=True, exist_ok=True)
+        with _only_builder(build):
+            if not (build / f"{name}.so").is_file():
+                log.info("compiling the runtime's CPU kernels for this CPU, once (about 30 s on 2 cores) in %s",
+                         build)
+            return load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS,
+                        extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
+    except Exception as error:  # no source, compiler, ninja, or an import failure: the caller falls back
+        log.warning("the runtime's CPU kernels (%s) did not build, torch's operations stay in use: %s",
+                    ", ".join(s.name for s in SOURCES), _reason(error))
+        return None
+
+
 def decode_attention_kernel() -> Callable[..., torch.Tensor] | None:
     """`attend(q, keys, values, lengths) -> out`, or None when the extension does not build.
 
@@ -83,21 +112,25 @@ def decode_attention_kernel() -> Callable[..., torch.Tensor] | None:
     positions 0 .. lengths[r]-1 of kv head h // (H // Hkv) with softmax(q.k * D**-0.5), accumulated in float32.
     Returns [R, H, 1, D] contiguous in q's dtype. Built once per process (and per machine: cached under
     `<cache_root>/kernels/`)."""
-    try:
-        # torch.utils.cpp_extension takes 0.12 s to import (measured): only the first call needs it
-        from torch.utils.cpp_extension import load
+    module = extension()
+    return None if module is None else module.decode_attention
 
-        name = extension_name(SOURCE)  # reads the source: a wheel built without csrc/ fails here, not at import
-        build = cache_root() / "kernels" / name
-        build.mkdir(parents=True, exist_ok=True)
-        with _only_builder(build):
-            if not (build / f"{name}.so").is_file():
-                log.info("compiling the decode attention kernel for this CPU, once (about 35 s on 2 cores) in %s",
-                         build)
-            module = load(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
-                          build_directory=str(build), verbose=False)
-    except Exception as error:  # no source, compiler, ninja, or an import failure: the caller falls back
-        log.warning("the decode attention kernel (%s) did not build, torch's kernels stay in use: %s",
-                    SOURCE.name, _reason(error))
-        return None
-    return module.decode_attention
+
+def step_attention_kernel() -> Callable[..., None] | None:
+    """`step(q, k_new, v_new, keys, values, tokens, rows, positions, out)`, or None when the extension does not
+    build: one length band's part of a batched decoding step (runtime/batch.py), in one call.
+
+    The step's N tokens come as q [N, H, D], k_new and v_new [N, Hkv, D] (any strides); the band's entries m
+    (int64 CPU tensors of M entries) name a token, the band's cache row it belongs to, and its position there.
+    Each entry's key and value are written into keys and values [Rcap, Hkv, C, D] (contiguous) at that row and
+    position; then each attends over its row's positions 0 .. positions[m], as `decode_attention_kernel` does,
+    into out[tokens[m]] (out [N, H, D], unit stride along D). A row's several entries at consecutive positions
+    (a prompt chunk) thus attend causally among themselves."""
+    module = extension()
+    return None if module is None else module.step_attention
+
+
+def layer_ops():
+    """The module whose `add_rms_norm`, `silu_mul` and `rope` fuse a decoder layer's elementwise steps
+    (csrc/layer_ops.cpp; runtime/model.py says when they run), or None when the extension does not build."""
+    return extension()

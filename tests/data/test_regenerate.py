@@ -110,14 +110,14 @@ def test_the_fused_kernel_decodes_as_the_plain_products_do(varied_target_dir, mo
     the plain products choose, with rows refilled, moved between bands as they grow, and prefilled in chunks."""
     import dataclasses
 
-    from mtptrain.runtime import batch, choice, runner
+    from mtptrain.runtime import batch, model as runtime_model, runner
 
     for name, value in (("GROW", 2), ("ROWS_GROW", 1), ("FIRST_BAND", 8)):
         monkeypatch.setattr(batch, name, value)
-    kernel = choice.decode_attention_kernel()
+    kernel = runtime_model.step_attention_kernel()
     assert kernel is not None, "the fused kernel must build here (see the warning logged above)"
     calls = []
-    monkeypatch.setattr(choice, "decode_attention_kernel", lambda: lambda *a: (calls.append(1), kernel(*a))[1])
+    monkeypatch.setattr(runtime_model, "step_attention_kernel", lambda: lambda *a: (calls.append(1), kernel(*a))[1])
     tok = load_tokenizer(load_recipe(None, [f"target.model={varied_target_dir}"]).target)
     texts = ["the a of", "water than call first who may down side been now find", "hot", "one have this from or",
              "been now find the a of to"]

@@ -10,7 +10,7 @@ import torch
 
 from mtptrain.runtime import native_kernels
 from mtptrain.runtime.choice import plain_attention
-from mtptrain.runtime.native_kernels import decode_attention_kernel, extension_name
+from mtptrain.runtime.native_kernels import decode_attention_kernel, extension, extension_name
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +117,7 @@ def test_the_result_does_not_depend_on_the_thread_count(attend):
     ("zero length", "has length 0, outside 1 .. 16"),
     ("long length", "has length 17, outside 1 .. 16"),
     ("heads", "not a multiple"),
-    ("lengths dtype", "lengths must be an int64 tensor"),
+    ("lengths dtype", "lengths must be an int64 CPU tensor"),
     ("strided keys", "must be contiguous"),
 ])
 def test_bad_inputs_raise_a_clear_error(attend, fault, message):
@@ -141,24 +141,26 @@ def test_bad_inputs_raise_a_clear_error(attend, fault, message):
 def test_the_extension_name_follows_the_source_torch_and_the_cpu(monkeypatch, tmp_path):
     source = tmp_path / "kernel.cpp"
     source.write_text("int x;\n")
-    name = extension_name(source)
+    helper = tmp_path / "helper.cpp"
+    helper.write_text("int z;\n")
+    name = extension_name([source, helper])
     assert name.startswith("mtptrain_kernel_") and name.isidentifier()
-    assert extension_name(source) == name
+    assert extension_name([source, helper]) == name
     monkeypatch.setattr(native_kernels, "cpu_flags", lambda: "fpu sse2 avx2")
-    other_cpu = extension_name(source)
+    other_cpu = extension_name([source, helper])
     assert other_cpu != name
     monkeypatch.setattr(torch, "__version__", "0.0.0")
-    assert extension_name(source) not in (name, other_cpu)
-    source.write_text("int y;\n")
-    assert extension_name(source) not in (name, other_cpu)
+    assert extension_name([source, helper]) not in (name, other_cpu)
+    helper.write_text("int y;\n")  # any source, not only the first
+    assert extension_name([source, helper]) not in (name, other_cpu)
 
 
 def test_a_failed_build_warns_once_and_returns_none(monkeypatch, tmp_path, caplog):
     source = tmp_path / "broken.cpp"
     source.write_text("#error deliberately broken\n")
-    monkeypatch.setattr(native_kernels, "SOURCE", source)
+    monkeypatch.setattr(native_kernels, "SOURCES", [source])
     monkeypatch.setenv("MTPTRAIN_CACHE", str(tmp_path / "cache"))
-    decode_attention_kernel.cache_clear()
+    extension.cache_clear()
     try:
         with caplog.at_level(logging.INFO, logger=native_kernels.__name__):
             assert decode_attention_kernel() is None
@@ -169,7 +171,7 @@ def test_a_failed_build_warns_once_and_returns_none(monkeypatch, tmp_path, caplo
         said = [r.getMessage() for r in mine if r.levelno == logging.INFO]
         assert said[0].startswith("compiling")  # the first run's wait is announced
     finally:
-        decode_attention_kernel.cache_clear()  # the real kernel again for whatever runs next
+        extension.cache_clear()  # the real kernel again for whatever runs next
 
 
 def test_a_lock_left_by_a_killed_build_does_not_hang_the_next(attend):
@@ -181,7 +183,7 @@ def test_a_lock_left_by_a_killed_build_does_not_hang_the_next(attend):
 
     lock = cache_root() / "kernels" / extension_name() / "lock"
     lock.write_text("")  # as a build killed before its end leaves it
-    decode_attention_kernel.cache_clear()
+    extension.cache_clear()
     loaded = []
     try:
         loader = threading.Thread(target=lambda: loaded.append(decode_attention_kernel()), daemon=True)
@@ -191,4 +193,99 @@ def test_a_lock_left_by_a_killed_build_does_not_hang_the_next(attend):
         assert not lock.exists()
     finally:
         lock.unlink(missing_ok=True)  # let a hung loader thread finish rather than spin for ever
-        decode_attention_kernel.cache_clear()
+        extension.cache_clear()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The step kernel: one band's writes and attention in a batched step (runtime/batch.py's _Step).
+
+@pytest.fixture(scope="module")
+def step():
+    kernel = native_kernels.step_attention_kernel()
+    assert kernel is not None, "the step attention kernel did not build (see the warning logged above)"
+    return kernel
+
+
+def _step_inputs(dtype, seed=0):
+    """A band of 6 cache rows (2 spare) holding 10, 50, 100, 0, 200 and 33 positions; row 1 takes a chunk of 5
+    tokens before its own, row 3 (empty) a chunk of 4. The step's tokens come as the runtime lays them out:
+    q, k and v views of one [N, H + 2 Hkv, D] product. Returns the entries as (row, position) per token, in an
+    order that is not the tokens' (entries need not be sorted)."""
+    g = torch.Generator().manual_seed(seed)
+    heads, kv_heads, dim, capacity = 9, 3, 64, 256
+    held = [10, 50, 100, 0, 200, 33]
+    chunks = {1: 5, 3: 4}
+    entries = []
+    for row, length in enumerate(held):
+        entries += [(row, p) for p in range(length, length + chunks.get(row, 0) + 1)]
+    keys = torch.randn(len(held) + 2, kv_heads, capacity, dim, generator=g).to(dtype)
+    values = torch.randn(len(held) + 2, kv_heads, capacity, dim, generator=g).to(dtype)
+    for row, length in enumerate(held):  # what the kernel must neither read nor keep
+        keys[row, :, length:] = values[row, :, length:] = float("nan")
+    keys[len(held):] = values[len(held):] = float("nan")
+    qkv = torch.randn(len(entries), heads + 2 * kv_heads, dim, generator=g).to(dtype)
+    q, k, v = qkv[:, :heads], qkv[:, heads: heads + kv_heads], qkv[:, heads + kv_heads:]
+    order = torch.randperm(len(entries), generator=g)
+    tokens = order.clone()
+    rows = torch.tensor([entries[i][0] for i in order.tolist()])
+    positions = torch.tensor([entries[i][1] for i in order.tolist()])
+    return q, k, v, keys, values, entries, tokens, rows, positions
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_step_kernel_writes_every_entry_and_attends_causally_within_its_row(step, dtype):
+    q, k, v, keys, values, entries, tokens, rows, positions = _step_inputs(dtype)
+    expect_keys, expect_values = keys.clone(), values.clone()
+    for token, (row, position) in enumerate(entries):
+        expect_keys[row, :, position], expect_values[row, :, position] = k[token], v[token]
+    out = torch.full(q.shape, float("nan"), dtype=dtype)
+    step(q, k, v, keys, values, tokens, rows, positions, out)
+    assert torch.equal(keys.nan_to_num(7.0), expect_keys.nan_to_num(7.0))
+    assert torch.equal(values.nan_to_num(7.0), expect_values.nan_to_num(7.0))
+    for token, (row, position) in enumerate(entries):
+        n = position + 1  # its row's positions up to its own: the chunk's later tokens are not seen
+        lengths = torch.tensor([n])
+        reference = _float64(q[token][None, :, None], expect_keys[row: row + 1], expect_values[row: row + 1], lengths)
+        error = (out[token].double() - reference[0, :, 0]).abs().max()
+        tolerance = 1e-5 if dtype == torch.float32 else 2 ** -8 * float(reference.abs().max())
+        assert float(error) <= tolerance, (token, row, position, float(error))
+
+
+def test_the_step_kernel_leaves_other_tokens_alone(step):
+    q, k, v, keys, values, entries, tokens, rows, positions = _step_inputs(torch.float32, seed=1)
+    mine = [i for i, (row, _) in enumerate(entries) if row != 2]  # this call's band lacks row 2's token
+    pick = torch.tensor([m for m, token in enumerate(tokens.tolist()) if token in mine])
+    out = torch.full(q.shape, 5.0)
+    step(q, k, v, keys, values, tokens[pick], rows[pick], positions[pick], out)
+    other = [i for i, (row, _) in enumerate(entries) if row == 2]
+    assert bool((out[other] == 5.0).all()) and not bool((out[mine] == 5.0).any())
+    assert bool(keys[2, :, 100].isnan().all())  # row 2's own position was not written
+
+
+@pytest.mark.parametrize("fault, message", [
+    ("token", "names token 99, outside 0 .. 14"),
+    ("row", "names cache row 8, outside 0 .. 7"),
+    ("position", "writes position 256, outside 0 .. 255"),
+    ("entries", "rows must be an int64 CPU tensor of 15 entries"),
+    ("out", "out must be"),
+    ("new keys", "k_new and v_new must be"),
+])
+def test_the_step_kernel_rejects_bad_entries_before_writing(step, fault, message):
+    q, k, v, keys, values, _, tokens, rows, positions = _step_inputs(torch.float32)
+    before = keys.clone()
+    out = torch.empty(q.shape)
+    if fault == "token":
+        tokens[3] = 99
+    elif fault == "row":
+        rows[3] = 8
+    elif fault == "position":
+        positions[3] = 256
+    elif fault == "entries":
+        rows = rows[:-1]
+    elif fault == "out":
+        out = torch.empty(q.shape[0], q.shape[2], q.shape[1]).transpose(1, 2)
+    elif fault == "new keys":
+        k = k[:, :2]
+    with pytest.raises(RuntimeError, match=message):
+        step(q, k, v, keys, values, tokens, rows, positions, out)
+    assert torch.equal(keys.nan_to_num(7.0), before.nan_to_num(7.0))

@@ -2,13 +2,20 @@
 // first lengths[r] positions of its own keys and values, and over nothing past them (never read: the cache's
 // tail may hold anything). Built by mtptrain/runtime/native_kernels.py with -O3 -march=native -fopenmp.
 //
+// decode_attention(q, keys, values, lengths) -> out
 //   q        [R, H, 1, D]         any strides, float32 or bfloat16
 //   keys     [Rcap, Hkv, C, D]    contiguous, q's dtype, Rcap >= R (rows past R are not read)
 //   values   [Rcap, Hkv, C, D]    likewise
 //   lengths  [R] int64            1 <= lengths[r] <= C
 //   returns  [R, H, 1, D]         q's dtype: softmax(q.k * D^-0.5) . v, accumulated in float32
 //
-// One work item is a (row, kv head): the G = H / Hkv query heads of its group share every key and value
+// step_attention(q, k_new, v_new, keys, values, tokens, rows, positions, out): one length band's part of a
+// batched step (mtptrain/runtime/batch.py), whose tokens are its rows' new tokens and the prompt chunks of
+// rows just given a request. Entry m writes token tokens[m]'s key and value at position positions[m] of cache
+// row rows[m], then attends over that row's positions 0 .. positions[m] into out[tokens[m]]: a chunk's tokens
+// attend causally among themselves, and the step needs no mask, no index tensor of its own and no copy.
+//
+// One work item is an (entry, kv head), an entry being a row of decode_attention: the G = H / Hkv query heads of its group share every key and value
 // loaded. Two passes per item: the keys give G x n float32 scores (a per-thread buffer, a few KB, in L1), a
 // max-subtracted softmax turns them into weights in place, and the values are summed under them. Keys and
 // values are each read once, in order. The threads (at::parallel_for, torch's thread count) take runs of
@@ -415,24 +422,36 @@ inline void store_output(bf16* out, const float* acc, float inv, int64_t D) {
   }
 }
 
+// Which attention each entry m computes: query token token[m] (a row of q, and of out) over the first
+// length[m] positions of cache row row[m].
+struct Plan {
+  const int64_t* token;
+  const int64_t* row;
+  const int64_t* length;
+  int64_t count;
+};
+
+// q [N, H, D] (any strides), keys and values [Rcap, Hkv, C, D] contiguous, out [N, H, D] with unit stride
+// along D: out[token[m]] = attention of q[token[m]] over row[m]'s first length[m] positions, for every m.
 template <typename T>
-void run(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values, const int64_t* lengths,
+void run(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values, const Plan& plan,
          torch::Tensor& out) {
-  const int64_t R = q.size(0), H = q.size(1), D = q.size(3);
+  const int64_t H = q.size(1), D = q.size(2);
   const int64_t Hkv = keys.size(1), C = keys.size(2), G = H / Hkv;
   const float scale = 1.0f / std::sqrt(float(D));
   const T* qp = q.data_ptr<T>();
-  const int64_t q_row = q.stride(0), q_head = q.stride(1), q_dim = q.stride(3);
+  const int64_t q_token = q.stride(0), q_head = q.stride(1), q_dim = q.stride(2);
   const T* kp = keys.data_ptr<T>();
   const T* vp = values.data_ptr<T>();
   T* op = out.data_ptr<T>();
+  const int64_t o_token = out.stride(0), o_head = out.stride(1);
 
-  // Items (row, kv head) cost their length plus a fixed part (the queries, the output: measured about 100 ns,
+  // Items (entry, kv head) cost their length plus a fixed part (the queries, the output: measured about 100 ns,
   // some 16 positions); the threads get contiguous runs of items of about equal cost (rows of different
   // lengths split evenly by count would leave one thread waiting).
-  const int64_t items = R * Hkv;
+  const int64_t items = plan.count * Hkv;
   std::vector<int64_t> start(items + 1, 0);
-  for (int64_t i = 0; i < items; ++i) start[i + 1] = start[i] + lengths[i / Hkv] + 16;
+  for (int64_t i = 0; i < items; ++i) start[i + 1] = start[i] + plan.length[i / Hkv] + 16;
   const int64_t total = start[items];
   // A parallel region costs about 1 us (measured on 2 threads), a part of 256 positions 2 to 4 us.
   const int64_t min_part = 256;
@@ -446,56 +465,126 @@ void run(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor&
   at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
     Scratch s(G, D, C);
     for (int64_t item = first[p0]; item < first[p1]; ++item) {
-      const int64_t r = item / Hkv, h = item % Hkv, n = lengths[r];
-      load_queries(qp + r * q_row + h * G * q_head, q_head, q_dim, G, D, s);
-      const int64_t offset = (r * Hkv + h) * C * D;
+      const int64_t m = item / Hkv, h = item % Hkv, n = plan.length[m], t = plan.token[m];
+      load_queries(qp + t * q_token + h * G * q_head, q_head, q_dim, G, D, s);
+      const int64_t offset = (plan.row[m] * Hkv + h) * C * D;
       one_item<T>(G, D, kp + offset, vp + offset, n, scale, s);
       for (int64_t g = 0; g < G; ++g)
-        store_output(op + (r * H + h * G + g) * D, s.acc.data() + g * D, 1.0f / s.sums[g], D);
+        store_output(op + t * o_token + (h * G + g) * o_head, s.acc.data() + g * D, 1.0f / s.sums[g], D);
     }
   });
 }
 
+void check_cache(const char* name, const torch::Tensor& keys, const torch::Tensor& values, const torch::Tensor& q) {
+  TORCH_CHECK(keys.device().is_cpu() && values.device().is_cpu() && q.device().is_cpu(), name,
+              ": every tensor must be on the CPU");
+  TORCH_CHECK(keys.dim() == 4, name, ": keys must be [rows, kv_heads, capacity, dim], got ", keys.sizes());
+  TORCH_CHECK(values.sizes() == keys.sizes(), name, ": values ", values.sizes(), " differ from keys ", keys.sizes());
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, name,
+              ": q must be float32 or bfloat16, got ", q.scalar_type());
+  TORCH_CHECK(keys.scalar_type() == q.scalar_type() && values.scalar_type() == q.scalar_type(), name, ": keys (",
+              keys.scalar_type(), ") and values (", values.scalar_type(), ") must have q's dtype (", q.scalar_type(),
+              ")");
+  TORCH_CHECK(keys.is_contiguous() && values.is_contiguous(), name, ": keys and values must be contiguous");
+  const int64_t H = q.size(1), D = q.size(-1), Hkv = keys.size(1);
+  TORCH_CHECK(keys.size(3) == D, name, ": keys' dim ", keys.size(3), " differs from q's ", D);
+  TORCH_CHECK(Hkv > 0 && H % Hkv == 0, name, ": q's ", H, " heads are not a multiple of the ", Hkv, " kv heads");
+  TORCH_CHECK(D > 0, name, ": dim must be positive");
+}
+
+torch::Tensor index_tensor(const char* name, const char* what, const torch::Tensor& t, int64_t count) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kLong && t.dim() == 1 && t.size(0) == count, name, ": ",
+              what, " must be an int64 CPU tensor of ", count, " entries, got ", t.scalar_type(), " ", t.sizes());
+  return t.contiguous();
+}
+
+void dispatch(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values, const Plan& plan,
+              torch::Tensor& out) {
+  if (plan.count == 0) return;
+  if (q.scalar_type() == at::kFloat) run<float>(q, keys, values, plan, out);
+  else run<bf16>(q, keys, values, plan, out);
+}
+
 torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
                                const torch::Tensor& lengths) {
-  TORCH_CHECK(q.device().is_cpu() && keys.device().is_cpu() && values.device().is_cpu() && lengths.device().is_cpu(),
-              "decode_attention: every tensor must be on the CPU");
   TORCH_CHECK(q.dim() == 4 && q.size(2) == 1, "decode_attention: q must be [rows, heads, 1, dim], got ", q.sizes());
-  TORCH_CHECK(keys.dim() == 4, "decode_attention: keys must be [rows, kv_heads, capacity, dim], got ", keys.sizes());
-  TORCH_CHECK(values.sizes() == keys.sizes(), "decode_attention: values ", values.sizes(), " differ from keys ",
-              keys.sizes());
-  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
-              "decode_attention: q must be float32 or bfloat16, got ", q.scalar_type());
-  TORCH_CHECK(keys.scalar_type() == q.scalar_type() && values.scalar_type() == q.scalar_type(),
-              "decode_attention: keys (", keys.scalar_type(), ") and values (", values.scalar_type(),
-              ") must have q's dtype (", q.scalar_type(), ")");
-  TORCH_CHECK(keys.is_contiguous() && values.is_contiguous(), "decode_attention: keys and values must be contiguous");
-  const int64_t R = q.size(0), H = q.size(1), D = q.size(3), Hkv = keys.size(1), C = keys.size(2);
-  TORCH_CHECK(keys.size(3) == D, "decode_attention: keys' dim ", keys.size(3), " differs from q's ", D);
+  check_cache("decode_attention", keys, values, q);
+  const int64_t R = q.size(0), H = q.size(1), D = q.size(3), C = keys.size(2);
   TORCH_CHECK(keys.size(0) >= R, "decode_attention: keys hold ", keys.size(0), " rows, q has ", R);
-  TORCH_CHECK(Hkv > 0 && H % Hkv == 0, "decode_attention: q's ", H, " heads are not a multiple of the ", Hkv,
-              " kv heads");
-  TORCH_CHECK(D > 0, "decode_attention: dim must be positive");
-  TORCH_CHECK(lengths.scalar_type() == at::kLong && lengths.dim() == 1 && lengths.size(0) == R,
-              "decode_attention: lengths must be an int64 tensor of ", R, " rows, got ", lengths.scalar_type(), " ",
-              lengths.sizes());
-  const torch::Tensor lens = lengths.contiguous();
+  const torch::Tensor lens = index_tensor("decode_attention", "lengths", lengths, R);
   const int64_t* lp = lens.data_ptr<int64_t>();
   for (int64_t r = 0; r < R; ++r)
     TORCH_CHECK(lp[r] >= 1 && lp[r] <= C, "decode_attention: row ", r, " has length ", lp[r],
                 ", outside 1 .. ", C, " (the cache's capacity)");
-
+  std::vector<int64_t> rows(R);
+  for (int64_t r = 0; r < R; ++r) rows[r] = r;
   torch::Tensor out = torch::empty({R, H, 1, D}, q.options().memory_format(at::MemoryFormat::Contiguous));
-  if (R == 0) return out;
-  if (q.scalar_type() == at::kFloat) run<float>(q, keys, values, lp, out);
-  else run<bf16>(q, keys, values, lp, out);
+  torch::Tensor flat = out.select(2, 0);
+  dispatch(q.select(2, 0), keys, values, Plan{rows.data(), rows.data(), lp, R}, flat);
   return out;
+}
+
+// One band's part of a batched step, whose N tokens come as q [N, H, D], k_new and v_new [N, Hkv, D] (any
+// strides): first every entry m's key and value are written at position positions[m] of cache row rows[m],
+// then each attends over that row's positions 0 .. positions[m] (so a prompt chunk's tokens, entries of one
+// row at consecutive positions, attend causally among themselves), into out[tokens[m]] ([N, H, D], unit
+// stride along D). Tokens of the step that are not entries are neither read nor written.
+void step_attention(const torch::Tensor& q, const torch::Tensor& k_new, const torch::Tensor& v_new,
+                    torch::Tensor keys, torch::Tensor values, const torch::Tensor& tokens, const torch::Tensor& rows,
+                    const torch::Tensor& positions, torch::Tensor out) {
+  const char* name = "step_attention";
+  TORCH_CHECK(q.dim() == 3, name, ": q must be [tokens, heads, dim], got ", q.sizes());
+  check_cache(name, keys, values, q);
+  const int64_t N = q.size(0), H = q.size(1), D = q.size(2), Hkv = keys.size(1), C = keys.size(2);
+  TORCH_CHECK(k_new.dim() == 3 && k_new.size(0) == N && k_new.size(1) == Hkv && k_new.size(2) == D &&
+              v_new.sizes() == k_new.sizes(), name, ": k_new and v_new must be [", N, ", ", Hkv, ", ", D, "], got ",
+              k_new.sizes(), " and ", v_new.sizes());
+  TORCH_CHECK(k_new.scalar_type() == q.scalar_type() && v_new.scalar_type() == q.scalar_type(), name,
+              ": k_new and v_new must have q's dtype");
+  TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type() && out.stride(2) == 1, name,
+              ": out must be [", N, ", ", H, ", ", D, "] in q's dtype with unit stride along dim, got ", out.sizes());
+  const int64_t M = tokens.dim() == 1 ? tokens.size(0) : -1;
+  const torch::Tensor tok = index_tensor(name, "tokens", tokens, M);
+  const torch::Tensor row = index_tensor(name, "rows", rows, M);
+  const torch::Tensor pos = index_tensor(name, "positions", positions, M);
+  const int64_t *tp = tok.data_ptr<int64_t>(), *rp = row.data_ptr<int64_t>(), *pp = pos.data_ptr<int64_t>();
+  for (int64_t m = 0; m < M; ++m) {
+    TORCH_CHECK(tp[m] >= 0 && tp[m] < N, name, ": entry ", m, " names token ", tp[m], ", outside 0 .. ", N - 1);
+    TORCH_CHECK(rp[m] >= 0 && rp[m] < keys.size(0), name, ": entry ", m, " names cache row ", rp[m], ", outside 0 .. ",
+                keys.size(0) - 1);
+    TORCH_CHECK(pp[m] >= 0 && pp[m] < C, name, ": entry ", m, " writes position ", pp[m], ", outside 0 .. ", C - 1,
+                " (the cache's capacity)");
+  }
+  // The writes: a few hundred rows of D elements, no work for threads.
+  const int64_t elem = q.element_size();
+  for (const auto& [src, dst] : {std::pair{&k_new, &keys}, std::pair{&v_new, &values}}) {
+    const char* from = static_cast<const char*>(src->data_ptr());
+    char* to = static_cast<char*>(dst->data_ptr());
+    const int64_t s0 = src->stride(0), s1 = src->stride(1), s2 = src->stride(2);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t h = 0; h < Hkv; ++h) {
+        char* at = to + ((rp[m] * Hkv + h) * C + pp[m]) * D * elem;
+        const char* row = from + (tp[m] * s0 + h * s1) * elem;
+        if (s2 == 1) std::memcpy(at, row, D * elem);
+        else for (int64_t j = 0; j < D; ++j) std::memcpy(at + j * elem, row + j * s2 * elem, elem);
+      }
+  }
+  std::vector<int64_t> lengths(M);
+  for (int64_t m = 0; m < M; ++m) lengths[m] = pp[m] + 1;
+  dispatch(q, keys, values, Plan{tp, rp, lengths.data(), M}, out);
 }
 
 }  // namespace
 
+void bind_layer_ops(pybind11::module& m);  // layer_ops.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  bind_layer_ops(m);
   m.def("decode_attention", &decode_attention, py::call_guard<py::gil_scoped_release>(),
         "softmax(q.k * D^-0.5) . v for one new token per row over each row's first lengths[r] positions",
         py::arg("q"), py::arg("keys"), py::arg("values"), py::arg("lengths"));
+  m.def("step_attention", &step_attention, py::call_guard<py::gil_scoped_release>(),
+        "write a band's new keys and values, then each entry's attention over its row up to its position",
+        py::arg("q"), py::arg("k_new"), py::arg("v_new"), py::arg("keys"), py::arg("values"), py::arg("tokens"),
+        py::arg("rows"), py::arg("positions"), py::arg("out"));
 }

@@ -1,0 +1,219 @@
+// The elementwise steps of a decoder layer, each one pass over its rows where torch takes three to five
+// (an upcast, a power, a mean, a product, a cast back, each through memory). Built with decode_attention.cpp
+// by mtptrain/runtime/native_kernels.py (-O3 -march=native -fopenmp); mtptrain/runtime/model.py calls them
+// for float32 and bfloat16 on the CPU and keeps torch's operations elsewhere.
+//
+// Each op rounds where torch's own operations round (torch 2.13 on the CPU: the RMSNorm's product with the
+// weight in float32, rounded once; silu and the rotary embedding's products and sums each rounded to the
+// tensor's dtype), so results differ from torch's only by the last bits of a float32 step: the order of the
+// mean's sum, torch's rsqrt (not correctly rounded on AVX-512), the exp in silu:
+//
+//   add_rms_norm(residual, delta, weight, eps) -> (x, h)
+//       x = residual + delta; h = x * rsqrt(mean(x^2) + eps) * weight, the mean over the last dimension
+//   silu_mul(gate_up) -> silu(gate) * up, with gate_up = [gate | up] along the last dimension
+//   rope(x, cos, sin) -> x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2 | x1] for x = [x1 | x2]
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <tuple>
+
+namespace {
+
+using bf16 = c10::BFloat16;
+
+inline float up(float x) { return x; }
+inline float up(bf16 x) {
+  const uint32_t bits = uint32_t(x.x) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof out);
+  return out;
+}
+
+// float32 to T and back: the rounding a T tensor applies to a float result (round to nearest even for
+// bfloat16, as c10::BFloat16 does; NaN stays NaN).
+inline float round_as(float x, float) { return x; }
+inline float round_as(float x, bf16) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  u = x != x ? 0x7FC00000u : ((u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u);
+  float out;
+  std::memcpy(&out, &u, sizeof out);
+  return out;
+}
+
+inline void store(float* p, float x) { *p = x; }
+inline void store(bf16* p, float x) {  // x already rounded by round_as: its top half is the bfloat16
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  p->x = uint16_t(u >> 16);
+}
+
+// exp(x) in plain arithmetic the compiler vectorises (std::exp stays a scalar call without -ffast-math): x =
+// n ln2 + r with |r| <= ln2/2, exp(r) by its Taylor polynomial to r^7 (relative error < 1e-8), 2^n put in the
+// exponent bits. x is clamped to [-87, 88]: exp there runs from about 1.6e-38 to 1.7e38, and silu, its only
+// user, is x / (1 + exp(-x)), which at either end is 0 or x to float precision.
+inline float exp_clamped(float x) {
+  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+  const float shift = 12582912.0f;  // 1.5 * 2^23: adding and subtracting it rounds to the nearest integer
+  const float n = (x * 1.44269504088896341f + shift) - shift;
+  float r = x - n * 0.693359375f;  // ln2 in two parts: the first exact in a float times n
+  r = r - n * -2.12194440e-4f;
+  float p = 1.0f / 5040;
+  p = p * r + 1.0f / 720;
+  p = p * r + 1.0f / 120;
+  p = p * r + 1.0f / 24;
+  p = p * r + 1.0f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t bits = (int32_t(n) + 127) << 23;  // n in [-126, 127]: a normal power of two
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+void check(const char* name, const torch::Tensor& t, const torch::Tensor& like) {
+  TORCH_CHECK(t.device().is_cpu(), name, ": every tensor must be on the CPU");
+  TORCH_CHECK(t.scalar_type() == like.scalar_type(), name, ": dtypes differ (", t.scalar_type(), " and ",
+              like.scalar_type(), ")");
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name,
+              ": float32 or bfloat16 only, got ", t.scalar_type());
+}
+
+// Threads take runs of rows; a run of fewer than about 16 KB of work is not worth a thread's start.
+inline int64_t grain(int64_t width) { return std::max<int64_t>(1, 4096 / std::max<int64_t>(1, width)); }
+
+template <typename T>
+void add_rms_norm_rows(const T* r, const T* d, const T* w, T* x, T* h, int64_t rows, int64_t width, float eps) {
+  at::parallel_for(0, rows, grain(width), [&](int64_t r0, int64_t r1) {
+    for (int64_t i = r0; i < r1; ++i) {
+      const T *ri = r + i * width, *di = d + i * width;
+      T *xi = x + i * width, *hi = h + i * width;
+      float squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+      for (int64_t j = 0; j < width; ++j) {
+        const float s = round_as(up(ri[j]) + up(di[j]), T());
+        store(xi + j, s);
+        squares += s * s;
+      }
+      const float scale = 1.0f / std::sqrt(squares / float(width) + eps);
+#pragma omp simd
+      for (int64_t j = 0; j < width; ++j) store(hi + j, round_as(up(xi[j]) * scale * up(w[j]), T()));
+    }
+  });
+}
+
+std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& residual, const torch::Tensor& delta,
+                                                      const torch::Tensor& weight, double eps) {
+  const char* name = "add_rms_norm";
+  check(name, residual, residual);
+  check(name, delta, residual);
+  check(name, weight, residual);
+  TORCH_CHECK(delta.sizes() == residual.sizes(), name, ": delta ", delta.sizes(), " differs from residual ",
+              residual.sizes());
+  TORCH_CHECK(residual.dim() >= 1 && weight.dim() == 1 && weight.size(0) == residual.size(-1), name, ": weight ",
+              weight.sizes(), " must have the last dimension of residual ", residual.sizes());
+  const torch::Tensor r = residual.contiguous(), d = delta.contiguous(), w = weight.contiguous();
+  torch::Tensor x = torch::empty_like(r), h = torch::empty_like(r);
+  const int64_t width = r.size(-1), rows = width ? r.numel() / width : 0;
+  if (residual.scalar_type() == at::kFloat)
+    add_rms_norm_rows(r.data_ptr<float>(), d.data_ptr<float>(), w.data_ptr<float>(), x.data_ptr<float>(),
+                      h.data_ptr<float>(), rows, width, float(eps));
+  else
+    add_rms_norm_rows(r.data_ptr<bf16>(), d.data_ptr<bf16>(), w.data_ptr<bf16>(), x.data_ptr<bf16>(),
+                      h.data_ptr<bf16>(), rows, width, float(eps));
+  return {x, h};
+}
+
+template <typename T>
+void silu_mul_rows(const T* in, T* out, int64_t rows, int64_t width) {
+  at::parallel_for(0, rows, grain(3 * width), [&](int64_t r0, int64_t r1) {
+    for (int64_t i = r0; i < r1; ++i) {
+      const T *gate = in + i * 2 * width, *up_ = gate + width;
+      T* o = out + i * width;
+#pragma omp simd
+      for (int64_t j = 0; j < width; ++j) {
+        const float g = up(gate[j]);
+        const float silu = round_as(g / (1.0f + exp_clamped(-g)), T());
+        store(o + j, round_as(silu * up(up_[j]), T()));
+      }
+    }
+  });
+}
+
+torch::Tensor silu_mul(const torch::Tensor& gate_up) {
+  const char* name = "silu_mul";
+  check(name, gate_up, gate_up);
+  TORCH_CHECK(gate_up.dim() >= 1 && gate_up.size(-1) % 2 == 0, name, ": the last dimension of ", gate_up.sizes(),
+              " must hold gate and up, of equal sizes");
+  const torch::Tensor in = gate_up.contiguous();
+  std::vector<int64_t> shape(in.sizes().begin(), in.sizes().end());
+  const int64_t width = shape.back() / 2;
+  shape.back() = width;
+  torch::Tensor out = torch::empty(shape, in.options());
+  const int64_t rows = width ? in.numel() / (2 * width) : 0;
+  if (in.scalar_type() == at::kFloat) silu_mul_rows(in.data_ptr<float>(), out.data_ptr<float>(), rows, width);
+  else silu_mul_rows(in.data_ptr<bf16>(), out.data_ptr<bf16>(), rows, width);
+  return out;
+}
+
+// x [B, T, H, D] with unit stride along D (any other strides), cos and sin [B, T, D] contiguous: out [B, T, H, D]
+// contiguous.
+template <typename T>
+void rope_rows(const torch::Tensor& x, const T* cos, const T* sin, T* out) {
+  const int64_t B = x.size(0), L = x.size(1), H = x.size(2), D = x.size(3), half = D / 2;
+  const int64_t sb = x.stride(0), st = x.stride(1), sh = x.stride(2);
+  const T* xp = x.data_ptr<T>();
+  at::parallel_for(0, B * L, grain(H * D), [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / L, t = i % L;
+      const T *c = cos + i * D, *s = sin + i * D;
+      for (int64_t h = 0; h < H; ++h) {
+        const T* xi = xp + b * sb + t * st + h * sh;
+        T* o = out + (i * H + h) * D;
+#pragma omp simd
+        for (int64_t j = 0; j < half; ++j) {  // first half: x1 cos - x2 sin; second: x2 cos + x1 sin
+          const float x1 = up(xi[j]), x2 = up(xi[j + half]);
+          store(o + j, round_as(round_as(x1 * up(c[j]), T()) + round_as(-x2 * up(s[j]), T()), T()));
+          store(o + j + half,
+                round_as(round_as(x2 * up(c[j + half]), T()) + round_as(x1 * up(s[j + half]), T()), T()));
+        }
+      }
+    }
+  });
+}
+
+torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+  const char* name = "rope";
+  check(name, x, x);
+  check(name, cos, x);
+  check(name, sin, x);
+  TORCH_CHECK(x.dim() == 4 && x.stride(3) == 1 && x.size(3) % 2 == 0, name,
+              ": x must be [batch, tokens, heads, dim] with unit stride along an even dim, got ", x.sizes());
+  TORCH_CHECK(cos.numel() == x.size(0) * x.size(1) * x.size(3) && sin.numel() == cos.numel(), name,
+              ": cos and sin must hold [batch, tokens, dim] = [", x.size(0), ", ", x.size(1), ", ", x.size(3),
+              "] values, got ", cos.sizes(), " and ", sin.sizes());
+  const torch::Tensor c = cos.contiguous(), s = sin.contiguous();
+  torch::Tensor out = torch::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  if (x.scalar_type() == at::kFloat) rope_rows(x, c.data_ptr<float>(), s.data_ptr<float>(), out.data_ptr<float>());
+  else rope_rows(x, c.data_ptr<bf16>(), s.data_ptr<bf16>(), out.data_ptr<bf16>());
+  return out;
+}
+
+}  // namespace
+
+void bind_layer_ops(pybind11::module& m) {
+  m.def("add_rms_norm", &add_rms_norm, py::call_guard<py::gil_scoped_release>(),
+        "(residual + delta, RMSNorm(residual + delta) * weight)", py::arg("residual"), py::arg("delta"),
+        py::arg("weight"), py::arg("eps"));
+  m.def("silu_mul", &silu_mul, py::call_guard<py::gil_scoped_release>(), "silu(gate) * up of [gate | up]",
+        py::arg("gate_up"));
+  m.def("rope", &rope, py::call_guard<py::gil_scoped_release>(), "x * cos + rotate_half(x) * sin",
+        py::arg("x"), py::arg("cos"), py::arg("sin"));
+}
