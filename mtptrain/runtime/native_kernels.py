@@ -37,14 +37,15 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 # The first holds the module's bindings (it binds the others' functions too).
 SOURCES = [CSRC / "decode_attention.cpp", CSRC / "layer_ops.cpp"]
+HEADERS = [CSRC / "float_math.h"]  # included by the sources: part of what the build's name hashes
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 
 def extension_name(sources: list[Path] | None = None) -> str:
-    """The extension's module name, unique to the sources (SOURCES by default), torch's version, the CPU and the
-    flags: a -march=native binary built on one CPU may not run on another, and the cache directory may be
-    shared by machines of both."""
-    sources = SOURCES if sources is None else sources
+    """The extension's module name, unique to the files it is built from (SOURCES and HEADERS by default),
+    torch's version, the CPU and the flags: a -march=native binary built on one CPU may not run on another, and
+    the cache directory may be shared by machines of both."""
+    sources = SOURCES + HEADERS if sources is None else sources
     digest = hashlib.sha256()
     cpu = cpu_flags() or platform.processor()  # what -march=native sees
     parts = [source.read_bytes() for source in sources]
@@ -89,7 +90,7 @@ def extension():
         # torch.utils.cpp_extension takes 0.12 s to import (measured): only the first call needs it
         from torch.utils.cpp_extension import load
 
-        name = extension_name(SOURCES)  # reads the sources: a wheel built without csrc/ fails here, not at import
+        name = extension_name()  # reads the sources: a wheel built without csrc/ fails here, not at import
         build = cache_root() / "kernels" / name
         build.mkdir(parents=True, exist_ok=True)
         with _only_builder(build):

@@ -38,43 +38,13 @@
 #include <immintrin.h>
 #endif
 
+#include "float_math.h"
+
 namespace {
 
-using bf16 = c10::BFloat16;
-
-inline float to_float(float x) { return x; }
-inline float to_float(bf16 x) {  // bfloat16 is the top half of a float32
-  const uint32_t bits = uint32_t(x.x) << 16;
-  float out;
-  std::memcpy(&out, &bits, sizeof out);
-  return out;
-}
+using namespace mtptrain_kernels;
 
 inline int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
-
-// exp(x) for x <= 0 (scores minus their max), in plain arithmetic the compiler vectorises in a simd loop
-// (std::exp stays a scalar call without -ffast-math): x = n ln2 + r with |r| <= ln2/2, exp(r) by its Taylor
-// polynomial to r^7 (truncation error < 1e-8, below float32's rounding), 2^n put in the exponent bits. Below
-// -87 the result is about 2^-126 (exp(-87) ~ 1.6e-38: against the max weight exp(0) = 1, nothing).
-inline float exp_nonpositive(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  const float shift = 12582912.0f;  // 1.5 * 2^23: adding and subtracting it rounds to the nearest integer
-  const float n = (x * 1.44269504088896341f + shift) - shift;
-  float r = x - n * 0.693359375f;      // ln2 in two parts: the first exact in a float times n
-  r = r - n * -2.12194440e-4f;
-  float p = 1.0f / 5040;
-  p = p * r + 1.0f / 720;
-  p = p * r + 1.0f / 120;
-  p = p * r + 1.0f / 24;
-  p = p * r + 1.0f / 6;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const int32_t bits = (int32_t(n) + 127) << 23;  // n in [-126, 0]: a normal power of two
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
 
 // Per-thread scratch, sized once per parallel chunk for the longest row.
 struct Scratch {
@@ -116,7 +86,7 @@ void item_portable(int64_t G, int64_t dim, const T* k, const T* v, int64_t n, fl
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
     for (int64_t t = 0; t < n; ++t) {
-      w[t] = exp_nonpositive(w[t] - top);
+      w[t] = exp_clamped(w[t] - top);
       sum += w[t];
     }
     s.sums[g] = sum;
@@ -244,7 +214,7 @@ void key_scores(int64_t G, const T* k, int64_t n, float scale, Scratch& s) {
   }
 }
 
-// exp(x) for x <= 0, 16 lanes: as exp_nonpositive, with the power of two applied by scalef.
+// exp(x) for x <= 0, 16 lanes: as exp_clamped (float_math.h), with the power of two applied by scalef.
 inline __m512 exp16(__m512 x) {
   x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);  // max(c, x) returns x when x is NaN
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
@@ -412,14 +382,8 @@ inline void store_output(float* out, const float* acc, float inv, int64_t D) {
 }
 
 inline void store_output(bf16* out, const float* acc, float inv, int64_t D) {
-  // Rounded to nearest even as c10::BFloat16 rounds (a NaN as 0x7FC0), in a loop the compiler vectorises.
   uint16_t* bits = reinterpret_cast<uint16_t*>(out);
-  for (int64_t j = 0; j < D; ++j) {
-    const float x = acc[j] * inv;
-    uint32_t u;
-    std::memcpy(&u, &x, sizeof u);
-    bits[j] = x != x ? uint16_t(0x7FC0) : uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-  }
+  for (int64_t j = 0; j < D; ++j) bits[j] = bf16_high(bf16_round(acc[j] * inv));
 }
 
 // Which attention each entry m computes: query token token[m] (a row of q, and of out) over the first

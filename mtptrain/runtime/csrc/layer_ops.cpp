@@ -23,60 +23,18 @@
 #include <cstring>
 #include <tuple>
 
+#include "float_math.h"
+
 namespace {
 
-using bf16 = c10::BFloat16;
+using namespace mtptrain_kernels;
 
-inline float up(float x) { return x; }
-inline float up(bf16 x) {
-  const uint32_t bits = uint32_t(x.x) << 16;
-  float out;
-  std::memcpy(&out, &bits, sizeof out);
-  return out;
-}
-
-// float32 to T and back: the rounding a T tensor applies to a float result (round to nearest even for
-// bfloat16, as c10::BFloat16 does; NaN stays NaN).
+// float32 to T and back: the rounding a T tensor applies to a float result.
 inline float round_as(float x, float) { return x; }
-inline float round_as(float x, bf16) {
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof u);
-  u = x != x ? 0x7FC00000u : ((u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u);
-  float out;
-  std::memcpy(&out, &u, sizeof out);
-  return out;
-}
+inline float round_as(float x, bf16) { return bf16_round(x); }
 
 inline void store(float* p, float x) { *p = x; }
-inline void store(bf16* p, float x) {  // x already rounded by round_as: its top half is the bfloat16
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof u);
-  p->x = uint16_t(u >> 16);
-}
-
-// exp(x) in plain arithmetic the compiler vectorises (std::exp stays a scalar call without -ffast-math): x =
-// n ln2 + r with |r| <= ln2/2, exp(r) by its Taylor polynomial to r^7 (relative error < 1e-8), 2^n put in the
-// exponent bits. x is clamped to [-87, 88]: exp there runs from about 1.6e-38 to 1.7e38, and silu, its only
-// user, is x / (1 + exp(-x)), which at either end is 0 or x to float precision.
-inline float exp_clamped(float x) {
-  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-  const float shift = 12582912.0f;  // 1.5 * 2^23: adding and subtracting it rounds to the nearest integer
-  const float n = (x * 1.44269504088896341f + shift) - shift;
-  float r = x - n * 0.693359375f;  // ln2 in two parts: the first exact in a float times n
-  r = r - n * -2.12194440e-4f;
-  float p = 1.0f / 5040;
-  p = p * r + 1.0f / 720;
-  p = p * r + 1.0f / 120;
-  p = p * r + 1.0f / 24;
-  p = p * r + 1.0f / 6;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const int32_t bits = (int32_t(n) + 127) << 23;  // n in [-126, 127]: a normal power of two
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
+inline void store(bf16* p, float x) { p->x = bf16_high(x); }  // x already rounded by round_as
 
 void check(const char* name, const torch::Tensor& t, const torch::Tensor& like) {
   TORCH_CHECK(t.device().is_cpu(), name, ": every tensor must be on the CPU");
@@ -98,13 +56,13 @@ void add_rms_norm_rows(const T* r, const T* d, const T* w, T* x, T* h, int64_t r
       float squares = 0.0f;
 #pragma omp simd reduction(+ : squares)
       for (int64_t j = 0; j < width; ++j) {
-        const float s = round_as(up(ri[j]) + up(di[j]), T());
+        const float s = round_as(to_float(ri[j]) + to_float(di[j]), T());
         store(xi + j, s);
         squares += s * s;
       }
       const float scale = 1.0f / std::sqrt(squares / float(width) + eps);
 #pragma omp simd
-      for (int64_t j = 0; j < width; ++j) store(hi + j, round_as(up(xi[j]) * scale * up(w[j]), T()));
+      for (int64_t j = 0; j < width; ++j) store(hi + j, round_as(to_float(xi[j]) * scale * to_float(w[j]), T()));
     }
   });
 }
@@ -135,13 +93,13 @@ template <typename T>
 void silu_mul_rows(const T* in, T* out, int64_t rows, int64_t width) {
   at::parallel_for(0, rows, grain(3 * width), [&](int64_t r0, int64_t r1) {
     for (int64_t i = r0; i < r1; ++i) {
-      const T *gate = in + i * 2 * width, *up_ = gate + width;
+      const T *gate = in + i * 2 * width, *up = gate + width;
       T* o = out + i * width;
 #pragma omp simd
       for (int64_t j = 0; j < width; ++j) {
-        const float g = up(gate[j]);
+        const float g = to_float(gate[j]);
         const float silu = round_as(g / (1.0f + exp_clamped(-g)), T());
-        store(o + j, round_as(silu * up(up_[j]), T()));
+        store(o + j, round_as(silu * to_float(up[j]), T()));
       }
     }
   });
@@ -179,10 +137,10 @@ void rope_rows(const torch::Tensor& x, const T* cos, const T* sin, T* out) {
         T* o = out + (i * H + h) * D;
 #pragma omp simd
         for (int64_t j = 0; j < half; ++j) {  // first half: x1 cos - x2 sin; second: x2 cos + x1 sin
-          const float x1 = up(xi[j]), x2 = up(xi[j + half]);
-          store(o + j, round_as(round_as(x1 * up(c[j]), T()) + round_as(-x2 * up(s[j]), T()), T()));
+          const float x1 = to_float(xi[j]), x2 = to_float(xi[j + half]);
+          store(o + j, round_as(round_as(x1 * to_float(c[j]), T()) + round_as(-x2 * to_float(s[j]), T()), T()));
           store(o + j + half,
-                round_as(round_as(x2 * up(c[j + half]), T()) + round_as(x1 * up(s[j + half]), T()), T()));
+                round_as(round_as(x2 * to_float(c[j + half]), T()) + round_as(x1 * to_float(s[j + half]), T()), T()));
         }
       }
     }
