@@ -263,7 +263,7 @@ def _check_draft_choice(ev) -> None:
                         "with the target's tokenizer) or eval.draft.layers (the target cut to its first N layers)")
 
 
-def top2(runner: Runner, context: list[int]) -> tuple[float, float]:
+def logit_scale_and_gap(runner: Runner, context: list[int]) -> tuple[float, float]:
     """The largest logit in magnitude of the baseline's next-token logits after `context` (the scale their
     rounding errors follow), and the margin of the best over the second best, by the forward the baseline
     decodes with."""
@@ -473,7 +473,7 @@ def _divergence(tally: Tally, engine: _Engine, prompt: list[int], expected: list
     """Records where `tokens` leave `expected`: a near-tie when the baseline's top-2 gap there is below the
     near-tie bound (near_tie_bound), a failure otherwise."""
     first = next((i for i, (a, b) in enumerate(zip(expected, tokens)) if a != b), min(len(expected), len(tokens)))
-    scale, gap = top2(engine.plain, prompt + expected[:first])
+    scale, gap = logit_scale_and_gap(engine.plain, prompt + expected[:first])
     bound = near_tie_bound(engine.ev, engine.plain.dtype, scale)
     entry = {**entry, "position": first, "top2_gap": round(gap, 6), "bound": round(bound, 6)}
     where = entry["request"] + (f" (repeat {entry['repeat']})" if "repeat" in entry else "")
