@@ -1,7 +1,9 @@
 """The fused decode-attention kernel (mtptrain/runtime/csrc/decode_attention.cpp) computes what
 `choice.plain_attention` computes over a masked rectangle: in float32 within 1e-5, in bfloat16 within the
 output's rounding of a float64 reference and no further from it than plain_attention. It reads nothing past a
-row's length (NaN there changes nothing), checks its inputs, and builds here: a build failure fails the tests."""
+row's length (NaN there changes nothing), checks its inputs, and builds here: a build failure fails the tests.
+The step kernel beside it (batched decoding's writes and attention of a band, prompt chunks included) writes
+every entry where it belongs, attends each causally within its row, and rejects bad entries before writing."""
 
 import logging
 
