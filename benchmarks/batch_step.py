@@ -84,7 +84,7 @@ def main() -> None:
     args = parser.parse_args()
     recipe = load_recipe(args.recipe, [f"target.dtype={args.dtype}"])
     model = load_target(recipe.target).model
-    decoder = fast_decoder(model)
+    decoder = fast_decoder(model, batched=True)
     assert decoder is not None, "the reference target must run on the runtime"
     native, step_kernel = runtime_model._native, runtime_model.FastDecoder.step_kernel.fget
     chunks = [int(c) for c in args.chunks.split(",") if c]

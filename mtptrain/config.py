@@ -122,10 +122,11 @@ class RegenerateConfig(_Truncation):
         "or the next conversation at once. Conversations are written (and resumed) in groups of 8 x batch_size.")
     temperature: float = Field(0.0, ge=0, description="0 = greedy; above 0, sampled with per-conversation seeds.")
     seed: int = Field(0, description="Seed of the sampling streams (one per conversation and turn).")
-    cpu_matmul: Literal["auto", "skinny", "packed", "stock"] = Field(
+    cpu_matmul: Literal["auto", "skinny", "packed", "native", "stock"] = Field(
         "auto", description="On CPU, the product of short inputs for linear layers the runtime does not run itself "
-        "(the transformers fallback): skinny = W @ x.T, packed = oneDNN with packed weights, stock = torch's "
-        "path, auto = what this machine measured fastest (mtptrain/runtime/linears.py).")
+        "(the transformers fallback): skinny = W @ x.T, packed = oneDNN with packed weights, native = mtptrain's "
+        "own product on blocked weights, stock = torch's path, auto = what this machine measured fastest "
+        "(mtptrain/runtime/linears.py).")
 
 
 class PrecomputeConfig(_Section):
@@ -371,11 +372,11 @@ class EvalConfig(_Truncation):
                                  "many rounding steps (units in the last place) of the largest logit in "
                                  "magnitude: the logits carry rounding errors of that scale, so a batched and a "
                                  "one-token forward can order two of them either way.")
-    cpu_matmul: Literal["auto", "skinny", "packed", "stock"] = Field(
+    cpu_matmul: Literal["auto", "skinny", "packed", "native", "stock"] = Field(
         "auto", description="On CPU, the product of short (verification) inputs for the linear layers of draft "
         "heads and draft models, and of the target under the transformers fallback: skinny = W @ x.T, packed = "
-        "oneDNN with packed weights, stock = torch's path, auto = what this machine measured fastest for the "
-        "target's shapes (mtptrain/runtime/linears.py).")
+        "oneDNN with packed weights, native = mtptrain's own product on blocked weights, stock = torch's path, "
+        "auto = what this machine measured fastest for the target's shapes (mtptrain/runtime/linears.py).")
     output_dir: str = Field("runs/quickstart/eval", description="Where results.json, report.md and plots go.")
 
 

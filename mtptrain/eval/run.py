@@ -498,7 +498,7 @@ def _machine(target, runner: Runner, product: str, start, end) -> dict:
             "logical_cores": cpu["logical_cores"],
             "runtime": runtime_description(runner),
             "linear_layers": {"skinny": "W @ x.T for short inputs", "packed": "oneDNN packed weights",
-                              "linear": "torch stock"}[product],
+                              "native": "mtptrain's blocked weights", "linear": "torch stock"}[product],
             "measured_seconds": round(end.wall - start.wall, 3),
             "other_load": None if load is None else round(load, 3)}
 

@@ -18,9 +18,9 @@ import torch
 from torch import nn
 
 from mtptrain.runtime.cache import KVCache
-from mtptrain.runtime.choice import ATTENTION, PRODUCT, causal_mask, choose
+from mtptrain.runtime.choice import PRODUCT, causal_mask, choose, row_attention
 from mtptrain.runtime.model import LayerKernels, RopeTables
-from mtptrain.runtime.weights import layer_copy, pack, packed_copy
+from mtptrain.runtime.weights import LAYOUT, laid_out_copy, layer_copy, layout_of
 
 INITIAL_CAPACITY = 512  # positions; the cache doubles when a generation outgrows it
 
@@ -39,24 +39,25 @@ class HeadStepper:
         self.device, self.dtype = weight.device, weight.dtype
         choice = choose(config, self.device, str(self.dtype).removeprefix("torch."))
         self.choice = choice
-        self.layer = layer_copy(layer, choice.product == "packed")
-        self.kernels = LayerKernels(config, PRODUCT[choice.product], ATTENTION[choice.attention_one],
-                                    ATTENTION[choice.attention_many])
+        self.layer = layer_copy(layer, layout_of(choice.product))
+        self.kernels = LayerKernels(config, PRODUCT[choice.product], row_attention(choice.attention_one),
+                                    row_attention(choice.attention_many))
         self.rope = RopeTables(rotary, self.dtype, self.device)
         self.inputs = inputs
         self.output = output  # what a step returns of the layer's output (the state the next step reads)
         k = self.kernels
         self.cache = KVCache(1, 1, k.kv_heads, k.head_dim, INITIAL_CAPACITY, choice.cache_dtype, self.device)
-        # The LM head `logits` multiplies, on the same product as the layer: packed, a one-row product over an
-        # 8,192-token draft vocabulary takes 69 us instead of 243 us (AMD EPYC, avx512_bf16), three times a chain
-        # step at K=3. A head's own LM head is packed as it is now; the target's (shared_lm_head) is packed once
-        # and kept on its module, where the runtime keeps it too.
+        # The LM head `logits` multiplies, on the same product as the layer, in its layout: packed, a one-row
+        # product over an 8,192-token draft vocabulary takes 69 us instead of 243 us (AMD EPYC, avx512_bf16),
+        # three times a chain step at K=3. A head's own LM head is laid out as it is now; the target's
+        # (shared_lm_head) is laid out once and kept on its module, where the runtime keeps it too.
         self.logits_input = logits_input
         self.lm_head_dtype = lm_head.weight.dtype
-        if choice.product != "packed":
+        layout = layout_of(choice.product)
+        if layout == "plain":
             self.lm_head = lm_head.weight
         else:
-            self.lm_head = packed_copy(lm_head) if shared_lm_head else pack(lm_head.weight)
+            self.lm_head = laid_out_copy(lm_head, layout) if shared_lm_head else LAYOUT[layout](lm_head.weight)
 
     def logits(self, state: torch.Tensor) -> torch.Tensor:
         """Logits over the head's vocabulary from what a step returned: the head's own `logits`, up to float
@@ -83,9 +84,9 @@ class HeadStepper:
             positions = torch.arange(start, start + count, device=ids.device)[None]
         cos, sin = self.rope(positions)
         h, residual = self.inputs(feature, ids)
-        if seen is None and count > 1 and start > 0:
+        causal = seen is None and count > 1 and (start == 0 or self.kernels.causal_after_cache)
+        if seen is None and count > 1 and not causal:
             seen = causal_mask(count, start, ids.device)[None, None]
-        causal = seen is None and count > 1 and start == 0
         out = self.kernels.run(self.layer, h, residual, cos[:, :, None], sin[:, :, None], self.cache, 0, start,
                                seen, causal, self.kernels.attention_for(count))
         self.cache.length = start + count

@@ -32,7 +32,7 @@ def capture_states(model, ids: torch.Tensor, layers: list[int], runtime: str = "
     """States [B, T, H] after each decoder layer of `layers` for right-padded ids [B, T], on the native decoder
     unless `runtime` (target.runtime) says transformers. Right padding needs no mask: under the causal mask a
     real token never attends to the padding after it."""
-    decoder = native_decoder(model, runtime)
+    decoder = native_decoder(model, runtime, batched=True)
     ids = ids.to(model.get_input_embeddings().weight.device)
     if decoder is not None:
         positions = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
@@ -75,7 +75,7 @@ def decode_stream(model, requests: Iterable[Request], done: Done, rows: int, sto
     first = list(itertools.islice(pending, rows))
     if not first:  # nothing to decode: the model is not even looked at
         return
-    decoder = native_decoder(model, runtime)
+    decoder = native_decoder(model, runtime, batched=True)
     if decoder is not None:
         _stream_native(decoder, first, pending, done, stops)
         return

@@ -7,10 +7,16 @@ Two choices depend on the CPU more than on anything else, so they are measured r
   bf16 product costs several times a float32 one;
 - the product for short inputs (the 1 to 9 rows of decoding and verification): torch's `F.linear`;
   `W @ x.T`, which on some BLAS builds keeps a product over a few rows near the cost of one row
-  (see mtptrain/runtime/linears.py); or oneDNN with weights packed once in its own layout
-  (runtime/weights.py), which spares `F.linear`'s re-layout of the weight on every call;
+  (see mtptrain/runtime/linears.py); oneDNN with weights packed once in its own layout
+  (runtime/weights.py), which spares `F.linear`'s re-layout of the weight on every call; or the runtime's own
+  product ("native", csrc/blocked_linear.cpp) on weights laid out once in blocks it reads front to back,
+  which gives each row the same result whatever rows it is computed with;
+- the product for batches of many rows (regenerate, precompute), timed apart over 128 rows: a product that
+  streams the weights best for a few rows need not multiply fastest for many (oneDNN on a CPU with AMX);
 - the attention kernel for one new token and for several: torch's SDPA, or two plain products with a
-  float32 softmax between them, which on some CPUs costs a third of SDPA's bf16 kernel for one query;
+  float32 softmax between them, which on some CPUs costs a third of SDPA's bf16 kernel for one query, or the
+  runtime's fused kernel, reading the cache where it lies and computing each token as it computes one decoded
+  alone (trees go to the plain products);
 - the attention kernel of a batch of rows decoding together (regenerate): there the KV cache, not the
   weights, is most of what a step reads, and the kernel (with its cache dtype) that wins for one row can
   lose several times over for 32 (measured on an AMD EPYC: SDPA over a float32 cache 1.1 ms, two plain
@@ -35,16 +41,27 @@ import torch.nn.functional as F
 
 from mtptrain.io import atomic_write_json, cache_root
 from mtptrain.machine import describe_cpu
-from mtptrain.runtime.native_kernels import decode_attention_kernel
-from mtptrain.runtime.weights import pack, packed_product
+from mtptrain.runtime.native_kernels import blocked_linear_kernel, causal_attention_kernel, decode_attention_kernel
+from mtptrain.runtime.weights import LAYOUT, blocked_product, packed_product
 
 log = logging.getLogger(__name__)
 
 ROWS = (1, 4, 8)
-PRODUCTS = ("linear", "skinny", "packed") if torch.backends.mkldnn.is_available() else ("linear", "skinny")
+BATCH_PRODUCT_ROWS = 128  # rows of the batch product's timing (regenerate, precompute)
 SKINNY_ROWS = 32  # above this many rows (a prefill) every product is F.linear
 BATCH_ROWS = 32  # rows of the batched-decoding attention timing
-VERSION = 3  # of what is measured: a cached answer from another version is measured again
+VERSION = 6  # of what is measured: a cached answer from another version is measured again
+
+
+def products(dtype: torch.dtype) -> list[str]:
+    """The products this machine can run in `dtype`: oneDNN's packed one where torch has oneDNN, the runtime's
+    own ("native") where its kernels build with a product for `dtype` on this CPU."""
+    names = ["linear", "skinny"]
+    if torch.backends.mkldnn.is_available():
+        names.append("packed")
+    if blocked_linear_kernel(dtype) is not None:
+        names.append("native")
+    return names
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -62,7 +79,7 @@ def skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
-PRODUCT = {"linear": linear, "skinny": skinny, "packed": packed_product}
+PRODUCT = {"linear": linear, "skinny": skinny, "packed": packed_product, "native": blocked_product}
 
 
 def causal_mask(count: int, past: int = 0, device=None) -> torch.Tensor:
@@ -125,9 +142,43 @@ def fused_attention(q, k, v, lengths, causal: bool):
     return decode_attention_kernel()(q, k, v, lengths)
 
 
+def fused_row(q, k, v, mask, causal: bool):
+    """A row's new tokens, q [1, H, T, D], over k and v [1, Hkv, S, D] (the cache's first S positions, the T new
+    ones last, as the cache hands them out) in the fused C++ kernel, which reads them in place; token t attends
+    positions 0 .. S - T + t. Every token is computed as one decoded alone is, so a chain's verification gives
+    each token the output a one-token step gives it. Anything else (a mask: a tree; several rows; keys laid out
+    otherwise; another dtype or device) goes to `plain_attention`."""
+    kernel = causal_attention_kernel()
+    count, dim = q.shape[2], q.shape[-1]
+    if kernel is None or mask is not None or (count > 1 and not causal) or q.shape[0] != 1 or \
+            q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16) or k.dtype != q.dtype or \
+            v.dtype != q.dtype or k.stride(3) != 1 or k.stride(2) != dim or k.stride() != v.stride():
+        return plain_attention(q, k, v, mask, causal)
+    return kernel(q[0].transpose(0, 1), k, v).transpose(0, 1)[None]
+
+
+fused_row.causal_after_cache = True  # `causal` holds with cached positions before the new tokens too
+
+
 ATTENTION = {"sdpa": sdpa_attention, "plain": plain_attention,
              "sdpa-f32": _in_float32(sdpa_attention), "plain-f32": _in_float32(plain_attention)}
 F32_CACHE = ("sdpa-f32", "plain-f32")  # kernels that read a float32 cache
+
+
+def row_kernels(dtype: torch.dtype) -> list[str]:
+    """The kernels for new tokens of one row in `dtype`: torch's (those of a float32 cache only below float32),
+    and the fused one where it builds here, for float32 and bfloat16."""
+    kernels = [a for a in ATTENTION if dtype != torch.float32 or a not in F32_CACHE]
+    if dtype in (torch.float32, torch.bfloat16) and causal_attention_kernel() is not None:
+        kernels.append("fused")
+    return kernels
+
+
+def row_attention(kernel: str):
+    """The kernel named `kernel` for a row's new tokens: a key of ATTENTION, or "fused" (whose work falls to the
+    plain products where the fused kernel no longer builds: a measured choice is cached, and the compiler may be
+    gone since)."""
+    return fused_row if kernel == "fused" else ATTENTION[kernel]
 
 
 def batch_kernels(dtype: torch.dtype) -> list[str]:
@@ -160,6 +211,7 @@ class Choice:
     source: str  # "measured", "cached", "cuda" or "set" (target.dtype named the dtype)
     timings: dict | None = None  # dtype -> what was timed -> ms
     attention_batch: str = "sdpa"  # for one new token in each of many rows (batched decoding)
+    product_batch: str = "linear"  # for batches of many rows (regenerate, precompute)
 
     @property
     def cache_dtype(self) -> torch.dtype:
@@ -170,9 +222,9 @@ class Choice:
         return torch.float32 if self.attention_batch in F32_CACHE else self.dtype
 
     def describe(self) -> str:
-        return (f"{str(self.dtype).removeprefix('torch.')} ({self.source}), short products {self.product}, "
-                f"attention {self.attention_one} (1 token) / {self.attention_many} / {self.attention_batch} "
-                "(batches)")
+        return (f"{str(self.dtype).removeprefix('torch.')} ({self.source}), products {self.product} / "
+                f"{self.product_batch} (batches), attention {self.attention_one} (1 token) / {self.attention_many} / "
+                f"{self.attention_batch} (batches)")
 
 
 def shapes(config) -> list[tuple[int, int]]:
@@ -202,7 +254,7 @@ def choose(config, device: torch.device, requested: str = "auto") -> Choice:
     fastest = lambda times: min(times, key=times.get)  # noqa: E731
     one, many = _attention_pair(measured["attention_one"], measured["attention_many"])
     return Choice(dtype, fastest(measured["products"]), one, many, source, timings,
-                  fastest(measured["attention_batch"]))
+                  fastest(measured["attention_batch"]), fastest(measured["products_batch"]))
 
 
 def _attention_pair(one: dict, many: dict) -> tuple[str, str]:
@@ -246,11 +298,13 @@ def _cpu_timings(config) -> tuple[dict, str]:
     timings = {}
     for name in ("float32", "bfloat16"):
         dtype = getattr(torch, name)
-        kernels = [a for a in ATTENTION if dtype != torch.float32 or a not in F32_CACHE]
         timings[name] = {
-            "products": {p: _time_layer(shapes(config), dtype, PRODUCT[p]) for p in PRODUCTS},
-            "attention_one": {a: _time_attention(_heads(config), dtype, a, 1) for a in kernels},
-            "attention_many": {a: _time_attention(_heads(config), dtype, a, 8) for a in kernels},
+            "products": {p: _time_layer(shapes(config), dtype, PRODUCT[p]) for p in products(dtype)},
+            # over many rows "skinny" is F.linear ("linear"); the weights multiply from cache, as compute bounds it
+            "products_batch": {p: _time_layer(shapes(config), dtype, PRODUCT[p], (BATCH_PRODUCT_ROWS,), False)
+                               for p in products(dtype) if p != "skinny"},
+            "attention_one": {a: _time_attention(_heads(config), dtype, a, 1) for a in row_kernels(dtype)},
+            "attention_many": {a: _time_attention(_heads(config), dtype, a, 8) for a in row_kernels(dtype)},
             "attention_batch": {a: _time_attention(_heads(config), dtype, a, 1, BATCH_ROWS)
                                 for a in batch_kernels(dtype)},
         }
@@ -269,24 +323,28 @@ STREAM_BYTES = 256 << 20  # float32 weights cycled through per timing: far more 
 MAX_COPIES = 64  # a tiny model's layer is not copied thousands of times (its weights stay in cache anyway)
 
 
-def _time_layer(layer_shapes, dtype: torch.dtype, product, repeats: int = 5) -> float:
-    """Median ms of one layer's products over inputs of each of ROWS rows. The weights are several copies of
-    the layer, cycled through, so that they stream from memory as a whole model's do rather than sit in cache."""
+def _time_layer(layer_shapes, dtype: torch.dtype, product, rows_timed: tuple[int, ...] = ROWS, stream: bool = True,
+                repeats: int = 5) -> float:
+    """Median ms of one layer's products over inputs of each of `rows_timed` rows. With `stream`, the weights
+    are several copies of the layer, cycled through, so that they stream from memory as a whole model's do rather
+    than sit in cache."""
     generator = torch.Generator().manual_seed(0)
     layer_bytes = 4 * sum(o * i for o, i in layer_shapes)
     if layer_bytes > STREAM_BYTES:  # a large model's layer: fewer output rows, the same inner sizes
         scale = STREAM_BYTES / layer_bytes
         layer_shapes = [(max(64, int(o * scale)), i) for o, i in layer_shapes]
         layer_bytes = 4 * sum(o * i for o, i in layer_shapes)
-    copies = min(MAX_COPIES, max(1, -(-STREAM_BYTES // layer_bytes)))
-    prepare = pack if product is packed_product else (lambda w: w)
+    copies = min(MAX_COPIES, max(1, -(-STREAM_BYTES // layer_bytes))) if stream else 1
+    layouts = {packed_product: LAYOUT["packed"], blocked_product: LAYOUT["native"]}
+    prepare = layouts.get(product, lambda w: w)
     weights = [[prepare((torch.randn(o, i, generator=generator) * 0.02).to(dtype)) for o, i in layer_shapes]
                for _ in range(copies)]
-    inputs = {rows: [torch.randn(rows, i, generator=generator).to(dtype) for _, i in layer_shapes] for rows in ROWS}
+    inputs = {rows: [torch.randn(rows, i, generator=generator).to(dtype) for _, i in layer_shapes]
+              for rows in rows_timed}
 
     def once() -> float:
         started = time.perf_counter()
-        for rows in ROWS:
+        for rows in rows_timed:
             for layer in weights:
                 for w, x in zip(layer, inputs[rows]):
                     product(x, w, None)
@@ -304,12 +362,14 @@ def _time_attention(heads: tuple[int, int, int], dtype: torch.dtype, kernel: str
     generator = torch.Generator().manual_seed(0)
     query_heads, kv_heads, dim = heads
     length = 512 if rows == 1 else 256
-    attention = batch_attention(kernel) if rows > 1 else ATTENTION[kernel]
+    attention = batch_attention(kernel) if rows > 1 else row_attention(kernel)
     cache = torch.float32 if kernel in F32_CACHE else dtype
     q = torch.randn(rows, query_heads, count, dim, generator=generator).to(dtype)
     k, v = (torch.randn(rows, kv_heads, length, dim, generator=generator).to(cache) for _ in range(2))
-    mask = None
-    if count > 1:
+    mask, causal = None, False
+    if count > 1 and kernel == "fused":  # causal after the cached positions, as the fused kernel takes it
+        causal = True
+    elif count > 1:
         mask = causal_mask(count, length - count)[None, None]
     elif rows > 1:  # each row sees its own first positions
         seen = torch.arange(length) < torch.randint(length // 2, length + 1, (rows, 1), generator=generator)
@@ -318,7 +378,7 @@ def _time_attention(heads: tuple[int, int, int], dtype: torch.dtype, kernel: str
     def once() -> float:
         started = time.perf_counter()
         for _ in range(20):
-            attention(q, k, v, mask, False)
+            attention(q, k, v, mask, causal)
         return (time.perf_counter() - started) / 20
 
     once()

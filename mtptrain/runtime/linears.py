@@ -10,6 +10,8 @@ Verification runs those layers over a handful of rows (the pending token and the
   LM head of SmolLM2 takes 8.6 ms for one row, 19-28 ms for two to four rows, and 5 ms as `W @ x.T`);
 - "packed": the weight packed once for oneDNN (runtime/weights.py; the packed copy is kept on the module,
   beside the plain weight, and shared with the runtime's own packed LM head);
+- "native": the runtime's own product (csrc/blocked_linear.cpp) on a copy of the weight in its blocked
+  layout, kept on the module like the packed one;
 - "linear": torch's stock path (nothing is swapped).
 
 "auto" is the product runtime/choice.py measured fastest on this machine for the modules' dtype. Inputs
@@ -26,7 +28,8 @@ import torch
 from torch import nn
 
 from mtptrain.runtime.choice import choose
-from mtptrain.runtime.weights import packed_copy, packed_product
+from mtptrain.runtime.native_kernels import blocked_linear_kernel
+from mtptrain.runtime.weights import blocked_product, laid_out_copy, packed_product
 
 PACKABLE = (torch.float32, torch.bfloat16, torch.float16)  # the dtypes oneDNN packs
 
@@ -39,7 +42,11 @@ def _forward(product: str, max_rows: int):
         if product == "packed":
             if self.weight.dtype not in PACKABLE:
                 return nn.functional.linear(x, self.weight, self.bias)
-            return packed_product(x, packed_copy(self), self.bias)
+            return packed_product(x, laid_out_copy(self, "packed"), self.bias)
+        if product == "native":
+            if blocked_linear_kernel(self.weight.dtype) is None or x.dtype != self.weight.dtype:
+                return nn.functional.linear(x, self.weight, self.bias)
+            return blocked_product(x, laid_out_copy(self, "native"), self.bias)
         out = torch.matmul(self.weight, x.reshape(rows, x.shape[-1]).T).T
         if self.bias is not None:
             out = out + self.bias

@@ -21,7 +21,7 @@ from torch import nn
 
 from mtptrain.runtime.choice import batch_mask, causal_mask, usable
 from mtptrain.runtime.native_kernels import layer_ops, step_attention_kernel
-from mtptrain.runtime.weights import STATE, layer_weights, lm_head_weights
+from mtptrain.runtime.weights import STATE, layer_weights, layout_of, lm_head_weights
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 STATIC_ROPE = (None, "default", "linear", "llama3", "yarn", "longrope")
@@ -78,6 +78,9 @@ class LayerKernels:
         self.product = product  # (x [..., in], weight [out, in], bias) -> [..., out]
         self.attention_one, self.attention_many = attention_one, attention_many  # (q, k, v, mask, causal)
         self.attention_batch = attention_batch or attention_one  # one new token in each of many rows
+        # True where the kernel for several tokens takes `causal` with cached positions before them (new tokens
+        # last, each seeing the cache and the new ones up to itself), so a chain needs no mask
+        self.causal_after_cache = getattr(attention_many, "causal_after_cache", False)
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
@@ -122,7 +125,8 @@ class LayerKernels:
 class FastDecoder:
     """The decoder stack and LM head of one model; `forward` runs new tokens against a `KVCache`."""
 
-    def __init__(self, model: nn.Module, product, attention_one, attention_many, choice=None, attention_batch=None):
+    def __init__(self, model: nn.Module, product, attention_one, attention_many, choice=None, attention_batch=None,
+                 layout: str | None = None):
         why = unsupported(model)
         if why is not None:
             raise ValueError(f"the native runtime cannot run this model: {why}")
@@ -136,9 +140,10 @@ class FastDecoder:
         self.embed = decoder.embed_tokens.weight
         self._embed_at = (self.embed.data_ptr(), self.embed.dtype, self.embed.device)  # to notice a cast or move
         self.norm = decoder.norm.weight
-        self.packed = getattr(choice, "product", None) == "packed"
-        self.lm_head = lm_head_weights(model, self.packed)
-        self.layers = [layer_weights(layer, self.packed) for layer in decoder.layers]
+        # the weights' layout (runtime/weights.py): the product's; by default, the measured choice's product's
+        self.layout = layout_of(getattr(choice, "product", "linear")) if layout is None else layout
+        self.lm_head = lm_head_weights(model, self.layout)
+        self.layers = [layer_weights(layer, self.layout) for layer in decoder.layers]
         self.rope = RopeTables(decoder.rotary_emb, self.dtype, self.device)
 
     @property
@@ -151,7 +156,7 @@ class FastDecoder:
         weight = decoder.embed_tokens.weight
         if (weight.data_ptr(), weight.dtype, weight.device) != self._embed_at:
             return False
-        if self.packed and self.lm_head is not lm_head_weights(self.model, True):
+        if self.layout != "plain" and self.lm_head is not lm_head_weights(self.model, self.layout):
             return False
         return all(layer.__dict__.get(STATE) is mine for layer, mine in zip(decoder.layers, self.layers))
 
@@ -212,8 +217,8 @@ class FastDecoder:
         if self.window is not None and end > self.window:
             raise ValueError(f"context of {end} tokens is longer than the model's sliding window ({self.window}): "
                              "the fast decoder keeps full attention only")
-        causal = not parted and mask is None and count > 1 and start == 0
-        if not parted and mask is None and count > 1 and start > 0:
+        causal = not parted and mask is None and count > 1 and (start == 0 or self.kernels.causal_after_cache)
+        if not parted and mask is None and count > 1 and not causal:
             mask = causal_mask(count, start, ids.device)[None, None]
         attention = self.kernels.attention_for(count)
         captured = {}

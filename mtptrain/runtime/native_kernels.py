@@ -1,6 +1,7 @@
 """CPU kernels of the runtime written in C++ (csrc/), built on first use with torch's JIT extension loader.
 
-- `decode_attention_kernel()` and `step_attention_kernel()` (csrc/decode_attention.cpp): attention for
+- `decode_attention_kernel()`, `causal_attention_kernel()` and `step_attention_kernel()`
+  (csrc/decode_attention.cpp): attention for
   batched decoding, where each row attends over its own number of cached positions. `choice.plain_attention`
   runs two `torch.matmul`s over the rows' rectangle with a mask, reading every row's masked tail too; the
   kernel reads only each row's live keys and values, once. Measured on a 2-core AMD EPYC (avx512_bf16) with
@@ -10,6 +11,9 @@
   values and takes the prompt chunks riding along with the step, so a band's whole attention is one call.
 - `layer_ops()` (csrc/layer_ops.cpp): a decoder layer's elementwise steps (residual sum and RMSNorm, silu
   times up, the rotary embedding), one pass each.
+- `blocked_linear_kernel(dtype)` (csrc/blocked_linear.cpp): a linear layer's product from its weight laid
+  out in blocks of 32 output features (runtime/weights.py), at the memory's speed for a few rows and near the
+  CPU's peak for hundreds; each row's result is the same whatever rows it is computed with.
 
 The first call builds them (about 30 s on 2 cores), later processes load them from `<cache_root>/kernels/`
 (0.13 s). Where the build fails (no compiler, no ninja) it logs one warning and every function returns None:
@@ -36,9 +40,10 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 # The first holds the module's bindings (it binds the others' functions too).
-SOURCES = [CSRC / "decode_attention.cpp", CSRC / "layer_ops.cpp"]
+SOURCES = [CSRC / "decode_attention.cpp", CSRC / "layer_ops.cpp", CSRC / "blocked_linear.cpp"]
 HEADERS = [CSRC / "float_math.h"]  # included by the sources: part of what the build's name hashes
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+BLOCK = 32  # output features per block of the blocked layout (csrc/blocked_linear.cpp, GROUP)
 
 
 def extension_name(sources: list[Path] | None = None) -> str:
@@ -117,6 +122,15 @@ def decode_attention_kernel() -> Callable[..., torch.Tensor] | None:
     return None if module is None else module.decode_attention
 
 
+def causal_attention_kernel() -> Callable[..., torch.Tensor] | None:
+    """`causal(q, keys, values) -> out`, or None when the extension does not build: one row's T new tokens q
+    [T, H, D] (any strides) over keys and values [1, Hkv, S, D] (strides [*, *, D, 1]: the cache's first S
+    positions, the new ones last), token t attending positions 0 .. S - T + t; out [T, H, D]. Each token is
+    computed exactly as `decode_attention_kernel` computes a row alone."""
+    module = extension()
+    return None if module is None else module.causal_attention
+
+
 def step_attention_kernel() -> Callable[..., None] | None:
     """`step(q, k_new, v_new, keys, values, tokens, rows, positions, out)`, or None when the extension does not
     build: one length band's part of a batched decoding step (runtime/batch.py), in one call.
@@ -129,6 +143,21 @@ def step_attention_kernel() -> Callable[..., None] | None:
     (a prompt chunk) thus attend causally among themselves."""
     module = extension()
     return None if module is None else module.step_attention
+
+
+def blocked_linear_kernel(dtype: torch.dtype) -> Callable[..., torch.Tensor] | None:
+    """`blocked_linear(x, blocks, bias, out_features) -> x @ W.T + bias` for x of `dtype`, or None where the
+    extension does not build or has no product for `dtype` on this CPU (bfloat16 needs avx512_bf16, float32
+    AVX-512 or AVX2 with FMA).
+
+    blocks is W [out_features, in] in the blocked layout of `weights.blocked`, x [..., in] of any number of
+    rows, bias [out_features] or None. Each output element is one float32 sum over the inputs in order, rounded
+    once to x's dtype: a row's result does not depend on the other rows computed with it."""
+    module = extension()
+    if module is None or dtype not in (torch.float32, torch.bfloat16) or \
+            not module.blocked_supports(dtype == torch.bfloat16):
+        return None
+    return module.blocked_linear
 
 
 def layer_ops():

@@ -16,13 +16,15 @@ from typing import Protocol
 import torch
 
 from mtptrain.runtime.cache import KVCache
-from mtptrain.runtime.choice import ATTENTION, PRODUCT, batch_attention, choose
+from mtptrain.runtime.choice import PRODUCT, batch_attention, choose, row_attention
 from mtptrain.runtime.model import FastDecoder, unsupported
+from mtptrain.runtime.weights import layout_of
 from mtptrain.runtime.transformers_runner import TransformersRunner
 
 log = logging.getLogger(__name__)
 
-_DECODERS: "weakref.WeakKeyDictionary[torch.nn.Module, FastDecoder | str]" = weakref.WeakKeyDictionary()
+# model -> {batched: its decoder, or why it has none}
+_DECODERS: "weakref.WeakKeyDictionary[torch.nn.Module, dict[bool, FastDecoder | str]]" = weakref.WeakKeyDictionary()
 INITIAL_CAPACITY = 1024
 
 
@@ -50,11 +52,17 @@ class Runner(Protocol):
     def close(self) -> None: ...
 
 
-def fast_decoder(model: torch.nn.Module) -> FastDecoder | None:
+def fast_decoder(model: torch.nn.Module, batched: bool = False) -> FastDecoder | None:
     """The model's fast decoder, built once (its weights fused in place); None when the model needs
-    transformers, logged the first time."""
-    known = _DECODERS.get(model)
-    first = known is None
+    transformers, logged the first time. `batched`: the decoder of many rows at once (regenerate, precompute),
+    whose products are the measured batch product. The model holds one layout of its weights, so a batched and
+    a batch-1 decoder whose products want different layouts take turns: each lays the weights out again when it
+    next runs after the other (a fraction of a second for a small model)."""
+    decoders = _DECODERS.get(model)
+    first = decoders is None
+    if first:
+        decoders = _DECODERS[model] = {}
+    known = decoders.get(batched)
     if isinstance(known, FastDecoder) and not known.current():  # the model was cast, moved or restored since
         known = None
     if known is None:
@@ -65,27 +73,29 @@ def fast_decoder(model: torch.nn.Module) -> FastDecoder | None:
             choice = choose(model.config, device)  # the machine's own pick: reported as measured when it is this
             if choice.dtype != dtype:
                 choice = choose(model.config, device, str(dtype).removeprefix("torch."))
+            product = choice.product_batch if batched else choice.product
             # Fused and packed weights replace the model's own: built outside inference mode, so that the model
             # stays usable where autograd runs later (inference tensors cannot enter a recorded graph).
             with torch.inference_mode(False), torch.no_grad():
-                known = FastDecoder(model, PRODUCT[choice.product], ATTENTION[choice.attention_one],
-                                    ATTENTION[choice.attention_many], choice, batch_attention(choice.attention_batch))
+                known = FastDecoder(model, PRODUCT[product], row_attention(choice.attention_one),
+                                    row_attention(choice.attention_many), choice, batch_attention(choice.attention_batch),
+                                    layout=layout_of(product))
             if first:
                 log.info("target runs on mtptrain's runtime: %s", choice.describe())
         else:
             known = why
             if first:
                 log.info("target runs on transformers' forward: %s", why)
-        _DECODERS[model] = known
+        decoders[batched] = known
     return known if isinstance(known, FastDecoder) else None
 
 
-def native_decoder(model: torch.nn.Module, runtime: str = "auto") -> FastDecoder | None:
+def native_decoder(model: torch.nn.Module, runtime: str = "auto", batched: bool = False) -> FastDecoder | None:
     """The fast decoder for target.runtime auto or native (None for auto on a model it does not run), or None for
-    transformers."""
+    transformers; `batched` as for `fast_decoder`."""
     if runtime not in ("auto", "native", "transformers"):
         raise ValueError(f"target.runtime must be auto, native or transformers, not {runtime!r}")
-    decoder = fast_decoder(model) if runtime != "transformers" else None
+    decoder = fast_decoder(model, batched) if runtime != "transformers" else None
     if decoder is None and runtime == "native":
         raise ValueError(f"target.runtime=native cannot run this model ({unsupported(model)}): "
                          "set target.runtime=auto or transformers")

@@ -31,26 +31,28 @@ def head_lm_head(head):
     return head.lm_head if hasattr(head, "lm_head") else head.frozen.lm_head
 
 
-def _packed(monkeypatch):
+def _laid_out(monkeypatch, product):
     from mtptrain.heads import fast
     from mtptrain.runtime.choice import Choice
 
+    one, many = ("fused", "fused") if product == "native" else ("plain", "sdpa")  # the runtime's own together
     monkeypatch.setattr(fast, "choose", lambda config, device, requested: Choice(
-        getattr(torch, requested), "packed", "plain", "sdpa", "set"))
+        getattr(torch, requested), product, one, many, "set"))
 
 
 @pytest.mark.parametrize("kind", list(SPECS))
-@pytest.mark.parametrize("packed", [False, pytest.param(True, marks=pytest.mark.skipif(
+@pytest.mark.parametrize("product", ["linear", "native", pytest.param("packed", marks=pytest.mark.skipif(
     not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN"))])
 @torch.no_grad()
-def test_steps_equal_the_heads_forward_through_prefill_steps_rollback_and_a_tree(kind, packed, monkeypatch):
-    if packed:
-        _packed(monkeypatch)
-    dtype = torch.float32 if packed else torch.float64
+def test_steps_equal_the_heads_forward_through_prefill_steps_rollback_and_a_tree(kind, product, monkeypatch):
+    laid_out = product != "linear"
+    if laid_out:
+        _laid_out(monkeypatch, product)
+    dtype = torch.float32 if laid_out else torch.float64
     head = _head(kind, dtype)
     stepper = head.stepper()
-    assert stepper.layer.packed == packed
-    assert (stepper.lm_head is not head_lm_head(head).weight) == packed  # packed: its own blocked copy
+    assert stepper.layer.layout == (product if laid_out else "plain")
+    assert (stepper.lm_head is not head_lm_head(head).weight) == laid_out  # laid out: its own copy
     generator = torch.Generator().manual_seed(1)
     hidden = head.frozen.config.hidden_size
     features = torch.randn(1, 12, hidden, generator=generator, dtype=dtype)

@@ -10,7 +10,7 @@ from mtptrain.engine.ngram import NgramProposer
 from mtptrain.runtime.runner import open_runner
 
 
-PRODUCTS = ["skinny", "packed"] if torch.backends.mkldnn.is_available() else ["skinny"]
+PRODUCTS = ["skinny", "native"] + (["packed"] if torch.backends.mkldnn.is_available() else [])
 
 
 @pytest.mark.parametrize("product", PRODUCTS)

@@ -96,7 +96,12 @@ def test_greedy_generation_equals_transformers_generate():
     assert tokens == expected
 
 
-def test_fused_weights_are_shared_not_copied():
+def test_fused_weights_are_shared_not_copied(monkeypatch):
+    from mtptrain.runtime import choice, runner
+
+    # plain weights (F.linear), whatever this machine measured: the layouts of packed and native are copies
+    monkeypatch.setattr(runner, "choose", lambda config, device, requested="auto": choice.Choice(
+        torch.float32, "linear", "plain", "sdpa", "set"))
     model = _model("qwen2")
     before = sum(p.numel() for p in model.parameters())
     decoder = fast_decoder(model)
@@ -197,6 +202,56 @@ def packed(monkeypatch):
     monkeypatch.setattr(runner, "choose", packing)
 
 
+@pytest.fixture
+def native_kernels(monkeypatch):
+    """The runtime runs its own product and one-token attention kernel, whatever this machine measured (float32,
+    so that transformers' logits are the reference within 1e-4); batches on oneDNN's packed product."""
+    from mtptrain.runtime import choice, runner
+
+    batch = "packed" if torch.backends.mkldnn.is_available() else "linear"
+    def own(config, device, requested="auto"):
+        dtype = torch.float32 if requested == "auto" else getattr(torch, requested)
+        return choice.Choice(dtype, "native", "fused", "fused", "set", attention_batch="fused", product_batch=batch)
+    monkeypatch.setattr(runner, "choose", own)
+
+
+@pytest.mark.parametrize("kind", ARCHITECTURES)
+def test_the_native_product_and_fused_attention_match_transformers(native_kernels, kind):
+    kernels = open_runner(_model(kind)).decoder.kernels
+    assert kernels.attention_one.__name__ == kernels.attention_many.__name__ == "fused_row"
+    assert kernels.causal_after_cache  # a chain after the prefix runs without a mask
+    test_logits_and_captured_states_match_transformers(kind)
+    if kind in ("llama", "qwen3"):
+        test_a_verified_tree_and_its_kept_path_match_transformers(kind)
+    if kind == "qwen2":
+        test_greedy_generation_equals_transformers_generate()
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")
+def test_batches_run_packed_weights_beside_a_native_batch_one_decoder(native_kernels):
+    """Where the measured batch product is another than the batch-1 one, a batched decoder (regenerate,
+    precompute) lays the weights out for it, and each decoder lays them out again when it runs after the other."""
+    from mtptrain.runtime.batch import capture_states
+    from mtptrain.runtime.runner import native_decoder
+
+    model = _model("llama")
+    ids = torch.randint(0, 96, (3, 20), generator=torch.Generator().manual_seed(4))
+    reference = open_runner(model, (1,), runtime="transformers")
+    reference.reset()
+    reference.forward(ids[0].tolist())
+    expected = reference.hidden[1]
+    one = open_runner(model, (1,))
+    assert one.decoder.layout == "native"
+    for _ in range(2):
+        batched = native_decoder(model, batched=True)
+        assert batched.layout == "packed" and batched.current() and not one.decoder.current()
+        assert _close(capture_states(model, ids, [1])[1][0], expected)
+        one.reset()  # rebuilt on the blocked weights
+        assert one.decoder.layout == "native" and one.decoder.current()
+        one.forward(ids[0].tolist())
+        assert _close(one.hidden[1], expected)
+
+
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 def test_packed_weights_replace_the_plain_ones_and_come_back_exactly(packed, kind):
@@ -206,7 +261,7 @@ def test_packed_weights_replace_the_plain_ones_and_come_back_exactly(packed, kin
         before = model(torch.tensor([prompt])).logits[0]
     plain = {name: p.detach().clone() for name, p in model.named_parameters()}
     native = open_runner(model)
-    assert native.decoder.packed
+    assert native.decoder.layout == "packed"
     released = [n for n, p in model.named_parameters() if p.device.type == "meta"]
     assert len(released) == 7 * model.config.num_hidden_layers  # q, k, v, o, gate, up, down of every layer
     native.reset()
@@ -217,7 +272,7 @@ def test_packed_weights_replace_the_plain_ones_and_come_back_exactly(packed, kin
         assert p.device.type == "cpu" and torch.equal(p, plain[name]), name
     native.reset()  # and the runtime packs again
     assert _close(native.forward(prompt), before)
-    assert native.decoder.packed and any(p.device.type == "meta" for p in model.parameters())
+    assert native.decoder.layout == "packed" and any(p.device.type == "meta" for p in model.parameters())
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")

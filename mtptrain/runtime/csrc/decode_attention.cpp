@@ -4,10 +4,14 @@
 //
 // decode_attention(q, keys, values, lengths) -> out
 //   q        [R, H, 1, D]         any strides, float32 or bfloat16
-//   keys     [Rcap, Hkv, C, D]    contiguous, q's dtype, Rcap >= R (rows past R are not read)
-//   values   [Rcap, Hkv, C, D]    likewise
+//   keys     [Rcap, Hkv, C, D]    q's dtype, Rcap >= R (rows past R are not read); strides [*, *, D, 1]: a
+//                                 cache, or a view of its first C positions
+//   values   [Rcap, Hkv, C, D]    likewise, with the keys' strides
 //   lengths  [R] int64            1 <= lengths[r] <= C
 //   returns  [R, H, 1, D]         q's dtype: softmax(q.k * D^-0.5) . v, accumulated in float32
+//
+// causal_attention(q, keys, values) -> out: one row's T new tokens [T, H, D], causally after the cache's first
+// S - T positions (a chain verified after a prefix), each token computed as decode_attention computes a row.
 //
 // step_attention(q, k_new, v_new, keys, values, tokens, rows, positions, out): one length band's part of a
 // batched step (mtptrain/runtime/batch.py), whose tokens are its rows' new tokens and the prompt chunks of
@@ -407,6 +411,7 @@ void run(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor&
   const int64_t q_token = q.stride(0), q_head = q.stride(1), q_dim = q.stride(2);
   const T* kp = keys.data_ptr<T>();
   const T* vp = values.data_ptr<T>();
+  const int64_t row_stride = keys.stride(0), head_stride = keys.stride(1);  // positions D apart (check_cache)
   T* op = out.data_ptr<T>();
   const int64_t o_token = out.stride(0), o_head = out.stride(1);
 
@@ -431,7 +436,7 @@ void run(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor&
     for (int64_t item = first[p0]; item < first[p1]; ++item) {
       const int64_t m = item / Hkv, h = item % Hkv, n = plan.length[m], t = plan.token[m];
       load_queries(qp + t * q_token + h * G * q_head, q_head, q_dim, G, D, s);
-      const int64_t offset = (plan.row[m] * Hkv + h) * C * D;
+      const int64_t offset = plan.row[m] * row_stride + h * head_stride;
       one_item<T>(G, D, kp + offset, vp + offset, n, scale, s);
       for (int64_t g = 0; g < G; ++g)
         store_output(op + t * o_token + (h * G + g) * o_head, s.acc.data() + g * D, 1.0f / s.sums[g], D);
@@ -449,8 +454,12 @@ void check_cache(const char* name, const torch::Tensor& keys, const torch::Tenso
   TORCH_CHECK(keys.scalar_type() == q.scalar_type() && values.scalar_type() == q.scalar_type(), name, ": keys (",
               keys.scalar_type(), ") and values (", values.scalar_type(), ") must have q's dtype (", q.scalar_type(),
               ")");
-  TORCH_CHECK(keys.is_contiguous() && values.is_contiguous(), name, ": keys and values must be contiguous");
   const int64_t H = q.size(1), D = q.size(-1), Hkv = keys.size(1);
+  // A row's positions of one head D apart, each position's D values in a run (a cache, or a view of its first
+  // positions); rows and heads at any distance, the same for keys and values.
+  TORCH_CHECK(keys.stride(3) == 1 && keys.stride(2) == D && keys.strides() == values.strides(), name,
+              ": keys and values must hold each head's positions one after another (strides [*, *, dim, 1], the same "
+              "for both), got ", keys.strides(), " and ", values.strides());
   TORCH_CHECK(keys.size(3) == D, name, ": keys' dim ", keys.size(3), " differs from q's ", D);
   TORCH_CHECK(Hkv > 0 && H % Hkv == 0, name, ": q's ", H, " heads are not a multiple of the ", Hkv, " kv heads");
   TORCH_CHECK(D > 0, name, ": dim must be positive");
@@ -488,6 +497,27 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& keys
   return out;
 }
 
+// The T new tokens of one row after what its cache holds, causally: q [T, H, D] (any strides), keys and values
+// [1, Hkv, S, D] as check_cache takes them (the cache's first S positions, the T new ones last); token t attends
+// positions 0 .. S - T + t. Each token's attention is computed as decode_attention computes a row's: the same
+// arithmetic, so a token's output does not depend on the tokens verified with it.
+torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values) {
+  const char* name = "causal_attention";
+  TORCH_CHECK(q.dim() == 3, name, ": q must be [tokens, heads, dim], got ", q.sizes());
+  check_cache(name, keys, values, q);
+  const int64_t T = q.size(0), S = keys.size(2);
+  TORCH_CHECK(keys.size(0) == 1, name, ": keys must hold one row, got ", keys.size(0));
+  TORCH_CHECK(T >= 1 && T <= S, name, ": ", T, " tokens after a cache of ", S, " positions");
+  std::vector<int64_t> tokens(T), rows(T, 0), lengths(T);
+  for (int64_t t = 0; t < T; ++t) {
+    tokens[t] = t;
+    lengths[t] = S - T + 1 + t;
+  }
+  torch::Tensor out = torch::empty({T, q.size(1), q.size(2)}, q.options().memory_format(at::MemoryFormat::Contiguous));
+  dispatch(q, keys, values, Plan{tokens.data(), rows.data(), lengths.data(), T}, out);
+  return out;
+}
+
 // One band's part of a batched step, whose N tokens come as q [N, H, D], k_new and v_new [N, Hkv, D] (any
 // strides): first every entry m's key and value are written at position positions[m] of cache row rows[m],
 // then each attends over that row's positions 0 .. positions[m] (so a prompt chunk's tokens, entries of one
@@ -499,6 +529,7 @@ void step_attention(const torch::Tensor& q, const torch::Tensor& k_new, const to
   const char* name = "step_attention";
   TORCH_CHECK(q.dim() == 3, name, ": q must be [tokens, heads, dim], got ", q.sizes());
   check_cache(name, keys, values, q);
+  TORCH_CHECK(keys.is_contiguous() && values.is_contiguous(), name, ": keys and values must be contiguous");
   const int64_t N = q.size(0), H = q.size(1), D = q.size(2), Hkv = keys.size(1), C = keys.size(2);
   TORCH_CHECK(k_new.dim() == 3 && k_new.size(0) == N && k_new.size(1) == Hkv && k_new.size(2) == D &&
               v_new.sizes() == k_new.sizes(), name, ": k_new and v_new must be [", N, ", ", Hkv, ", ", D, "], got ",
@@ -540,13 +571,18 @@ void step_attention(const torch::Tensor& q, const torch::Tensor& k_new, const to
 
 }  // namespace
 
-void bind_layer_ops(pybind11::module& m);  // layer_ops.cpp
+void bind_layer_ops(pybind11::module& m);       // layer_ops.cpp
+void bind_blocked_linear(pybind11::module& m);  // blocked_linear.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bind_layer_ops(m);
+  bind_blocked_linear(m);
   m.def("decode_attention", &decode_attention, py::call_guard<py::gil_scoped_release>(),
         "softmax(q.k * D^-0.5) . v for one new token per row over each row's first lengths[r] positions",
         py::arg("q"), py::arg("keys"), py::arg("values"), py::arg("lengths"));
+  m.def("causal_attention", &causal_attention, py::call_guard<py::gil_scoped_release>(),
+        "a row's new tokens, each over the cache up to its own position, as decode_attention computes one",
+        py::arg("q"), py::arg("keys"), py::arg("values"));
   m.def("step_attention", &step_attention, py::call_guard<py::gil_scoped_release>(),
         "write a band's new keys and values, then each entry's attention over its row up to its position",
         py::arg("q"), py::arg("k_new"), py::arg("v_new"), py::arg("keys"), py::arg("values"), py::arg("tokens"),
