@@ -46,7 +46,7 @@ from mtptrain.engine.generate import generate
 from mtptrain.engine.ngram import NgramProposer
 from mtptrain.engine.verify import Sampling
 from mtptrain.eval.prompts import load_prompts
-from mtptrain.eval.run import build_configs, top2
+from mtptrain.eval.run import build_configs, logit_scale_and_gap
 from mtptrain.heads.checkpoint import PRETRAINED_HEAD
 from mtptrain.machine import describe_cpu
 from mtptrain.runtime.linears import fast_linears, product_for
@@ -222,7 +222,7 @@ def print_table(methods, prompts, plain) -> None:
             if ours != theirs:
                 at = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
                 print(f"  {m.name}: differs from runtime AR at token {at}, top-2 gap there "
-                      f"{top2(plain, ids + theirs[:at])[1]:.4f}")
+                      f"{logit_scale_and_gap(plain, ids + theirs[:at])[1]:.4f}")
 
 
 def synchronizer(device: torch.device):
