@@ -146,14 +146,19 @@ def fused_row(q, k, v, mask, causal: bool):
     """A row's new tokens, q [1, H, T, D], over k and v [1, Hkv, S, D] (the cache's first S positions, the T new
     ones last, as the cache hands them out) in the fused C++ kernel, which reads them in place; token t attends
     positions 0 .. S - T + t. Every token is computed as one decoded alone is, so a chain's verification gives
-    each token the output a one-token step gives it. Anything else (a mask: a tree; several rows; keys laid out
-    otherwise; another dtype or device) goes to `plain_attention`."""
+    each token the output a one-token step gives it. Anything else (a mask: a tree; several rows: a batched
+    prefill; keys laid out otherwise; another dtype or device) goes to torch's kernels: two plain products for
+    one token, SDPA for several (its flash kernel for a long prefill)."""
     kernel = causal_attention_kernel()
-    count, dim = q.shape[2], q.shape[-1]
+    count, length, dim = q.shape[2], k.shape[2], q.shape[-1]
     if kernel is None or mask is not None or (count > 1 and not causal) or q.shape[0] != 1 or \
             q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16) or k.dtype != q.dtype or \
             v.dtype != q.dtype or k.stride(3) != 1 or k.stride(2) != dim or k.stride() != v.stride():
-        return plain_attention(q, k, v, mask, causal)
+        if count == 1:
+            return plain_attention(q, k, v, mask, causal)
+        if causal and length > count:  # SDPA's is_causal aligns the queries with the first keys, not the last
+            mask, causal = causal_mask(count, length - count, q.device)[None, None], False
+        return sdpa_attention(q, k, v, mask, causal)
     return kernel(q[0].transpose(0, 1), k, v).transpose(0, 1)[None]
 
 

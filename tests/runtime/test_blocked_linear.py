@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mtptrain.runtime.choice import fused_row, plain_attention
+from mtptrain.runtime.choice import causal_mask, fused_row, plain_attention, sdpa_attention
 from mtptrain.runtime.native_kernels import blocked_linear_kernel
 from mtptrain.runtime.weights import blocked, blocked_product, unblocked
 
@@ -152,3 +152,11 @@ def test_the_fused_row_attention_reads_the_cache_in_place_and_gives_a_chain_what
     seen = torch.ones(1, 1, 1, length, dtype=torch.bool)
     seen[..., :40] = False
     assert torch.equal(fused_row(q, k, v, seen, False), plain_attention(q, k, v, seen, False))
+    # several rows (a batched prefill) and trees: SDPA, causal after the cache as the kernel would be
+    rows = torch.randn(3, heads, 5, dim, generator=g).to(dtype)
+    k3, v3 = k.expand(3, -1, -1, -1), v.expand(3, -1, -1, -1)
+    assert torch.equal(fused_row(rows, k3, v3, None, True), sdpa_attention(
+        rows, k3, v3, causal_mask(5, length - 5)[None, None], False))
+    tree = torch.ones(1, 1, 5, length, dtype=torch.bool).tril(length - 5)
+    tree[..., 3, length - 5 + 1] = False  # token 3 does not see token 1: not a chain
+    assert torch.equal(fused_row(chain, k, v, tree, False), sdpa_attention(chain, k, v, tree, False))

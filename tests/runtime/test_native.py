@@ -182,12 +182,18 @@ def test_bfloat16_speculation_matches_the_runtimes_own_greedy_decoding_up_to_rou
                                 "tracking.wandb=disabled", f"train.output_dir={tmp_path / 'none'}"])
     results = run_eval(recipe, show_progress=False)
     assert results["machine"]["dtype"] == "torch.bfloat16" and results["machine"]["runtime"].startswith("mtptrain")
+    # The runtime's own products and attention give a token the same logits in a chain as alone (each row's
+    # sums in a fixed order): where this CPU runs them in bfloat16, chains and n-grams equal the baseline exactly.
+    runtime = results["machine"]["runtime"]
+    row_exact = "products native" in runtime and "/ fused /" in runtime
     for m in results["methods"][1:]:
         e = m["exactness"]
         assert e["checked"] == 3 and not e["failures"], m["label"]
         assert e["identical"] + len(e["near_ties"]) == 3
         for tie in e["near_ties"]:
             assert tie["top2_gap"] < tie["bound"] <= 4 * 2.0 ** -7 * 64  # 4 steps of a logit below 64
+        if row_exact and not m["label"].startswith("tree"):
+            assert e["identical"] == 3, (m["label"], e["near_ties"])
     assert any(m["tau"] > 1.1 for m in results["methods"][1:])
 
 
