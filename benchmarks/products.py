@@ -1,0 +1,126 @@
+"""The target's linear products, one decoding step's worth, on every product this machine offers, in one run.
+
+    python benchmarks/products.py [--rows 1,2,4,8,16,32,160] [--repeats 7] [--dtype bfloat16]
+                                  [--recipe recipes/quickstart.yaml]
+
+The weights are the shapes of every layer of the recipe's target (its config, no weights loaded: random
+values), fused as the runtime fuses them (q/k/v, gate/up), plus the LM head, each in the layout its product
+reads: torch's `F.linear` on the plain weight, oneDNN's packed layout, and the runtime's blocked layout
+(csrc/blocked_linear.cpp). They are far more than any cache holds, so each pass streams them from memory as a
+decoding step does. For each row count, the products take turns pass by pass (`--repeats` each); the table
+shows the median ms of a pass, its bandwidth (weight bytes / time) and the ratio against oneDNN's packed
+product, which the runtime used before its own.
+
+Then (unless --no-steps) whole decoding steps of the embedded target on the runtime, once per product, each
+on its own copy of the model: one token after a 200-token prefix, and a verification of 4 and 8 tokens, the
+products' steps interleaved; the runtime's other kernels are the ones this machine measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from mtptrain.config import load_recipe
+from mtptrain.machine import describe_cpu
+from mtptrain.runtime.choice import PRODUCT, products, shapes
+from mtptrain.runtime.weights import LAYOUT
+from mtptrain.target import load_config
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", default="1,2,4,8,16,32,160", help="row counts, comma-separated")
+    parser.add_argument("--repeats", type=int, default=7, help="passes per product and row count")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    parser.add_argument("--recipe", default="recipes/quickstart.yaml", help="whose target's shapes")
+    parser.add_argument("--no-steps", action="store_true", help="only the products, not whole decoding steps")
+    return parser.parse_args()
+
+
+def steps(recipe_path: str, dtype: torch.dtype, names: list[str], repeats: int) -> None:
+    """Median ms of a forward over 1, 4 and 8 new tokens after a 200-token prefix, per product."""
+    import dataclasses
+
+    from mtptrain.runtime.choice import choose, row_attention, batch_attention
+    from mtptrain.runtime.model import FastDecoder
+    from mtptrain.runtime.runner import FastRunner
+    from mtptrain.runtime.weights import layout_of
+    from mtptrain.target import load_target
+
+    recipe = load_recipe(recipe_path, [f"target.dtype={str(dtype).removeprefix('torch.')}"])
+    runners = {}
+    for name in names:
+        model = load_target(recipe.target).model
+        choice = dataclasses.replace(choose(model.config, torch.device("cpu"), str(dtype).removeprefix("torch.")),
+                                     product=name)
+        with torch.inference_mode(False), torch.no_grad():
+            decoder = FastDecoder(model, PRODUCT[name], row_attention(choice.attention_one),
+                                  row_attention(choice.attention_many), choice,
+                                  batch_attention(choice.attention_batch), layout=layout_of(name))
+        runners[name] = FastRunner(decoder)
+    prefix = list(range(1000, 1200))
+    for runner in runners.values():
+        runner.reset()
+        runner.forward(prefix, last_only=True)
+    widths = (1, 4, 8)
+    times = {(name, w): [] for name in names for w in widths}
+    for step in range(repeats * 5):
+        for w in widths:
+            for name, runner in runners.items():
+                runner.rollback(len(prefix))
+                started = time.perf_counter()
+                runner.forward(list(range(2000 + step, 2000 + step + w)))
+                times[name, w].append(time.perf_counter() - started)
+    print(f"\ndecoding steps of the embedded target, each product on its own copy (otherwise {choice.describe()}), "
+          f"median ms of {repeats * 5}:")
+    print(f"{'tokens':>7}" + "".join(f"{name:>14}" for name in names))
+    for w in widths:
+        print(f"{w:>7}" + "".join(f"{1000 * statistics.median(times[name, w]):>11.2f} ms" for name in names))
+
+
+def main() -> None:
+    args = parse_args()
+    dtype = getattr(torch, args.dtype)
+    config = load_config(load_recipe(args.recipe, []).target)
+    layer = shapes(config)
+    every = layer * config.num_hidden_layers + [(config.vocab_size, config.hidden_size)]
+    generator = torch.Generator().manual_seed(0)
+    plain = [(torch.randn(o, i, generator=generator) * 0.02).to(dtype) for o, i in every]
+    weight_bytes = sum(w.numel() * w.element_size() for w in plain)
+    names = [p for p in products(dtype) if p != "skinny"]  # skinny is F.linear past 32 rows
+    laid_out = {p: [LAYOUT[p](w) for w in plain] if p in LAYOUT else plain for p in names}
+    cpu = describe_cpu()
+    print(f"CPU {cpu['model']} ({cpu['logical_cores']} logical cores, torch kernels {cpu['capability']}, "
+          f"{' '.join(cpu['extensions'] or [])}); {torch.get_num_threads()} threads")
+    print(f"{len(every)} products of {args.recipe}'s target ({config.num_hidden_layers} layers and the LM head), "
+          f"{weight_bytes / 1e6:.0f} MB in {args.dtype}; median ms of a pass over {args.repeats}, interleaved\n")
+    print(f"{'rows':>5}" + "".join(f"{name:>30}" for name in names))
+    for rows in (int(r) for r in args.rows.split(",")):
+        inputs = {i: torch.randn(rows, i, generator=generator).to(dtype) for _, i in every}
+        times = {name: [] for name in names}
+        for name in names:  # warm-up: first-call allocations, kernel builds
+            PRODUCT[name](inputs[every[0][1]], laid_out[name][0], None)
+        for _ in range(args.repeats):
+            for name in names:
+                product, weights = PRODUCT[name], laid_out[name]
+                started = time.perf_counter()
+                for (_, i), w in zip(every, weights):
+                    product(inputs[i], w, None)
+                times[name].append(time.perf_counter() - started)
+        base = statistics.median(times["packed"]) if "packed" in times else None
+        cells = []
+        for name in names:
+            ms = 1000 * statistics.median(times[name])
+            ratio = f" {base * 1000 / ms:.2f}x" if base else ""
+            cells.append(f"{ms:8.2f} ms {weight_bytes / ms / 1e6:5.1f} GB/s{ratio}")
+        print(f"{rows:>5}" + "".join(f"{c:>30}" for c in cells))
+    if not args.no_steps:
+        steps(args.recipe, dtype, names, args.repeats)
+
+
+if __name__ == "__main__":
+    main()
