@@ -12,13 +12,14 @@ Results equal the head's own forward up to float rounding (`tests/heads/test_fas
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import torch
 from torch import nn
 
 from mtptrain.runtime.cache import KVCache
-from mtptrain.runtime.choice import PRODUCT, causal_mask, choose, row_attention
+from mtptrain.runtime.choice import PRODUCT, causal_mask, choose, row_attention, usable_product
 from mtptrain.runtime.model import LayerKernels, RopeTables
 from mtptrain.runtime.weights import LAYOUT, laid_out_copy, layer_copy, layout_of
 
@@ -38,6 +39,7 @@ class HeadStepper:
         weight = layer.post_attention_layernorm.weight
         self.device, self.dtype = weight.device, weight.dtype
         choice = choose(config, self.device, str(self.dtype).removeprefix("torch."))
+        choice = dataclasses.replace(choice, product=usable_product(choice.product, self.dtype))
         self.choice = choice
         self.layer = layer_copy(layer, layout_of(choice.product))
         self.kernels = LayerKernels(config, PRODUCT[choice.product], row_attention(choice.attention_one),

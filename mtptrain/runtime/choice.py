@@ -82,6 +82,15 @@ def skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 PRODUCT = {"linear": linear, "skinny": skinny, "packed": packed_product, "native": blocked_product}
 
 
+def usable_product(product: str, dtype: torch.dtype) -> str:
+    """`product`, or for "native" where its kernel has no product for `dtype` here (a measured choice is cached,
+    and the compiler may be gone since; or a dtype the choice did not measure it for) oneDNN's packed product
+    (F.linear without oneDNN)."""
+    if product == "native" and blocked_linear_kernel(dtype) is None:
+        return "packed" if torch.backends.mkldnn.is_available() else "linear"
+    return product
+
+
 def causal_mask(count: int, past: int = 0, device=None) -> torch.Tensor:
     """[count, past + count], True where new token i may look: everything before it and new tokens 0..i."""
     return torch.ones(count, past + count, dtype=torch.bool, device=device).tril(past)
@@ -249,8 +258,7 @@ def choose(config, device: torch.device, requested: str = "auto") -> Choice:
         return Choice(dtype, "linear", "sdpa", "sdpa", "cuda" if requested == "auto" else "set")
     timings, source = _cpu_timings(config)
     if requested == "auto":
-        best = min(timings, key=lambda d: min(timings[d]["products"].values()))
-        dtype = getattr(torch, best)
+        dtype = _faster_dtype(timings)
     else:
         dtype, source = getattr(torch, requested), "set"
     measured = timings.get(str(dtype).removeprefix("torch."))
@@ -260,6 +268,18 @@ def choose(config, device: torch.device, requested: str = "auto") -> Choice:
     one, many = _attention_pair(measured["attention_one"], measured["attention_many"])
     return Choice(dtype, fastest(measured["products"]), one, many, source, timings,
                   fastest(measured["attention_batch"]), fastest(measured["products_batch"]))
+
+
+BFLOAT16_MARGIN = 0.9  # bfloat16 is chosen where its products take at most this share of float32's time
+
+
+def _faster_dtype(timings: dict) -> torch.dtype:
+    """bfloat16 where its fastest product is clearly faster than float32's (by BFLOAT16_MARGIN), else float32:
+    float32 rounds 2^16 times finer, so a near tie (a tiny model, whose weights sit in cache) goes to it."""
+    fastest = {name: min(measured["products"].values()) for name, measured in timings.items()}
+    if fastest.get("bfloat16", float("inf")) <= BFLOAT16_MARGIN * fastest["float32"]:
+        return torch.bfloat16
+    return torch.float32
 
 
 def _attention_pair(one: dict, many: dict) -> tuple[str, str]:

@@ -16,7 +16,7 @@ from typing import Protocol
 import torch
 
 from mtptrain.runtime.cache import KVCache
-from mtptrain.runtime.choice import PRODUCT, batch_attention, choose, row_attention
+from mtptrain.runtime.choice import PRODUCT, batch_attention, choose, row_attention, usable_product
 from mtptrain.runtime.model import FastDecoder, unsupported
 from mtptrain.runtime.weights import layout_of
 from mtptrain.runtime.transformers_runner import TransformersRunner
@@ -73,7 +73,7 @@ def fast_decoder(model: torch.nn.Module, batched: bool = False) -> FastDecoder |
             choice = choose(model.config, device)  # the machine's own pick: reported as measured when it is this
             if choice.dtype != dtype:
                 choice = choose(model.config, device, str(dtype).removeprefix("torch."))
-            product = choice.product_batch if batched else choice.product
+            product = usable_product(choice.product_batch if batched else choice.product, dtype)
             # Fused and packed weights replace the model's own: built outside inference mode, so that the model
             # stays usable where autograd runs later (inference tensors cannot enter a recorded graph).
             with torch.inference_mode(False), torch.no_grad():

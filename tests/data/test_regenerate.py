@@ -162,7 +162,9 @@ def test_regenerated_conversations_keep_questions_ids_and_split(varied_target_di
         {"id": "conv3", "conversations": [{"from": "human", "value": "same id again"}, {"from": "gpt", "value": "b"}]},
         "not a conversation"])
     out = tmp_path / "regen" / "r.jsonl"
-    recipe = load_recipe(None, regen_overrides(varied_target_dir, source, out, "data.max_length=160"))
+    # float32, as the transformers reference the first answer is checked against below
+    recipe = load_recipe(None, regen_overrides(varied_target_dir, source, out, "data.max_length=160",
+                                               "target.dtype=float32"))
     summary = run_regenerate(recipe, show_progress=False)
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     originals: dict[str, list] = {}

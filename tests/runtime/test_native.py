@@ -168,6 +168,18 @@ def test_the_dtype_choice_is_measured_once_per_machine_and_can_be_overridden(tmp
     assert choice.choose(config, torch.device("cuda"), "auto").dtype == torch.bfloat16
 
 
+def test_bfloat16_is_chosen_only_where_it_is_clearly_faster():
+    from mtptrain.runtime.choice import _faster_dtype
+
+    def timings(f32, bf16):
+        return {"float32": {"products": {"linear": f32 * 2, "native": f32}},
+                "bfloat16": {"products": {"packed": bf16}}}
+    assert _faster_dtype(timings(1.0, 0.6)) == torch.bfloat16
+    assert _faster_dtype(timings(1.0, 0.9)) == torch.bfloat16
+    assert _faster_dtype(timings(1.0, 0.95)) == torch.float32  # a near tie: the finer rounding
+    assert _faster_dtype(timings(1.0, 2.0)) == torch.float32
+
+
 @pytest.mark.real_model
 def test_bfloat16_speculation_matches_the_runtimes_own_greedy_decoding_up_to_rounding_ties(tmp_path):
     """In bfloat16 a verification forward over several tokens rounds differently from a one-token step: a
@@ -231,6 +243,20 @@ def test_the_native_product_and_fused_attention_match_transformers(native_kernel
         test_a_verified_tree_and_its_kept_path_match_transformers(kind)
     if kind == "qwen2":
         test_greedy_generation_equals_transformers_generate()
+
+
+def test_a_cached_native_choice_without_its_kernel_runs_torchs_product(native_kernels, monkeypatch):
+    """A machine's measured choice is cached; if the runtime's kernels no longer build there (the compiler gone),
+    the decoder multiplies with oneDNN's packed product, or F.linear, instead of the native one."""
+    from mtptrain.runtime import choice
+
+    monkeypatch.setattr(choice, "blocked_linear_kernel", lambda dtype: None)
+    model = _model("llama")
+    native, reference = open_runner(model), open_runner(model, runtime="transformers")
+    assert native.decoder.layout == ("packed" if torch.backends.mkldnn.is_available() else "plain")
+    prompt = list(range(3, 30))
+    native.reset(), reference.reset()
+    assert _close(native.forward(prompt), reference.forward(prompt))
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")
