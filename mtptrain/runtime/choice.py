@@ -23,8 +23,9 @@ Two choices depend on the CPU more than on anything else, so they are measured r
   products over a bfloat16 cache 0.44 ms, for 64 rows of 256 positions).
 
 The products are timed on the model's own shapes (its attention and MLP projections) over 1, 4 and 8
-rows, the attention on its heads over 512 cached positions (and over 256 for BATCH_ROWS rows); the answer is cached in `<cache_root>/runtime-choice.json` under a key naming the CPU, torch's version, the
-thread count and the shapes, so each machine measures once. On a GPU nothing is measured: bfloat16 and
+rows (and over BATCH_PRODUCT_ROWS for batches), the attention on its heads over 512 cached positions (and
+over 256 for BATCH_ROWS rows); the answer is cached in `<cache_root>/runtime-choice.json` under a key naming
+the CPU, torch's version, the thread count and the shapes, so each machine measures once. On a GPU nothing is measured: bfloat16 and
 `F.linear`.
 """
 

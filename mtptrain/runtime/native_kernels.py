@@ -15,7 +15,7 @@
   out in blocks of 32 output features (runtime/weights.py), at the memory's speed for a few rows and near the
   CPU's peak for hundreds; each row's result is the same whatever rows it is computed with.
 
-The first call builds them (about 30 s on 2 cores), later processes load them from `<cache_root>/kernels/`
+The first call builds them (about 45 s on 2 cores), later processes load them from `<cache_root>/kernels/`
 (0.13 s). Where the build fails (no compiler, no ninja) it logs one warning and every function returns None:
 callers keep torch's operations.
 """
@@ -100,7 +100,7 @@ def extension():
         build.mkdir(parents=True, exist_ok=True)
         with _only_builder(build):
             if not (build / f"{name}.so").is_file():
-                log.info("compiling the runtime's CPU kernels for this CPU, once (about 30 s on 2 cores) in %s",
+                log.info("compiling the runtime's CPU kernels for this CPU, once (about 45 s on 2 cores) in %s",
                          build)
             return load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS,
                         extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)

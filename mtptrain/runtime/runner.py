@@ -78,8 +78,8 @@ def fast_decoder(model: torch.nn.Module, batched: bool = False) -> FastDecoder |
             # stays usable where autograd runs later (inference tensors cannot enter a recorded graph).
             with torch.inference_mode(False), torch.no_grad():
                 known = FastDecoder(model, PRODUCT[product], row_attention(choice.attention_one),
-                                    row_attention(choice.attention_many), choice, batch_attention(choice.attention_batch),
-                                    layout=layout_of(product))
+                                    row_attention(choice.attention_many), choice,
+                                    batch_attention(choice.attention_batch), layout=layout_of(product))
             if first:
                 log.info("target runs on mtptrain's runtime: %s", choice.describe())
         else:
