@@ -180,15 +180,6 @@ ATTENTION = {"sdpa": sdpa_attention, "plain": plain_attention,
 F32_CACHE = ("sdpa-f32", "plain-f32")  # kernels that read a float32 cache
 
 
-def row_kernels(dtype: torch.dtype) -> list[str]:
-    """The kernels for new tokens of one row in `dtype`: torch's (those of a float32 cache only below float32),
-    and the fused one where it builds here, for float32 and bfloat16."""
-    kernels = [a for a in ATTENTION if dtype != torch.float32 or a not in F32_CACHE]
-    if dtype in (torch.float32, torch.bfloat16) and causal_attention_kernel() is not None:
-        kernels.append("fused")
-    return kernels
-
-
 def row_attention(kernel: str):
     """The kernel named `kernel` for a row's new tokens: a key of ATTENTION, or "fused" (whose work falls to the
     plain products where the fused kernel no longer builds: a measured choice is cached, and the compiler may be
@@ -196,9 +187,10 @@ def row_attention(kernel: str):
     return fused_row if kernel == "fused" else ATTENTION[kernel]
 
 
-def batch_kernels(dtype: torch.dtype) -> list[str]:
-    """The kernels batched decoding may use in `dtype`: torch's, and the fused one where it builds here (in
-    float32 and bfloat16; the plain kernels serve float64)."""
+def attention_kernels(dtype: torch.dtype) -> list[str]:
+    """The attention kernels measured in `dtype`, for a row's new tokens and for batched decoding alike: torch's
+    (those of a float32 cache only below float32), and the fused ones where the runtime's extension builds here,
+    for float32 and bfloat16 (the plain kernels serve float64)."""
     kernels = [a for a in ATTENTION if dtype != torch.float32 or a not in F32_CACHE]
     if dtype in (torch.float32, torch.bfloat16) and decode_attention_kernel() is not None:
         kernels.append("fused")
@@ -329,10 +321,10 @@ def _cpu_timings(config) -> tuple[dict, str]:
             # over many rows "skinny" is F.linear ("linear"); the weights multiply from cache, as compute bounds it
             "products_batch": {p: _time_layer(shapes(config), dtype, PRODUCT[p], (BATCH_PRODUCT_ROWS,), False)
                                for p in products(dtype) if p != "skinny"},
-            "attention_one": {a: _time_attention(_heads(config), dtype, a, 1) for a in row_kernels(dtype)},
-            "attention_many": {a: _time_attention(_heads(config), dtype, a, 8) for a in row_kernels(dtype)},
+            "attention_one": {a: _time_attention(_heads(config), dtype, a, 1) for a in attention_kernels(dtype)},
+            "attention_many": {a: _time_attention(_heads(config), dtype, a, 8) for a in attention_kernels(dtype)},
             "attention_batch": {a: _time_attention(_heads(config), dtype, a, 1, BATCH_ROWS)
-                                for a in batch_kernels(dtype)},
+                                for a in attention_kernels(dtype)},
         }
     known[key] = timings
     try:
