@@ -113,9 +113,10 @@ def extension():
 def decode_attention_kernel() -> Callable[..., torch.Tensor] | None:
     """`attend(q, keys, values, lengths) -> out`, or None when the extension does not build.
 
-    q [R, H, 1, D] (any strides), keys and values [Rcap >= R, Hkv, C, D] contiguous in q's dtype (float32 or
-    bfloat16), lengths an int64 CPU tensor [R] with 1 <= lengths[r] <= C: row r's query head h attends over
-    positions 0 .. lengths[r]-1 of kv head h // (H // Hkv) with softmax(q.k * D**-0.5), accumulated in float32.
+    q [R, H, 1, D] (any strides), keys and values [Rcap >= R, Hkv, C, D] in q's dtype (float32 or bfloat16) with
+    strides [*, *, D, 1], the same for both (a cache, or a view of its first C positions), lengths an int64 CPU
+    tensor [R] with 1 <= lengths[r] <= C: row r's query head h attends over positions 0 .. lengths[r]-1 of kv
+    head h // (H // Hkv) with softmax(q.k * D**-0.5), accumulated in float32.
     Returns [R, H, 1, D] contiguous in q's dtype. Built once per process (and per machine: cached under
     `<cache_root>/kernels/`)."""
     module = extension()
@@ -145,6 +146,7 @@ def step_attention_kernel() -> Callable[..., None] | None:
     return None if module is None else module.step_attention
 
 
+@functools.cache  # asked on every product call: the answer does not change within a process
 def blocked_linear_kernel(dtype: torch.dtype) -> Callable[..., torch.Tensor] | None:
     """`blocked_linear(x, blocks, bias, out_features) -> x @ W.T + bias` for x of `dtype`, or None where the
     extension does not build or has no product for `dtype` on this CPU (bfloat16 needs avx512_bf16, float32
