@@ -43,25 +43,16 @@ def parse_args() -> argparse.Namespace:
 
 def steps(recipe_path: str, dtype: torch.dtype, names: list[str], repeats: int) -> None:
     """Median ms of a forward over 1, 4 and 8 new tokens after a 200-token prefix, per product."""
-    import dataclasses
-
-    from mtptrain.runtime.choice import choose, row_attention, batch_attention
-    from mtptrain.runtime.model import FastDecoder
-    from mtptrain.runtime.runner import FastRunner
-    from mtptrain.runtime.weights import layout_of
+    from mtptrain.runtime.choice import choose
+    from mtptrain.runtime.runner import FastRunner, build_decoder
     from mtptrain.target import load_target
 
     recipe = load_recipe(recipe_path, [f"target.dtype={str(dtype).removeprefix('torch.')}"])
     runners = {}
     for name in names:
         model = load_target(recipe.target).model
-        choice = dataclasses.replace(choose(model.config, torch.device("cpu"), str(dtype).removeprefix("torch.")),
-                                     product=name)
-        with torch.inference_mode(False), torch.no_grad():
-            decoder = FastDecoder(model, PRODUCT[name], row_attention(choice.attention_one),
-                                  row_attention(choice.attention_many), choice,
-                                  batch_attention(choice.attention_batch), layout=layout_of(name))
-        runners[name] = FastRunner(decoder)
+        choice = choose(model.config, torch.device("cpu"), str(dtype).removeprefix("torch."))
+        runners[name] = FastRunner(build_decoder(model, choice, name))
     prefix = list(range(1000, 1200))
     for runner in runners.values():
         runner.reset()

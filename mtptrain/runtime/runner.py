@@ -73,13 +73,8 @@ def fast_decoder(model: torch.nn.Module, batched: bool = False) -> FastDecoder |
             choice = choose(model.config, device)  # the machine's own pick: reported as measured when it is this
             if choice.dtype != dtype:
                 choice = choose(model.config, device, str(dtype).removeprefix("torch."))
-            product = usable_product(choice.product_batch if batched else choice.product, dtype)
-            # Fused and packed weights replace the model's own: built outside inference mode, so that the model
-            # stays usable where autograd runs later (inference tensors cannot enter a recorded graph).
-            with torch.inference_mode(False), torch.no_grad():
-                known = FastDecoder(model, PRODUCT[product], row_attention(choice.attention_one),
-                                    row_attention(choice.attention_many), choice,
-                                    batch_attention(choice.attention_batch), layout=layout_of(product))
+            known = build_decoder(model, choice,
+                                  usable_product(choice.product_batch if batched else choice.product, dtype))
             if first:
                 log.info("target runs on mtptrain's runtime: %s", choice.describe())
         else:
@@ -88,6 +83,16 @@ def fast_decoder(model: torch.nn.Module, batched: bool = False) -> FastDecoder |
                 log.info("target runs on transformers' forward: %s", why)
         decoders[batched] = known
     return known if isinstance(known, FastDecoder) else None
+
+
+def build_decoder(model: torch.nn.Module, choice, product: str) -> FastDecoder:
+    """A fast decoder of `model` on `product` (a key of PRODUCT, its weights laid out for it) and the attention
+    kernels of `choice`. Fused and laid-out weights replace the model's own: built outside inference mode, so that
+    the model stays usable where autograd runs later (inference tensors cannot enter a recorded graph)."""
+    with torch.inference_mode(False), torch.no_grad():
+        return FastDecoder(model, PRODUCT[product], row_attention(choice.attention_one),
+                           row_attention(choice.attention_many), choice, batch_attention(choice.attention_batch),
+                           layout=layout_of(product))
 
 
 def native_decoder(model: torch.nn.Module, runtime: str = "auto", batched: bool = False) -> FastDecoder | None:
