@@ -50,6 +50,26 @@ using namespace mtptrain_kernels;
 
 inline int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
 
+// A run of memory to bring into L2 ahead of its use, a few cache lines at a time, while the work before it
+// computes: a row's values during its key pass, the next item's keys during the value pass. The hardware
+// prefetcher finds a stream only after its first misses, and an item's keys (a few KB to a few hundred) start
+// a new stream; fetching them ahead keeps more of the memory's requests in flight.
+struct Ahead {
+  const char* at = nullptr;
+  const char* end = nullptr;
+
+  void set(const void* start, int64_t bytes) {
+    at = static_cast<const char*>(start);
+    end = at + bytes;
+  }
+  inline void step(int64_t lines) {
+    for (int64_t i = 0; i < lines && at < end; ++i, at += 64) __builtin_prefetch(at, 0, 2);
+  }
+  // The same, out of line: for loops the compiler vectorises, whose code (and so the order of their sums)
+  // must not depend on whether anything is left to fetch.
+  __attribute__((noinline)) void step_apart(int64_t lines) { step(lines); }
+};
+
 // Per-thread scratch, sized once per parallel chunk for the longest row.
 struct Scratch {
   std::vector<float> q;       // G x D: the group's queries in float32
@@ -59,6 +79,8 @@ struct Scratch {
   std::vector<float> row;     // 16 x D floats: a row's last block of keys zero-padded, or keys widened
   std::vector<float> sums;    // G: the softmax denominators
   int64_t stride = 0;         // positions per head in `scores`, a multiple of 16
+  Ahead values_ahead;         // this item's values, fetched during its key pass
+  Ahead keys_ahead;           // the next item's keys, fetched during this item's value pass
 
   Scratch(int64_t G, int64_t D, int64_t C)
       : q(G * D), q16(G * D), scores(G * round_up(C, 16)), acc(G * D), row(16 * D), sums(G),
@@ -72,8 +94,10 @@ struct Scratch {
 template <int DC, typename T>  // DC: D known at compile time, or 0 to read it from `dim`
 void item_portable(int64_t G, int64_t dim, const T* k, const T* v, int64_t n, float scale, Scratch& s) {
   const int64_t D = DC ? DC : dim;
+  const int64_t lines = (D * int64_t(sizeof(T)) + 63) / 64;  // per position
   float* kf = s.row.data();
   for (int64_t t = 0; t < n; ++t) {
+    if (t % 16 == 0) s.values_ahead.step_apart(16 * lines);
     for (int64_t j = 0; j < D; ++j) kf[j] = to_float(k[t * D + j]);
     for (int64_t g = 0; g < G; ++g) {
       const float* qg = s.q.data() + g * D;
@@ -97,6 +121,7 @@ void item_portable(int64_t G, int64_t dim, const T* k, const T* v, int64_t n, fl
   }
   std::fill(s.acc.begin(), s.acc.end(), 0.0f);
   for (int64_t t = 0; t < n; ++t) {
+    if (t % 16 == 0) s.keys_ahead.step_apart(16 * lines);
     for (int64_t j = 0; j < D; ++j) kf[j] = to_float(v[t * D + j]);
     for (int64_t g = 0; g < G; ++g) {
       const float p = s.scores[g * s.stride + t];
@@ -192,6 +217,7 @@ void key_scores(int64_t G, const T* k, int64_t n, float scale, Scratch& s) {
 #endif
   const __m256 vscale = _mm256_set1_ps(scale);
   for (int64_t t0 = 0; t0 < n; t0 += 16) {
+    s.values_ahead.step(16 * row_bytes / 64);
     const int64_t m = std::min<int64_t>(16, n - t0);
     float* scores = s.scores.data() + t0;
     if constexpr (direct) {
@@ -303,6 +329,7 @@ void add_values(int64_t g0, const T* v, int64_t t0, int64_t t1, Scratch& s) {
     for (int j = 0; j < W; ++j) a[g][j] = _mm512_loadu_ps(s.acc.data() + (g0 + g) * D + 16 * j);
   }
   for (int64_t t = t0; t < t1; ++t) {
+    s.keys_ahead.step(D * sizeof(T) / 64);
     __m512 x[W];
     load_values<D>(v + t * D, x);
 #pragma GCC unroll 8
@@ -437,6 +464,16 @@ void run(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor&
       const int64_t m = item / Hkv, h = item % Hkv, n = plan.length[m], t = plan.token[m];
       load_queries(qp + t * q_token + h * G * q_head, q_head, q_dim, G, D, s);
       const int64_t offset = plan.row[m] * row_stride + h * head_stride;
+      // An entry of the same row as the entry before (a prompt chunk's or a chain's next token) finds that
+      // row's keys and values in the CPU's caches: nothing to fetch ahead for it.
+      const auto warm = [&](int64_t entry) { return entry > 0 && plan.row[entry] == plan.row[entry - 1]; };
+      s.values_ahead.set(vp + offset, warm(m) ? 0 : n * D * int64_t(sizeof(T)));
+      const int64_t next = item + 1, mn = next / Hkv;
+      if (next < first[p1] && !warm(mn))
+        s.keys_ahead.set(kp + plan.row[mn] * row_stride + (next % Hkv) * head_stride,
+                         plan.length[mn] * D * int64_t(sizeof(T)));
+      else
+        s.keys_ahead.set(nullptr, 0);
       one_item<T>(G, D, kp + offset, vp + offset, n, scale, s);
       for (int64_t g = 0; g < G; ++g)
         store_output(op + t * o_token + (h * G + g) * o_head, s.acc.data() + g * D, 1.0f / s.sums[g], D);
