@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from mtptrain.runtime.cache import KVCache
-from mtptrain.runtime.choice import PRODUCT, causal_mask, choose, row_attention, usable_product
+from mtptrain.runtime.choice import PRODUCT, causal_mask, choose, for_mask, row_attention, usable_product
 from mtptrain.runtime.model import LayerKernels, RopeTables
 from mtptrain.runtime.weights import LAYOUT, laid_out_copy, layer_copy, layout_of
 
@@ -90,6 +90,6 @@ class HeadStepper:
         if seen is None and count > 1 and not causal:
             seen = causal_mask(count, start, ids.device)[None, None]
         out = self.kernels.run(self.layer, h, residual, cos[:, :, None], sin[:, :, None], self.cache, 0, start,
-                               seen, causal, self.kernels.attention_for(count))
+                               seen, causal, for_mask(self.kernels.attention_for(count), seen))
         self.cache.length = start + count
         return out if self.output is None else self.output(out)

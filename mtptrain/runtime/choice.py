@@ -16,7 +16,7 @@ Two choices depend on the CPU more than on anything else, so they are measured r
 - the attention kernel for one new token and for several: torch's SDPA, or two plain products with a
   float32 softmax between them, which on some CPUs costs a third of SDPA's bf16 kernel for one query, or the
   runtime's fused kernel, reading the cache where it lies and computing each token as it computes one decoded
-  alone (trees go to the plain products);
+  alone (a tree's nodes too, each over its own ancestors: `for_mask`);
 - the attention kernel of a batch of rows decoding together (regenerate): there the KV cache, not the
   weights, is most of what a step reads, and the kernel (with its cache dtype) that wins for one row can
   lose several times over for 32 (measured on an AMD EPYC: SDPA over a float32 cache 1.1 ms, two plain
@@ -42,7 +42,8 @@ import torch.nn.functional as F
 
 from mtptrain.io import atomic_write_json, cache_root
 from mtptrain.machine import describe_cpu
-from mtptrain.runtime.native_kernels import blocked_linear_kernel, causal_attention_kernel, decode_attention_kernel
+from mtptrain.runtime.native_kernels import (blocked_linear_kernel, causal_attention_kernel, decode_attention_kernel,
+                                             tree_attention_kernel)
 from mtptrain.runtime.weights import LAYOUT, blocked_product, packed_product
 
 log = logging.getLogger(__name__)
@@ -152,18 +153,23 @@ def fused_attention(q, k, v, lengths, causal: bool):
     return decode_attention_kernel()(q, k, v, lengths)
 
 
+def _fits_kernel(q, k, v) -> bool:
+    """q [1, H, T, D] and k, v [1, Hkv, S, D] as the fused row kernels read them: one row on the CPU, float32 or
+    bfloat16 throughout, each head's positions D apart."""
+    return q.shape[0] == 1 and q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16) and \
+        k.dtype == q.dtype == v.dtype and k.stride(3) == 1 and k.stride(2) == q.shape[-1] and k.stride() == v.stride()
+
+
 def fused_row(q, k, v, mask, causal: bool):
     """A row's new tokens, q [1, H, T, D], over k and v [1, Hkv, S, D] (the cache's first S positions, the T new
     ones last, as the cache hands them out) in the fused C++ kernel, which reads them in place; token t attends
     positions 0 .. S - T + t. Every token is computed as one decoded alone is, so a chain's verification gives
-    each token the output a one-token step gives it. Anything else (a mask: a tree; several rows: a batched
-    prefill; keys laid out otherwise; another dtype or device) goes to torch's kernels: two plain products for
-    one token, SDPA for several (its flash kernel for a long prefill)."""
+    each token the output a one-token step gives it. Anything else (a mask, unless `for_mask` made a tree of it;
+    several rows: a batched prefill; keys laid out otherwise; another dtype or device) goes to torch's kernels:
+    two plain products for one token, SDPA for several (its flash kernel for a long prefill)."""
     kernel = causal_attention_kernel()
-    count, length, dim = q.shape[2], k.shape[2], q.shape[-1]
-    if kernel is None or mask is not None or (count > 1 and not causal) or q.shape[0] != 1 or \
-            q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16) or k.dtype != q.dtype or \
-            v.dtype != q.dtype or k.stride(3) != 1 or k.stride(2) != dim or k.stride() != v.stride():
+    count, length = q.shape[2], k.shape[2]
+    if kernel is None or mask is not None or (count > 1 and not causal) or not _fits_kernel(q, k, v):
         if count == 1:
             return plain_attention(q, k, v, mask, causal)
         if causal and length > count:  # SDPA's is_causal aligns the queries with the first keys, not the last
@@ -173,6 +179,49 @@ def fused_row(q, k, v, mask, causal: bool):
 
 
 fused_row.causal_after_cache = True  # `causal` holds with cached positions before the new tokens too
+
+
+def tree_plan(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The tree kernel's (lengths [T], gather [T + 1], gathered) for a mask [1, 1, T, S] (True = seen) whose
+    rows see every cached position (the first S - T) and some of the T new ones: each new token's sequence is
+    the cache, then the new positions it sees in their order, those right after the cache folded into it
+    (a chain's are all). None for any other mask."""
+    if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[0] != 1 or mask.shape[1] != 1:
+        return None
+    count, length = mask.shape[2], mask.shape[3]
+    past = length - count
+    if past < 0 or not bool(mask[0, 0, :, :past].all()):
+        return None
+    seen = mask[0, 0, :, past:].cpu()
+    sizes = seen.sum(1)
+    if past == 0 and bool((sizes == 0).any()):
+        return None
+    lead = seen.cumprod(1).sum(1)  # new positions seen right after the cache: part of the contiguous run
+    rest = seen.clone()
+    rest[torch.arange(count)[None, :] < lead[:, None]] = False
+    rows, columns = rest.nonzero(as_tuple=True)
+    gather = torch.zeros(count + 1, dtype=torch.int64)
+    gather[1:] = torch.bincount(rows, minlength=count).cumsum(0)
+    return (past + sizes).to(torch.int64), gather, (columns + past).to(torch.int64)
+
+
+def for_mask(attention, mask: torch.Tensor | None):
+    """`attention` for one forward under `mask`: the fused row kernel turns a tree's mask into each node's
+    ancestors once (`tree_plan`) and attends each node over the cache and them as a token decoded after that
+    path is computed (bit for bit the same), rather than through SDPA under the mask; anything else as it was."""
+    if attention is not fused_row or mask is None:
+        return attention
+    kernel = tree_attention_kernel()
+    plan = None if kernel is None else tree_plan(mask)
+    if plan is None:
+        return attention
+
+    def tree_row(q, k, v, mask, causal: bool):
+        if q.shape[2] != plan[0].shape[0] or k.shape[2] != mask.shape[-1] or not _fits_kernel(q, k, v):
+            return fused_row(q, k, v, mask, causal)
+        return kernel(q[0].transpose(0, 1), k, v, *plan).transpose(0, 1)[None]
+
+    return tree_row
 
 
 ATTENTION = {"sdpa": sdpa_attention, "plain": plain_attention,

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mtptrain.runtime.choice import batch_mask, causal_mask, usable
+from mtptrain.runtime.choice import batch_mask, causal_mask, for_mask, usable
 from mtptrain.runtime.native_kernels import layer_ops, step_attention_kernel
 from mtptrain.runtime.weights import STATE, layer_weights, layout_of, lm_head_weights
 
@@ -220,7 +220,7 @@ class FastDecoder:
         causal = not parted and mask is None and count > 1 and (start == 0 or self.kernels.causal_after_cache)
         if not parted and mask is None and count > 1 and not causal:
             mask = causal_mask(count, start, ids.device)[None, None]
-        attention = self.kernels.attention_for(count)
+        attention = for_mask(self.kernels.attention_for(count), mask)
         captured = {}
         h = F.rms_norm(x, (x.shape[-1],), self.layers[0].norm_in, self.eps)
         for index, layer in enumerate(self.layers):

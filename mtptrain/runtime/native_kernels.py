@@ -1,13 +1,14 @@
 """CPU kernels of the runtime written in C++ (csrc/), built on first use with torch's JIT extension loader.
 
-- `decode_attention_kernel()`, `causal_attention_kernel()` and `step_attention_kernel()`
-  (csrc/decode_attention.cpp): attention for
+- `decode_attention_kernel()`, `causal_attention_kernel()`, `tree_attention_kernel()` and
+  `step_attention_kernel()` (csrc/decode_attention.cpp): attention for
   batched decoding, where each row attends over its own number of cached positions. `choice.plain_attention`
   runs two `torch.matmul`s over the rows' rectangle with a mask, reading every row's masked tail too; the
   kernel reads only each row's live keys and values, once. Measured on a 2-core AMD EPYC (avx512_bf16) with
   SmolLM2-135M's heads, 128 rows of 60..384 positions in the runtime's length bands, one 30-layer step
   (benchmarks/decode_attention.py): bfloat16 64 ms -> 32 ms (20 GB/s of live keys and values), float32
-  116 ms -> 54 ms (24 GB/s), against a copy at 34 GB/s. The step kernel also writes the step's keys and
+  116 ms -> 54 ms (24 GB/s), against a copy at 34 GB/s; fetching each row's keys and values ahead of their
+  use took bfloat16 from 33.7 to 25.0 ms in a later session. The step kernel also writes the step's keys and
   values and takes the prompt chunks riding along with the step, so a band's whole attention is one call.
 - `layer_ops()` (csrc/layer_ops.cpp): a decoder layer's elementwise steps (residual sum and RMSNorm, silu
   times up, the rotary embedding), one pass each.
@@ -130,6 +131,17 @@ def causal_attention_kernel() -> Callable[..., torch.Tensor] | None:
     computed exactly as `decode_attention_kernel` computes a row alone."""
     module = extension()
     return None if module is None else module.causal_attention
+
+
+def tree_attention_kernel() -> Callable[..., torch.Tensor] | None:
+    """`tree(q, keys, values, lengths, gather, gathered) -> out`, or None when the extension does not build: a
+    verified tree's T nodes q [T, H, D] (any strides) over keys and values [1, Hkv, S, D] (strides [*, *, D, 1]:
+    the cache's first S - T positions, then the nodes). Node t attends over the first lengths[t] - c positions
+    and then the c positions gathered[gather[t] : gather[t + 1]] (int64 CPU tensors: lengths [T], gather
+    [T + 1] from 0, gathered its ancestors and itself in order of depth); out [T, H, D]. Each node is computed
+    exactly as `decode_attention_kernel` computes a row holding that sequence."""
+    module = extension()
+    return None if module is None else module.tree_attention
 
 
 def step_attention_kernel() -> Callable[..., None] | None:

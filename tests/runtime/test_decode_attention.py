@@ -291,3 +291,85 @@ def test_the_step_kernel_rejects_bad_entries_before_writing(step, fault, message
     with pytest.raises(RuntimeError, match=message):
         step(q, k, v, keys, values, tokens, rows, positions, out)
     assert torch.equal(keys.nan_to_num(7.0), before.nan_to_num(7.0))
+
+
+# A tree of 8 nodes (the pending token first), each listed after its parent.
+TREE_PARENTS = [-1, 0, 0, 1, 1, 3, 2, 5]
+
+
+def _ancestry(parents: list[int], node: int) -> list[int]:
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
+
+
+def _tree_mask(parents: list[int], past: int) -> torch.Tensor:
+    count = len(parents)
+    mask = torch.zeros(1, 1, count, past + count, dtype=torch.bool)
+    mask[..., :past] = True
+    for node in range(count):
+        mask[0, 0, node, [past + a for a in _ancestry(parents, node)]] = True
+    return mask
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(9, 3, 64, 37), (8, 2, 128, 48), (4, 4, 80, 20), (16, 2, 64, 5), (9, 3, 64, 0)])
+def test_the_tree_kernel_gives_each_node_what_decoding_its_path_gives(attend, dtype, shape):
+    """Each node attends over the cache and then its ancestors and itself, gathered: bit for bit what
+    decode_attention computes over a row holding that sequence, whatever the prefix's length against the
+    kernel's blocks of 16 positions (37, 48, 5, none), on both of its paths (D 64 and 128, and 80)."""
+    from mtptrain.runtime.choice import tree_plan
+    from mtptrain.runtime.native_kernels import tree_attention_kernel
+
+    heads, kv_heads, dim, past = shape
+    count = len(TREE_PARENTS)
+    g = torch.Generator().manual_seed(5)
+    keys, values = (torch.randn(1, kv_heads, past + count + 7, dim, generator=g).to(dtype) for _ in range(2))
+    k, v = keys[:, :, :past + count], values[:, :, :past + count]  # views, as the cache hands them out
+    q = torch.randn(count, heads, dim, generator=g).to(dtype)
+    out = tree_attention_kernel()(q, k, v, *tree_plan(_tree_mask(TREE_PARENTS, past)))
+    for node in range(count):
+        positions = list(range(past)) + [past + a for a in _ancestry(TREE_PARENTS, node)]
+        row_k, row_v = k[:, :, positions].contiguous(), v[:, :, positions].contiguous()
+        alone = attend(q[node][None, :, None], row_k, row_v, torch.tensor([len(positions)]))
+        assert torch.equal(out[node], alone[0, :, 0]), node
+
+
+def test_a_tree_plan_folds_what_follows_the_cache_and_gathers_the_rest():
+    from mtptrain.runtime.choice import tree_plan
+
+    lengths, gather, gathered = tree_plan(_tree_mask([-1, 0, 0, 1], past=3))
+    # sequences: node 0 [.., 3]; 1 [.., 3, 4]; 2 [.., 3] + [5]; 3 [.., 3, 4] + [6]
+    assert lengths.tolist() == [4, 5, 5, 6]
+    assert gather.tolist() == [0, 0, 0, 1, 2] and gathered.tolist() == [5, 6]
+    chain = torch.ones(1, 1, 4, 10, dtype=torch.bool).tril(6)
+    lengths, gather, gathered = tree_plan(chain)
+    assert lengths.tolist() == [7, 8, 9, 10] and gather.tolist() == [0] * 5 and gathered.numel() == 0
+    unseen = _tree_mask([-1, 0], past=4)
+    unseen[..., 1, 2] = False  # a node that does not see all of the cache: not a tree after it
+    assert tree_plan(unseen) is None
+    assert tree_plan(torch.zeros(1, 1, 2, 6)) is None  # an additive float mask
+
+
+@pytest.mark.parametrize("fault, message", [
+    ("gather", "gather must start at 0"),
+    ("length", "node 1 has length"),
+    ("position", "gathered position 99"),
+])
+def test_the_tree_kernel_rejects_a_bad_plan(fault, message):
+    from mtptrain.runtime.choice import tree_plan
+    from mtptrain.runtime.native_kernels import tree_attention_kernel
+
+    k = v = torch.randn(1, 2, 14, 64)
+    q = torch.randn(8, 4, 64)
+    lengths, gather, gathered = tree_plan(_tree_mask(TREE_PARENTS, 6))
+    if fault == "gather":
+        gather = gather + 1
+    elif fault == "length":
+        lengths[1] = 15
+    else:
+        gathered[0] = 99
+    with pytest.raises(RuntimeError, match=message):
+        tree_attention_kernel()(q, k, v, lengths, gather, gathered)

@@ -194,8 +194,8 @@ def test_bfloat16_speculation_matches_the_runtimes_own_greedy_decoding_up_to_rou
                                 "tracking.wandb=disabled", f"train.output_dir={tmp_path / 'none'}"])
     results = run_eval(recipe, show_progress=False)
     assert results["machine"]["dtype"] == "torch.bfloat16" and results["machine"]["runtime"].startswith("mtptrain")
-    # The runtime's own products and attention give a token the same logits in a chain as alone (each row's
-    # sums in a fixed order): where this CPU runs them in bfloat16, chains and n-grams equal the baseline exactly.
+    # The runtime's own products and attention give a token the same logits in a chain or a tree as alone (each
+    # row's sums in a fixed order): where this CPU runs them in bfloat16, every method equals the baseline exactly.
     runtime = results["machine"]["runtime"]
     row_exact = "products native" in runtime and "/ fused /" in runtime
     for m in results["methods"][1:]:
@@ -204,7 +204,7 @@ def test_bfloat16_speculation_matches_the_runtimes_own_greedy_decoding_up_to_rou
         assert e["identical"] + len(e["near_ties"]) == 3
         for tie in e["near_ties"]:
             assert tie["top2_gap"] < tie["bound"] <= 4 * 2.0 ** -7 * 64  # 4 steps of a logit below 64
-        if row_exact and not m["label"].startswith("tree"):
+        if row_exact:
             assert e["identical"] == 3, (m["label"], e["near_ties"])
     assert any(m["tau"] > 1.1 for m in results["methods"][1:])
 
@@ -243,6 +243,32 @@ def test_the_native_product_and_fused_attention_match_transformers(native_kernel
         test_a_verified_tree_and_its_kept_path_match_transformers(kind)
     if kind == "qwen2":
         test_greedy_generation_equals_transformers_generate()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_a_verified_tree_gives_each_node_what_one_token_steps_along_its_path_give(native_kernels, kind, dtype):
+    """On the runtime's own product and attention kernels, a tree's forward gives every node, bit for bit, the
+    logits of one-token steps over its path: a tree's accepted path is what decoding it would have given, in
+    bfloat16 too."""
+    model = _model(kind).to(dtype)
+    tree = DraftTree(tokens=[11, 12, 13, 14, 15, 16], parents=[-1, -1, 0, 0, 2, 4])
+    prompt = list(range(10, 47))
+    runner = open_runner(model)
+    assert runner.decoder.dtype == dtype
+    runner.reset()
+    runner.forward(prompt)
+    logits = runner.forward_tree(7, tree)
+    for node in range(-1, len(tree)):
+        path = []
+        while node >= 0:
+            path, node = [node, *path], tree.parents[node]
+        steps = open_runner(model)
+        steps.reset()
+        steps.forward(prompt)
+        for token in [7] + [tree.tokens[n] for n in path]:
+            last = steps.forward([token])[-1]
+        assert torch.equal(logits[(path[-1] + 1) if path else 0], last), (kind, dtype, path)
 
 
 def test_a_cached_native_choice_without_its_kernel_runs_torchs_product(native_kernels, monkeypatch):

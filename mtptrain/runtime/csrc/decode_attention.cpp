@@ -13,6 +13,10 @@
 // causal_attention(q, keys, values) -> out: one row's T new tokens [T, H, D], causally after the cache's first
 // S - T positions (a chain verified after a prefix), each token computed as decode_attention computes a row.
 //
+// tree_attention(q, keys, values, lengths, gather, gathered) -> out: a verified tree's nodes [T, H, D] after one
+// row's cache, each over the row's prefix and then its ancestors and itself, gathered: as decode_attention
+// computes a row holding that sequence.
+//
 // step_attention(q, k_new, v_new, keys, values, tokens, rows, positions, out): one length band's part of a
 // batched step (mtptrain/runtime/batch.py), whose tokens are its rows' new tokens and the prompt chunks of
 // rows just given a request. Entry m writes token tokens[m]'s key and value at position positions[m] of cache
@@ -87,24 +91,40 @@ struct Scratch {
         stride(round_up(C, 16)) {}
 };
 
+// Positions [begin, end) of an item's sequence, whose keys and values lie in runs of D from k and v (the
+// rows of position `begin`). An item's sequence is one span, its cache row's first positions, or two: a tree
+// node's first span ends at a multiple of 16 and its second holds the rest of the row's prefix and then the
+// node's ancestors, gathered (tree_attention).
+template <typename T>
+struct Span {
+  const T* k;
+  const T* v;
+  int64_t begin, end;
+};
+
 // ---------------------------------------------------------------------------------------------------------
 // Portable path: any D, plain loops (vectorised by the compiler). Used for D other than 64 and 128, and for
 // every D on CPUs without AVX-512.
 
 template <int DC, typename T>  // DC: D known at compile time, or 0 to read it from `dim`
-void item_portable(int64_t G, int64_t dim, const T* k, const T* v, int64_t n, float scale, Scratch& s) {
+void item_portable(int64_t G, int64_t dim, const Span<T>* spans, int spans_count, float scale, Scratch& s) {
   const int64_t D = DC ? DC : dim;
+  const int64_t n = spans[spans_count - 1].end;
   const int64_t lines = (D * int64_t(sizeof(T)) + 63) / 64;  // per position
   float* kf = s.row.data();
-  for (int64_t t = 0; t < n; ++t) {
-    if (t % 16 == 0) s.values_ahead.step_apart(16 * lines);
-    for (int64_t j = 0; j < D; ++j) kf[j] = to_float(k[t * D + j]);
-    for (int64_t g = 0; g < G; ++g) {
-      const float* qg = s.q.data() + g * D;
-      float dot = 0.0f;
+  for (int i = 0; i < spans_count; ++i) {
+    const T* k = spans[i].k;
+    for (int64_t t = spans[i].begin; t < spans[i].end; ++t) {
+      if (t % 16 == 0) s.values_ahead.step_apart(16 * lines);
+      const T* key = k + (t - spans[i].begin) * D;
+      for (int64_t j = 0; j < D; ++j) kf[j] = to_float(key[j]);
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qg = s.q.data() + g * D;
+        float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-      for (int64_t j = 0; j < D; ++j) dot += qg[j] * kf[j];
-      s.scores[g * s.stride + t] = dot * scale;
+        for (int64_t j = 0; j < D; ++j) dot += qg[j] * kf[j];
+        s.scores[g * s.stride + t] = dot * scale;
+      }
     }
   }
   for (int64_t g = 0; g < G; ++g) {
@@ -120,14 +140,17 @@ void item_portable(int64_t G, int64_t dim, const T* k, const T* v, int64_t n, fl
     s.sums[g] = sum;
   }
   std::fill(s.acc.begin(), s.acc.end(), 0.0f);
-  for (int64_t t = 0; t < n; ++t) {
-    if (t % 16 == 0) s.keys_ahead.step_apart(16 * lines);
-    for (int64_t j = 0; j < D; ++j) kf[j] = to_float(v[t * D + j]);
-    for (int64_t g = 0; g < G; ++g) {
-      const float p = s.scores[g * s.stride + t];
-      float* a = s.acc.data() + g * D;
+  for (int i = 0; i < spans_count; ++i) {
+    for (int64_t t = spans[i].begin; t < spans[i].end; ++t) {
+      if (t % 16 == 0) s.keys_ahead.step_apart(16 * lines);
+      const T* value = spans[i].v + (t - spans[i].begin) * D;
+      for (int64_t j = 0; j < D; ++j) kf[j] = to_float(value[j]);
+      for (int64_t g = 0; g < G; ++g) {
+        const float p = s.scores[g * s.stride + t];
+        float* a = s.acc.data() + g * D;
 #pragma omp simd
-      for (int64_t j = 0; j < D; ++j) a[j] += p * kf[j];
+        for (int64_t j = 0; j < D; ++j) a[j] += p * kf[j];
+      }
     }
   }
 }
@@ -208,7 +231,7 @@ void score_block(int64_t G, const Q* q, const K* block, float* scores, int64_t s
 // Pass 1: scores[g][t] = q_g . k_t * scale, 16 positions at a time, each block of keys read from memory
 // once and by the G queries from L1.
 template <int D, typename T>
-void key_scores(int64_t G, const T* k, int64_t n, float scale, Scratch& s) {
+void key_scores(int64_t G, const Span<T>& span, float scale, Scratch& s) {
   constexpr int64_t row_bytes = D * sizeof(T);
 #ifdef DECODE_ATTENTION_BF16_DOT
   constexpr bool direct = true;  // float32 keys, or bfloat16 ones with vdpbf16ps: read where they lie
@@ -216,12 +239,13 @@ void key_scores(int64_t G, const T* k, int64_t n, float scale, Scratch& s) {
   constexpr bool direct = std::is_same_v<T, float>;
 #endif
   const __m256 vscale = _mm256_set1_ps(scale);
-  for (int64_t t0 = 0; t0 < n; t0 += 16) {
+  const T* k = span.k;
+  for (int64_t t0 = span.begin; t0 < span.end; t0 += 16) {
     s.values_ahead.step(16 * row_bytes / 64);
-    const int64_t m = std::min<int64_t>(16, n - t0);
+    const int64_t m = std::min<int64_t>(16, span.end - t0);
     float* scores = s.scores.data() + t0;
     if constexpr (direct) {
-      const T* block = k + t0 * D;
+      const T* block = k + (t0 - span.begin) * D;
       if (m < 16) {  // the row's last block: its positions, then zeros (what lies past the row is never read)
         T* padded = reinterpret_cast<T*>(s.row.data());
         std::memcpy(padded, block, m * row_bytes);
@@ -237,7 +261,8 @@ void key_scores(int64_t G, const T* k, int64_t n, float scale, Scratch& s) {
       for (int64_t i = 0; i < 16; ++i) {
 #pragma GCC unroll 8
         for (int j = 0; j < D / 16; ++j)
-          _mm512_storeu_ps(block + i * D + 16 * j, i < m ? load16(k + (t0 + i) * D + 16 * j) : _mm512_setzero_ps());
+          _mm512_storeu_ps(block + i * D + 16 * j,
+                           i < m ? load16(k + (t0 - span.begin + i) * D + 16 * j) : _mm512_setzero_ps());
       }
       score_block<D>(G, s.q.data(), static_cast<const float*>(block), scores, s.stride, vscale);
     }
@@ -316,7 +341,8 @@ inline void unpair(float* acc) {  // [even 16 | odd 16] per 32 elements back to 
 }
 
 // Pass 2 for NG query heads (g0 ..): acc[g] += sum over t in [t0, t1) of w[g][t] * v_t, the NG x D
-// accumulators held in registers (NG * D / 16 <= 16 of the 32), each row of values loaded once for them.
+// accumulators held in registers (NG * D / 16 <= 16 of the 32), each row of values (position t0's at v)
+// loaded once for them.
 template <int D, int NG, typename T>
 void add_values(int64_t g0, const T* v, int64_t t0, int64_t t1, Scratch& s) {
   constexpr int W = D / 16;
@@ -331,7 +357,7 @@ void add_values(int64_t g0, const T* v, int64_t t0, int64_t t1, Scratch& s) {
   for (int64_t t = t0; t < t1; ++t) {
     s.keys_ahead.step(D * sizeof(T) / 64);
     __m512 x[W];
-    load_values<D>(v + t * D, x);
+    load_values<D>(v + (t - t0) * D, x);
 #pragma GCC unroll 8
     for (int g = 0; g < NG; ++g) {
       const __m512 p = _mm512_set1_ps(w[g][t]);
@@ -358,20 +384,26 @@ void add_values_heads(int64_t g0, int64_t count, const T* v, int64_t t0, int64_t
   TORCH_CHECK(false, "decode_attention: internal error, ", count, " heads in one value pass");
 }
 
+// The spans' keys and values in order: a head's sums run over the positions in the same order, and stop only to
+// be stored and loaded again, whatever the spans, so an item split in two spans sums as one would.
 template <int D, typename T>
-void item_avx512(int64_t G, const T* k, const T* v, int64_t n, float scale, Scratch& s) {
-  key_scores<D>(G, k, n, scale, s);
-  softmax_rows(G, n, s);
+void item_avx512(int64_t G, const Span<T>* spans, int spans_count, float scale, Scratch& s) {
+  for (int i = 0; i < spans_count; ++i) key_scores<D>(G, spans[i], scale, s);
+  softmax_rows(G, spans[spans_count - 1].end, s);
   std::fill(s.acc.begin(), s.acc.end(), 0.0f);
   constexpr int64_t per_pass = D == 64 ? 4 : 2;
-  if (G <= per_pass) {
-    add_values_heads<D>(0, G, v, 0, n, s);
-  } else {
+  for (int i = 0; i < spans_count; ++i) {
+    const Span<T>& span = spans[i];
+    if (G <= per_pass) {
+      add_values_heads<D>(0, G, span.v, span.begin, span.end, s);
+      continue;
+    }
     // More heads than registers hold: blocks of positions small enough to stay in L1 while each group of
     // heads reads them, so the values still come from memory once.
     constexpr int64_t block = 16384 / (D * sizeof(T));
-    for (int64_t t0 = 0; t0 < n; t0 += block) {
-      const int64_t t1 = std::min(n, t0 + block);
+    for (int64_t t0 = span.begin; t0 < span.end; t0 += block) {
+      const int64_t t1 = std::min(span.end, t0 + block);
+      const T* v = span.v + (t0 - span.begin) * D;
       for (int64_t g0 = 0; g0 < G; g0 += per_pass) add_values_heads<D>(g0, std::min(per_pass, G - g0), v, t0, t1, s);
     }
   }
@@ -384,15 +416,15 @@ void item_avx512(int64_t G, const T* k, const T* v, int64_t n, float scale, Scra
 // ---------------------------------------------------------------------------------------------------------
 
 template <typename T>
-void one_item(int64_t G, int64_t D, const T* k, const T* v, int64_t n, float scale, Scratch& s) {
+void one_item(int64_t G, int64_t D, const Span<T>* spans, int spans_count, float scale, Scratch& s) {
 #ifdef __AVX512F__
-  if (D == 64) return item_avx512<64>(G, k, v, n, scale, s);
-  if (D == 128) return item_avx512<128>(G, k, v, n, scale, s);
+  if (D == 64) return item_avx512<64>(G, spans, spans_count, scale, s);
+  if (D == 128) return item_avx512<128>(G, spans, spans_count, scale, s);
 #else
-  if (D == 64) return item_portable<64>(G, D, k, v, n, scale, s);
-  if (D == 128) return item_portable<128>(G, D, k, v, n, scale, s);
+  if (D == 64) return item_portable<64>(G, D, spans, spans_count, scale, s);
+  if (D == 128) return item_portable<128>(G, D, spans, spans_count, scale, s);
 #endif
-  item_portable<0>(G, D, k, v, n, scale, s);
+  item_portable<0>(G, D, spans, spans_count, scale, s);
 }
 
 // The group's G query heads (head_stride apart, elements dim_stride apart) into s.q as float32 and, for
@@ -424,6 +456,10 @@ struct Plan {
   const int64_t* row;
   const int64_t* length;
   int64_t count;
+  // Where set (tree_attention), entry m's sequence is the row's first length[m] - c positions and then c
+  // gathered ones, positions gathered[gather[m]] .. gathered[gather[m + 1] - 1] of the row (c their count).
+  const int64_t* gather = nullptr;
+  const int64_t* gathered = nullptr;
 };
 
 // q [N, H, D] (any strides), keys and values [Rcap, Hkv, C, D] contiguous, out [N, H, D] with unit stride
@@ -458,8 +494,15 @@ void run(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor&
     first[p] = std::lower_bound(start.begin(), start.end(), total * p / parts) - start.begin();
   first[parts] = items;
 
+  int64_t most_gathered = 0;
+  for (int64_t m = 0; plan.gather != nullptr && m < plan.count; ++m)
+    most_gathered = std::max(most_gathered, plan.gather[m + 1] - plan.gather[m]);
+
   at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
     Scratch s(G, D, C);
+    // A gathering entry's second span: the row's positions from the last multiple of 16 before the gathered
+    // ones, then those, one after another.
+    std::vector<T> tail_k(most_gathered ? (15 + most_gathered) * D : 0), tail_v(tail_k.size());
     for (int64_t item = first[p0]; item < first[p1]; ++item) {
       const int64_t m = item / Hkv, h = item % Hkv, n = plan.length[m], t = plan.token[m];
       load_queries(qp + t * q_token + h * G * q_head, q_head, q_dim, G, D, s);
@@ -474,7 +517,24 @@ void run(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor&
                          plan.length[mn] * D * int64_t(sizeof(T)));
       else
         s.keys_ahead.set(nullptr, 0);
-      one_item<T>(G, D, kp + offset, vp + offset, n, scale, s);
+      Span<T> spans[2] = {{kp + offset, vp + offset, 0, n}, {}};
+      int spans_count = 1;
+      const int64_t count = plan.gather != nullptr ? plan.gather[m + 1] - plan.gather[m] : 0;
+      if (count > 0) {
+        const int64_t base = n - count, cut = base / 16 * 16, lead = base - cut;
+        const int64_t bytes = D * int64_t(sizeof(T));
+        std::memcpy(tail_k.data(), kp + offset + cut * D, lead * bytes);
+        std::memcpy(tail_v.data(), vp + offset + cut * D, lead * bytes);
+        for (int64_t i = 0; i < count; ++i) {
+          const int64_t position = plan.gathered[plan.gather[m] + i];
+          std::memcpy(tail_k.data() + (lead + i) * D, kp + offset + position * D, bytes);
+          std::memcpy(tail_v.data() + (lead + i) * D, vp + offset + position * D, bytes);
+        }
+        spans[0].end = cut;
+        spans[1] = {tail_k.data(), tail_v.data(), cut, n};
+        spans_count = 2;
+      }
+      one_item<T>(G, D, spans, spans_count, scale, s);
       for (int64_t g = 0; g < G; ++g)
         store_output(op + t * o_token + (h * G + g) * o_head, s.acc.data() + g * D, 1.0f / s.sums[g], D);
     }
@@ -555,6 +615,43 @@ torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& keys
   return out;
 }
 
+// A tree's nodes after what one row's cache holds: q [T, H, D] (any strides), keys and values [1, Hkv, S, D] as
+// check_cache takes them, holding the cache's first S - T positions and then the T nodes; node t attends over its
+// sequence: the row's first lengths[t] - c positions, then the c positions gathered[gather[t]] ..
+// gathered[gather[t + 1] - 1] (its ancestors and itself, in the order a decoding step would have them). Each is
+// computed as decode_attention computes a row holding that sequence, so the accepted path of a verified tree
+// gets the outputs one-token steps give it.
+torch::Tensor tree_attention(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
+                             const torch::Tensor& lengths, const torch::Tensor& gather,
+                             const torch::Tensor& gathered) {
+  const char* name = "tree_attention";
+  TORCH_CHECK(q.dim() == 3, name, ": q must be [tokens, heads, dim], got ", q.sizes());
+  check_cache(name, keys, values, q);
+  const int64_t T = q.size(0), S = keys.size(2);
+  TORCH_CHECK(keys.size(0) == 1, name, ": keys must hold one row, got ", keys.size(0));
+  const torch::Tensor lens = index_tensor(name, "lengths", lengths, T);
+  const torch::Tensor from = index_tensor(name, "gather", gather, T + 1);
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  const int64_t* fp = from.data_ptr<int64_t>();
+  TORCH_CHECK(fp[0] == 0, name, ": gather must start at 0, got ", fp[0]);
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(fp[t + 1] >= fp[t] && lp[t] >= 1 && lp[t] <= S && fp[t + 1] - fp[t] <= lp[t], name, ": node ", t,
+                " has length ", lp[t], " with ", fp[t + 1] - fp[t], " gathered positions (gather ", fp[t], " .. ",
+                fp[t + 1], "): lengths must lie in 1 .. ", S, " and count at least their gathered positions");
+  const torch::Tensor picked = index_tensor(name, "gathered", gathered, fp[T]);
+  const int64_t* gp = picked.data_ptr<int64_t>();
+  for (int64_t i = 0; i < fp[T]; ++i)
+    TORCH_CHECK(gp[i] >= 0 && gp[i] < S, name, ": gathered position ", gp[i], " (entry ", i, ") outside 0 .. ", S - 1);
+  std::vector<int64_t> tokens(T), rows(T, 0);
+  for (int64_t t = 0; t < T; ++t) tokens[t] = t;
+  torch::Tensor out = torch::empty({T, q.size(1), q.size(2)}, q.options().memory_format(at::MemoryFormat::Contiguous));
+  Plan plan{tokens.data(), rows.data(), lp, T};
+  plan.gather = fp;
+  plan.gathered = gp;
+  dispatch(q, keys, values, plan, out);
+  return out;
+}
+
 // One band's part of a batched step, whose N tokens come as q [N, H, D], k_new and v_new [N, Hkv, D] (any
 // strides): first every entry m's key and value are written at position positions[m] of cache row rows[m],
 // then each attends over that row's positions 0 .. positions[m] (so a prompt chunk's tokens, entries of one
@@ -620,6 +717,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("causal_attention", &causal_attention, py::call_guard<py::gil_scoped_release>(),
         "a row's new tokens, each over the cache up to its own position, as decode_attention computes one",
         py::arg("q"), py::arg("keys"), py::arg("values"));
+  m.def("tree_attention", &tree_attention, py::call_guard<py::gil_scoped_release>(),
+        "a tree's nodes over the row's prefix and each node's gathered ancestors, as decode_attention computes one",
+        py::arg("q"), py::arg("keys"), py::arg("values"), py::arg("lengths"), py::arg("gather"),
+        py::arg("gathered"));
   m.def("step_attention", &step_attention, py::call_guard<py::gil_scoped_release>(),
         "write a band's new keys and values, then each entry's attention over its row up to its position",
         py::arg("q"), py::arg("k_new"), py::arg("v_new"), py::arg("keys"), py::arg("values"), py::arg("tokens"),
