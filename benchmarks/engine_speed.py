@@ -25,8 +25,9 @@ differs, the first differing position and the target's top-2 logit gap there are
 dtype's rounding is a near-tie, anything else a bug).
 
 Then: the machine's copy bandwidth and the roofline (weight bytes / bandwidth, the fastest a step can stream
-the weights once), the runtime AR's share of it, and the cost of one forward over 1, 2, 4, 8, 16 new tokens
-after a 200-token prefix relative to one token, on both forwards.
+the weights once), the runtime AR's share of it; the read bandwidth (a sum over 256 MiB: a step only reads its
+weights) and the AR's share of that; and the cost of one forward over 1, 2, 4, 8, 16 new tokens after a
+200-token prefix relative to one token, on both forwards, the median of 25 interleaved rounds.
 """
 
 from __future__ import annotations
@@ -230,24 +231,32 @@ def synchronizer(device: torch.device):
     return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
 
-def bandwidth(device: torch.device) -> float:
-    """GB/s of a 512 MiB copy on `device` (bytes read + bytes written), the best of 9: the most it gave."""
-    src = torch.ones(256 << 20, dtype=torch.uint8, device=device)
-    dst = torch.zeros_like(src)
+def _best_seconds(fn, device: torch.device, repeats: int = 9) -> float:
     sync = synchronizer(device)
     times = []
-    for _ in range(9):
+    for _ in range(repeats):
         sync()
         start = time.perf_counter()
-        dst.copy_(src)
+        fn()
         sync()
         times.append(time.perf_counter() - start)
-    return 2 * src.numel() / min(times) / 1e9
+    return min(times)
 
 
-def forward_costs(model, reference, repeats: int = 9) -> dict[str, list[float]]:
+def bandwidth(device: torch.device) -> tuple[float, float]:
+    """GB/s on `device`, the best of 9 (the most each gave): a 256 MiB copy (bytes read + bytes written), and a
+    sum over 256 MiB of float32 (bytes read: what a decoding step does with its weights)."""
+    src = torch.ones(256 << 20, dtype=torch.uint8, device=device)
+    dst = torch.zeros_like(src)
+    copy = 2 * src.numel() / _best_seconds(lambda: dst.copy_(src), device) / 1e9
+    floats = torch.ones(64 << 20, device=device)
+    read = floats.numel() * 4 / _best_seconds(floats.sum, device) / 1e9
+    return copy, read
+
+
+def forward_costs(model, reference, repeats: int = 25) -> dict[str, list[float]]:
     """Median ms of one forward over w new tokens after a 200-token prefix, per width, on both forwards
-    (interleaved)."""
+    (interleaved; 25 rounds: a VM's step times drift by 10-20% from round to round)."""
     prefix = list(range(1000, 1200))
     runners = {"runtime": open_runner(model), "transformers": open_runner(reference, runtime="transformers")}
     times = {name: {w: [] for w in WIDTHS} for name in runners}
@@ -272,8 +281,9 @@ def print_machine(reference, runner, methods) -> None:
     model = reference  # the same weights in their plain form (the runtime's are packed)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     device = next(model.parameters()).device
-    gbs = bandwidth(device)
+    gbs, read_gbs = bandwidth(device)
     roofline_ms = weight_bytes / gbs / 1e6
+    read_ms = weight_bytes / read_gbs / 1e6
     step_ms = 1000 / statistics.median(methods[0].tps())
     print(f"\nCPU {cpu['model']} ({cpu['logical_cores']} logical cores, torch kernels {cpu['capability']}, "
           f"{' '.join(cpu['extensions'] or [])}); {torch.get_num_threads()} threads")
@@ -284,6 +294,8 @@ def print_machine(reference, runner, methods) -> None:
     print(f"{device.type} copy bandwidth {gbs:.1f} GB/s (read + write); weights {weight_bytes / 1e6:.0f} MB "
           f"({str(next(model.parameters()).dtype).removeprefix('torch.')}): roofline {roofline_ms:.1f} ms/token; "
           f"runtime AR {step_ms:.1f} ms/token = {roofline_ms / step_ms:.0%} of the roofline")
+    print(f"{device.type} read bandwidth {read_gbs:.1f} GB/s (a sum): weights stream in {read_ms:.1f} ms at best; "
+          f"runtime AR = {read_ms / step_ms:.0%} of that")
     costs = forward_costs(runner.model, reference)
     print("\nforward over w new tokens after 200, ms (relative to w=1):")
     print(f"{'':<14}" + "".join(f"{'w=' + str(w):>14}" for w in WIDTHS))
