@@ -47,7 +47,7 @@ def test_the_blocked_product_computes_x_times_the_weight_within_rounding(kernel,
     w = torch.randn(out_features, in_features, generator=g).to(dtype)
     b = torch.randn(out_features, generator=g).to(dtype)
     laid_out = blocked(w)
-    for rows in (1, 2, 5, 8, 9, 16, 37):
+    for rows in (1, 2, 5, 8, 9, 12, 13, 16, 37):
         x = torch.randn(rows, in_features, generator=g).to(dtype)
         for bias in (None, b):
             got, exact = product(x, laid_out, bias), _exact(x, w, bias)
@@ -69,7 +69,7 @@ def test_a_rows_product_is_the_same_alone_or_among_other_rows(kernel, dtype):
     if not _has_kernel(dtype):  # torch's product stands in, exactly (torch promises no row independence)
         assert torch.equal(together, F.linear(x, unblocked(w)))
         return
-    for rows in (1, 2, 3, 7, 8, 9, 16, 17, 40):
+    for rows in (1, 2, 3, 7, 8, 9, 11, 12, 13, 16, 17, 25, 40):
         assert torch.equal(product(x[:rows], w, None), together[:rows]), rows
     for r in range(0, 40, 3):
         assert torch.equal(product(x[r:r + 1], w, None), together[r:r + 1]), r
