@@ -1,5 +1,5 @@
-"""Every benchmark script still imports and parses its arguments: they run by hand, not in CI, so a renamed
-function they use would otherwise break them unnoticed."""
+"""Every benchmark script, and the kernels' cross-target check, still imports and parses its arguments: they run
+by hand, not in CI, so a renamed function they use would otherwise break them unnoticed."""
 
 import runpy
 import sys
@@ -7,14 +7,15 @@ from pathlib import Path
 
 import pytest
 
-BENCHMARKS = sorted((Path(__file__).parent.parent / "benchmarks").glob("*.py"))
+ROOT = Path(__file__).parent.parent
+BENCHMARKS = sorted((ROOT / "benchmarks").glob("*.py"))
 
 
 def test_the_benchmarks_are_found():
     assert len(BENCHMARKS) >= 10
 
 
-@pytest.mark.parametrize("script", BENCHMARKS, ids=lambda p: p.name)
+@pytest.mark.parametrize("script", BENCHMARKS + [ROOT / "scripts" / "check_kernel_targets.py"], ids=lambda p: p.name)
 def test_a_benchmark_imports_and_prints_its_help(script, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", [str(script), "--help"])
     with pytest.raises(SystemExit) as done:
