@@ -6,7 +6,7 @@ SmolLM2-135M's attention shapes (9 query heads, 3 kv heads, head dim 64, 30 laye
 drawn uniform in 60..384 (seeded), grouped as the runtime groups them into bands by length (<= 128, <= 256,
 <= 512 positions), each band one tensor [rows in band, 3, capacity, 64] with the capacity its longest row
 rounded up to 64. One step is the 30 layers, each with its own cache (so nothing stays in the CPU's caches):
-  plain        choice.plain_attention per band, with the additive float32 mask of `batch_mask(seen, "plain", dtype)`
+  plain        attention.plain_attention per band, with the additive float32 mask of `batch_mask(seen, "plain", dtype)`
   kernel       the kernel per band, with each row's length
   kernel-one   the kernel over one tensor holding every row, capacity 384
 The three are timed in turn, round after round; the table shows the median ms per step, the bandwidth of the
@@ -24,7 +24,7 @@ import time
 import torch
 
 from mtptrain.machine import describe_cpu
-from mtptrain.runtime.choice import batch_mask, plain_attention
+from mtptrain.runtime.attention import batch_mask, plain_attention
 from mtptrain.runtime.native_kernels import decode_attention_kernel
 
 HEADS, KV_HEADS, DIM, LAYERS = 9, 3, 64, 30

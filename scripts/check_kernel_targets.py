@@ -49,7 +49,7 @@ def _ancestry(node: int) -> list[int]:
 
 
 def check_attention(module, dtype) -> list[str]:
-    from mtptrain.runtime.choice import tree_plan
+    from mtptrain.runtime.attention import tree_plan
 
     failures = []
     g = torch.Generator().manual_seed(0)

@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from mtptrain.runtime.cache import KVCache
-from mtptrain.runtime.choice import PRODUCT, causal_mask, choose, for_mask, row_attention, usable_product
+from mtptrain.runtime.attention import causal_mask, for_mask, row_attention
+from mtptrain.runtime.choice import PRODUCT, choose, usable_product
 from mtptrain.runtime.model import LayerKernels, RopeTables
 from mtptrain.runtime.weights import LAYOUT, laid_out_copy, layer_copy, layout_of
 

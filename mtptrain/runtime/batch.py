@@ -22,7 +22,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 
 from mtptrain.runtime.cache import KVCache
-from mtptrain.runtime.choice import causal_mask
+from mtptrain.runtime.attention import causal_mask
 from mtptrain.runtime.runner import native_decoder
 from mtptrain.target import LayerCapture
 

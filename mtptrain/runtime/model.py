@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mtptrain.runtime.choice import batch_mask, causal_mask, for_mask, usable
+from mtptrain.runtime.attention import batch_mask, causal_mask, for_mask, usable
 from mtptrain.runtime.native_kernels import layer_ops, step_attention_kernel
 from mtptrain.runtime.weights import STATE, layer_weights, layout_of, lm_head_weights
 

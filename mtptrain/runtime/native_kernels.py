@@ -2,7 +2,7 @@
 
 - `decode_attention_kernel()`, `causal_attention_kernel()`, `tree_attention_kernel()` and
   `step_attention_kernel()` (csrc/decode_attention.cpp): attention for
-  batched decoding, where each row attends over its own number of cached positions. `choice.plain_attention`
+  batched decoding, where each row attends over its own number of cached positions. `attention.plain_attention`
   runs two `torch.matmul`s over the rows' rectangle with a mask, reading every row's masked tail too; the
   kernel reads only each row's live keys and values, once. Measured on a 2-core AMD EPYC (avx512_bf16) with
   SmolLM2-135M's heads, 128 rows of 60..384 positions in the runtime's length bands, one 30-layer step

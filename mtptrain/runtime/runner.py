@@ -16,7 +16,8 @@ from typing import Protocol
 import torch
 
 from mtptrain.runtime.cache import KVCache
-from mtptrain.runtime.choice import PRODUCT, batch_attention, choose, row_attention, usable_product
+from mtptrain.runtime.attention import batch_attention, row_attention
+from mtptrain.runtime.choice import PRODUCT, choose, usable_product
 from mtptrain.runtime.model import FastDecoder, unsupported
 from mtptrain.runtime.weights import layout_of
 from mtptrain.runtime.transformers_runner import TransformersRunner

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mtptrain.runtime.choice import causal_mask, fused_row, plain_attention, sdpa_attention
+from mtptrain.runtime.attention import causal_mask, fused_row, plain_attention, sdpa_attention
 from mtptrain.runtime.native_kernels import blocked_linear_kernel
 from mtptrain.runtime.weights import blocked, blocked_product, unblocked
 

@@ -1,5 +1,5 @@
 """The fused decode-attention kernel (mtptrain/runtime/csrc/decode_attention.cpp) computes what
-`choice.plain_attention` computes over a masked rectangle: in float32 within 1e-5, in bfloat16 within the
+`attention.plain_attention` computes over a masked rectangle: in float32 within 1e-5, in bfloat16 within the
 output's rounding of a float64 reference and no further from it than plain_attention. It reads nothing past a
 row's length (NaN there changes nothing), checks its inputs, and builds here: a build failure fails the tests.
 The step kernel beside it (batched decoding's writes and attention of a band, prompt chunks included) writes
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mtptrain.runtime import native_kernels
-from mtptrain.runtime.choice import plain_attention
+from mtptrain.runtime.attention import plain_attention
 from mtptrain.runtime.native_kernels import decode_attention_kernel, extension, extension_name
 
 
@@ -320,7 +320,7 @@ def test_the_tree_kernel_gives_each_node_what_decoding_its_path_gives(attend, dt
     """Each node attends over the cache and then its ancestors and itself, gathered: bit for bit what
     decode_attention computes over a row holding that sequence, whatever the prefix's length against the
     kernel's blocks of 16 positions (37, 48, 5, none), on both of its paths (D 64 and 128, and 80)."""
-    from mtptrain.runtime.choice import tree_plan
+    from mtptrain.runtime.attention import tree_plan
     from mtptrain.runtime.native_kernels import tree_attention_kernel
 
     heads, kv_heads, dim, past = shape
@@ -338,7 +338,7 @@ def test_the_tree_kernel_gives_each_node_what_decoding_its_path_gives(attend, dt
 
 
 def test_a_tree_plan_folds_what_follows_the_cache_and_gathers_the_rest():
-    from mtptrain.runtime.choice import tree_plan
+    from mtptrain.runtime.attention import tree_plan
 
     lengths, gather, gathered = tree_plan(_tree_mask([-1, 0, 0, 1], past=3))
     # sequences: node 0 [.., 3]; 1 [.., 3, 4]; 2 [.., 3] + [5]; 3 [.., 3, 4] + [6]
@@ -359,7 +359,7 @@ def test_a_tree_plan_folds_what_follows_the_cache_and_gathers_the_rest():
     ("position", "gathered position 99"),
 ])
 def test_the_tree_kernel_rejects_a_bad_plan(fault, message):
-    from mtptrain.runtime.choice import tree_plan
+    from mtptrain.runtime.attention import tree_plan
     from mtptrain.runtime.native_kernels import tree_attention_kernel
 
     k = v = torch.randn(1, 2, 14, 64)

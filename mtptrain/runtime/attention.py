@@ -1,0 +1,180 @@
+"""The runtime's attention kernels, by name, as the measured choice (runtime/choice.py) picks them: torch's SDPA;
+two plain products with a float32 softmax between them (and both over a float32 cache); and the C++ kernels of
+runtime/native_kernels.py, for a row's new tokens (`fused_row`: one token, a causal chain, and with `for_mask` a
+tree's nodes, each computed as a token decoded alone) and for batched decoding (`fused_attention`).
+
+Every kernel takes q [B, H, T, D], k and v [B, Hkv, S, D], a mask (or None) and whether attention is causal;
+`batch_mask` puts a batched step's mask in the form its kernel reads fastest.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from mtptrain.runtime.native_kernels import causal_attention_kernel, decode_attention_kernel, tree_attention_kernel
+
+
+def causal_mask(count: int, past: int = 0, device=None) -> torch.Tensor:
+    """[count, past + count], True where new token i may look: everything before it and new tokens 0..i."""
+    return torch.ones(count, past + count, dtype=torch.bool, device=device).tril(past)
+
+
+def sdpa_attention(q, k, v, mask, causal: bool):
+    """q [B, H, T, D], k and v [B, Hkv, S, D]; mask [B, 1, T, S] (True = seen) or None."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                          enable_gqa=k.shape[1] != q.shape[1])
+
+
+def plain_attention(q, k, v, mask, causal: bool):
+    """The same as two products with a float32 softmax between them; each key-value head serves its group of
+    query heads (head h reads kv head h // group), without repeating the keys. `mask` is boolean (True = seen)
+    or float32 and added to the scores (0 = seen, -inf = not: `batch_mask`)."""
+    batch, heads, count, dim = q.shape
+    kv_heads, length = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    scores = torch.matmul(q.reshape(batch, kv_heads, group * count, dim), k.transpose(-1, -2)).float()
+    scores = scores.mul_(dim ** -0.5).view(batch, kv_heads, group, count, length)
+    if causal:
+        mask = causal_mask(count, length - count, q.device)[None, None]
+    if mask is not None and mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
+    elif mask is not None:
+        scores = scores.add_(mask[:, :, None])
+    weights = torch.softmax(scores.view(batch, kv_heads, group * count, length), dim=-1).to(v.dtype)
+    return torch.matmul(weights, v).view(batch, heads, count, dim)
+
+
+def _in_float32(attention):
+    """The kernel over a float32 KV cache: queries (and keys and values not yet float32) cast up, the output
+    cast back. In bfloat16 this keeps the cache twice as large and the attention products in float32, which
+    some CPUs run several times faster for the few rows of a decoding step."""
+    def attend(q, k, v, mask, causal: bool):
+        return attention(q.float(), k.float(), v.float(), mask, causal).to(q.dtype)
+    return attend
+
+
+def batch_mask(seen: torch.Tensor, kernel: str | None, dtype: torch.dtype) -> torch.Tensor:
+    """A batched step's boolean mask [B, 1, 1, S] (True = seen; each row sees a prefix of the positions) as
+    `kernel` reads it fastest when one mask serves every layer of a step:
+    - the fused kernel takes each row's number of seen positions (an int64 tensor [B]) and reads nothing else;
+    - plain products add a float32 mask to their float32 scores in place (measured on an AMD EPYC, 64 rows of
+      320 positions over 30 layers: 29.9 ms against 33.6 ms for a boolean mask filled in on every layer);
+    - SDPA takes it in its queries' dtype (float32 for the kernels over a float32 cache)."""
+    if kernel is None:
+        return seen
+    if usable(kernel) == "fused":
+        return seen.reshape(seen.shape[0], -1).sum(-1)
+    dtype = dtype if kernel == "sdpa" else torch.float32
+    return torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill_(~seen, float("-inf"))
+
+
+def fused_attention(q, k, v, lengths, causal: bool):
+    """Batched decoding's attention in one C++ kernel (runtime/native_kernels.py): q [R, H, 1, D], k and v
+    [>= R, Hkv, C, D] contiguous, row r attending over its first lengths[r] positions only."""
+    return decode_attention_kernel()(q, k, v, lengths)
+
+
+def _fits_kernel(q, k, v) -> bool:
+    """q [1, H, T, D] and k, v [1, Hkv, S, D] as the fused row kernels read them: one row on the CPU, float32 or
+    bfloat16 throughout, each head's positions D apart."""
+    return q.shape[0] == 1 and q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16) and \
+        k.dtype == q.dtype == v.dtype and k.stride(3) == 1 and k.stride(2) == q.shape[-1] and k.stride() == v.stride()
+
+
+def fused_row(q, k, v, mask, causal: bool):
+    """A row's new tokens, q [1, H, T, D], over k and v [1, Hkv, S, D] (the cache's first S positions, the T new
+    ones last, as the cache hands them out) in the fused C++ kernel, which reads them in place; token t attends
+    positions 0 .. S - T + t. Every token is computed as one decoded alone is, so a chain's verification gives
+    each token the output a one-token step gives it. Anything else (a mask, unless `for_mask` made a tree of it;
+    several rows: a batched prefill; keys laid out otherwise; another dtype or device) goes to torch's kernels:
+    two plain products for one token, SDPA for several (its flash kernel for a long prefill)."""
+    kernel = causal_attention_kernel()
+    count, length = q.shape[2], k.shape[2]
+    if kernel is None or mask is not None or (count > 1 and not causal) or not _fits_kernel(q, k, v):
+        if count == 1:
+            return plain_attention(q, k, v, mask, causal)
+        if causal and length > count:  # SDPA's is_causal aligns the queries with the first keys, not the last
+            mask, causal = causal_mask(count, length - count, q.device)[None, None], False
+        return sdpa_attention(q, k, v, mask, causal)
+    return kernel(q[0].transpose(0, 1), k, v).transpose(0, 1)[None]
+
+
+fused_row.causal_after_cache = True  # `causal` holds with cached positions before the new tokens too
+
+
+def tree_plan(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The tree kernel's (lengths [T], gather [T + 1], gathered) for a mask [1, 1, T, S] (True = seen) whose
+    rows see every cached position (the first S - T) and some of the T new ones: each new token's sequence is
+    the cache, then the new positions it sees in their order, those right after the cache folded into it
+    (a chain's are all). None for any other mask."""
+    if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[0] != 1 or mask.shape[1] != 1:
+        return None
+    count, length = mask.shape[2], mask.shape[3]
+    past = length - count
+    if past < 0 or not bool(mask[0, 0, :, :past].all()):
+        return None
+    seen = mask[0, 0, :, past:].cpu()
+    sizes = seen.sum(1)
+    if past == 0 and bool((sizes == 0).any()):
+        return None
+    lead = seen.cumprod(1).sum(1)  # new positions seen right after the cache: part of the contiguous run
+    rest = seen.clone()
+    rest[torch.arange(count)[None, :] < lead[:, None]] = False
+    rows, columns = rest.nonzero(as_tuple=True)
+    gather = torch.zeros(count + 1, dtype=torch.int64)
+    gather[1:] = torch.bincount(rows, minlength=count).cumsum(0)
+    return (past + sizes).to(torch.int64), gather, (columns + past).to(torch.int64)
+
+
+def for_mask(attention, mask: torch.Tensor | None):
+    """`attention` for one forward under `mask`: the fused row kernel turns a tree's mask into each node's
+    ancestors once (`tree_plan`) and attends each node over the cache and them as a token decoded after that
+    path is computed (bit for bit the same), rather than through SDPA under the mask; anything else as it was."""
+    if attention is not fused_row or mask is None:
+        return attention
+    kernel = tree_attention_kernel()
+    plan = None if kernel is None else tree_plan(mask)
+    if plan is None:
+        return attention
+
+    def tree_row(q, k, v, mask, causal: bool):
+        if q.shape[2] != plan[0].shape[0] or k.shape[2] != mask.shape[-1] or not _fits_kernel(q, k, v):
+            return fused_row(q, k, v, mask, causal)
+        return kernel(q[0].transpose(0, 1), k, v, *plan).transpose(0, 1)[None]
+
+    return tree_row
+
+
+ATTENTION = {"sdpa": sdpa_attention, "plain": plain_attention,
+             "sdpa-f32": _in_float32(sdpa_attention), "plain-f32": _in_float32(plain_attention)}
+F32_CACHE = ("sdpa-f32", "plain-f32")  # kernels that read a float32 cache
+
+
+def row_attention(kernel: str):
+    """The kernel named `kernel` for a row's new tokens: a key of ATTENTION, or "fused" (whose work falls to the
+    plain products where the fused kernel no longer builds: a measured choice is cached, and the compiler may be
+    gone since)."""
+    return fused_row if kernel == "fused" else ATTENTION[kernel]
+
+
+def attention_kernels(dtype: torch.dtype) -> list[str]:
+    """The attention kernels measured in `dtype`, for a row's new tokens and for batched decoding alike: torch's
+    (those of a float32 cache only below float32), and the fused ones where the runtime's extension builds here,
+    for float32 and bfloat16 (the plain kernels serve float64)."""
+    kernels = [a for a in ATTENTION if dtype != torch.float32 or a not in F32_CACHE]
+    if dtype in (torch.float32, torch.bfloat16) and decode_attention_kernel() is not None:
+        kernels.append("fused")
+    return kernels
+
+
+def usable(kernel: str) -> str:
+    """`kernel`, or "plain" for "fused" where the fused kernel does not build (a machine's measured choice is
+    cached, and its compiler may be gone since)."""
+    return "plain" if kernel == "fused" and decode_attention_kernel() is None else kernel
+
+
+def batch_attention(kernel: str):
+    """The batch kernel named `kernel` (a key of ATTENTION, or "fused"), as `usable` allows."""
+    kernel = usable(kernel)
+    return fused_attention if kernel == "fused" else ATTENTION[kernel]
