@@ -28,7 +28,7 @@ import torch
 
 CSRC = Path(__file__).resolve().parent.parent / "mtptrain" / "runtime" / "csrc"
 SOURCES = ["decode_attention.cpp", "layer_ops.cpp", "blocked_linear.cpp"]
-TREE_PARENTS = [-1, 0, 0, 1, 1, 3, 2, 5]
+TREE_PARENTS = [-1, -1, 0, 0, 2, 1, 4]  # a draft tree of 7 nodes: 8 tokens with the pending one
 ATTENTION_SHAPES = [(9, 3, 64), (8, 2, 128), (4, 4, 80), (16, 2, 64)]  # heads, kv heads, head dim
 
 
@@ -40,15 +40,8 @@ def build(march: str, directory: Path):
                 extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False)
 
 
-def _ancestry(node: int) -> list[int]:
-    path = []
-    while node >= 0:
-        path.append(node)
-        node = TREE_PARENTS[node]
-    return path[::-1]
-
-
 def check_attention(module, dtype) -> list[str]:
+    from mtptrain.engine.tree import DraftTree
     from mtptrain.runtime.attention import tree_plan
 
     failures = []
@@ -76,16 +69,14 @@ def check_attention(module, dtype) -> list[str]:
             alone = module.decode_attention(chain[t][None, :, None], k, v, torch.tensor([42 + t]))
             if not torch.equal(together[t], alone[0, :, 0]):
                 failures.append(f"causal_attention {where}: token {t} differs from its one-token step")
-        past, count = 37, len(TREE_PARENTS)
-        mask = torch.zeros(1, 1, count, past + count, dtype=torch.bool)
-        mask[..., :past] = True
-        for node in range(count):
-            mask[0, 0, node, [past + a for a in _ancestry(node)]] = True
+        past, seen = 37, DraftTree([0] * len(TREE_PARENTS), TREE_PARENTS).visibility()
+        count = len(seen)
+        mask = torch.cat([torch.ones(count, past, dtype=torch.bool), seen], dim=1)[None, None]  # as forward_tree
         nodes = torch.randn(count, heads, dim, generator=g).to(dtype)
         k, v = keys[:1, :, :past + count], values[:1, :, :past + count]
         tree = module.tree_attention(nodes, k, v, *tree_plan(mask))
         for node in range(count):
-            path = list(range(past)) + [past + a for a in _ancestry(node)]
+            path = mask[0, 0, node].nonzero().flatten().tolist()  # the cache, then the node's path
             alone = module.decode_attention(nodes[node][None, :, None], k[:, :, path].contiguous(),
                                             v[:, :, path].contiguous(), torch.tensor([len(path)]))
             if not torch.equal(tree[node], alone[0, :, 0]):

@@ -10,6 +10,7 @@ import logging
 import pytest
 import torch
 
+from mtptrain.engine.tree import DraftTree
 from mtptrain.runtime import native_kernels
 from mtptrain.runtime.attention import plain_attention
 from mtptrain.runtime.native_kernels import decode_attention_kernel, extension, extension_name
@@ -293,25 +294,15 @@ def test_the_step_kernel_rejects_bad_entries_before_writing(step, fault, message
     assert torch.equal(keys.nan_to_num(7.0), before.nan_to_num(7.0))
 
 
-# A tree of 8 nodes (the pending token first), each listed after its parent.
-TREE_PARENTS = [-1, 0, 0, 1, 1, 3, 2, 5]
+# A draft tree of 7 nodes: with the pending token, 8 tokens to verify.
+TREE = DraftTree(tokens=[0] * 7, parents=[-1, -1, 0, 0, 2, 1, 4])
 
 
-def _ancestry(parents: list[int], node: int) -> list[int]:
-    path = []
-    while node >= 0:
-        path.append(node)
-        node = parents[node]
-    return path[::-1]
-
-
-def _tree_mask(parents: list[int], past: int) -> torch.Tensor:
-    count = len(parents)
-    mask = torch.zeros(1, 1, count, past + count, dtype=torch.bool)
-    mask[..., :past] = True
-    for node in range(count):
-        mask[0, 0, node, [past + a for a in _ancestry(parents, node)]] = True
-    return mask
+def _tree_mask(tree: DraftTree, past: int) -> torch.Tensor:
+    """The mask [1, 1, N + 1, past + N + 1] of `tree`'s verification after `past` cached positions, as
+    FastRunner.forward_tree makes it; row t's True columns are token t's sequence."""
+    seen = tree.visibility()
+    return torch.cat([torch.ones(len(seen), past, dtype=torch.bool), seen], dim=1)[None, None]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -324,14 +315,15 @@ def test_the_tree_kernel_gives_each_node_what_decoding_its_path_gives(attend, dt
     from mtptrain.runtime.native_kernels import tree_attention_kernel
 
     heads, kv_heads, dim, past = shape
-    count = len(TREE_PARENTS)
+    mask = _tree_mask(TREE, past)
+    count = mask.shape[2]
     g = torch.Generator().manual_seed(5)
     keys, values = (torch.randn(1, kv_heads, past + count + 7, dim, generator=g).to(dtype) for _ in range(2))
     k, v = keys[:, :, :past + count], values[:, :, :past + count]  # views, as the cache hands them out
     q = torch.randn(count, heads, dim, generator=g).to(dtype)
-    out = tree_attention_kernel()(q, k, v, *tree_plan(_tree_mask(TREE_PARENTS, past)))
+    out = tree_attention_kernel()(q, k, v, *tree_plan(mask))
     for node in range(count):
-        positions = list(range(past)) + [past + a for a in _ancestry(TREE_PARENTS, node)]
+        positions = mask[0, 0, node].nonzero().flatten().tolist()  # the cache, then its path
         row_k, row_v = k[:, :, positions].contiguous(), v[:, :, positions].contiguous()
         alone = attend(q[node][None, :, None], row_k, row_v, torch.tensor([len(positions)]))
         assert torch.equal(out[node], alone[0, :, 0]), node
@@ -340,14 +332,14 @@ def test_the_tree_kernel_gives_each_node_what_decoding_its_path_gives(attend, dt
 def test_a_tree_plan_folds_what_follows_the_cache_and_gathers_the_rest():
     from mtptrain.runtime.attention import tree_plan
 
-    lengths, gather, gathered = tree_plan(_tree_mask([-1, 0, 0, 1], past=3))
+    lengths, gather, gathered = tree_plan(_tree_mask(DraftTree([0] * 3, [-1, -1, 0]), past=3))
     # sequences: node 0 [.., 3]; 1 [.., 3, 4]; 2 [.., 3] + [5]; 3 [.., 3, 4] + [6]
     assert lengths.tolist() == [4, 5, 5, 6]
     assert gather.tolist() == [0, 0, 0, 1, 2] and gathered.tolist() == [5, 6]
     chain = torch.ones(1, 1, 4, 10, dtype=torch.bool).tril(6)
     lengths, gather, gathered = tree_plan(chain)
     assert lengths.tolist() == [7, 8, 9, 10] and gather.tolist() == [0] * 5 and gathered.numel() == 0
-    unseen = _tree_mask([-1, 0], past=4)
+    unseen = _tree_mask(DraftTree.chain([0]), past=4)
     unseen[..., 1, 2] = False  # a node that does not see all of the cache: not a tree after it
     assert tree_plan(unseen) is None
     assert tree_plan(torch.zeros(1, 1, 2, 6)) is None  # an additive float mask
@@ -364,7 +356,7 @@ def test_the_tree_kernel_rejects_a_bad_plan(fault, message):
 
     k = v = torch.randn(1, 2, 14, 64)
     q = torch.randn(8, 4, 64)
-    lengths, gather, gathered = tree_plan(_tree_mask(TREE_PARENTS, 6))
+    lengths, gather, gathered = tree_plan(_tree_mask(TREE, 6))
     if fault == "gather":
         gather = gather + 1
     elif fault == "length":
