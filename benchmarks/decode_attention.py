@@ -23,32 +23,13 @@ import time
 
 import torch
 
-from mtptrain.machine import describe_cpu
+from mtptrain.machine import describe_cpu, memory_bandwidth
 from mtptrain.runtime.attention import batch_mask, plain_attention
 from mtptrain.runtime.native_kernels import decode_attention_kernel
 
 HEADS, KV_HEADS, DIM, LAYERS = 9, 3, 64, 30
 LENGTHS = (60, 384)
 BANDS = (128, 256, 512)
-
-
-def best_seconds(fn, repeats: int = 7) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
-def memory_bandwidth() -> tuple[float, float]:
-    """GB/s of dst.copy_(src) (bytes read plus written) and of src.sum() (bytes read), over 256 MB."""
-    src = torch.rand(64 * 2 ** 20)
-    dst = torch.empty_like(src)
-    nbytes = src.numel() * src.element_size()
-    copy = 2 * nbytes / best_seconds(lambda: dst.copy_(src)) / 1e9
-    read = nbytes / best_seconds(lambda: src.sum()) / 1e9
-    return copy, read
 
 
 def caches(rows: int, capacity: int, dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -49,7 +49,7 @@ from mtptrain.engine.verify import Sampling
 from mtptrain.eval.prompts import load_prompts
 from mtptrain.eval.run import build_configs, logit_scale_and_gap
 from mtptrain.heads.checkpoint import PRETRAINED_HEAD
-from mtptrain.machine import describe_cpu
+from mtptrain.machine import describe_cpu, memory_bandwidth
 from mtptrain.runtime.linears import fast_linears, product_for
 from mtptrain.runtime.runner import open_runner, runtime_description
 from mtptrain.target import embedded_gguf_path, load_target
@@ -231,29 +231,6 @@ def synchronizer(device: torch.device):
     return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
 
-def _best_seconds(fn, device: torch.device, repeats: int = 9) -> float:
-    sync = synchronizer(device)
-    times = []
-    for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
-def bandwidth(device: torch.device) -> tuple[float, float]:
-    """GB/s on `device`, the best of 9 (the most each gave): a 256 MiB copy (bytes read + bytes written), and a
-    sum over 256 MiB of float32 (bytes read: what a decoding step does with its weights)."""
-    src = torch.ones(256 << 20, dtype=torch.uint8, device=device)
-    dst = torch.zeros_like(src)
-    copy = 2 * src.numel() / _best_seconds(lambda: dst.copy_(src), device) / 1e9
-    floats = torch.ones(64 << 20, device=device)
-    read = floats.numel() * 4 / _best_seconds(floats.sum, device) / 1e9
-    return copy, read
-
-
 def forward_costs(model, reference, repeats: int = 25) -> dict[str, list[float]]:
     """Median ms of one forward over w new tokens after a 200-token prefix, per width, on both forwards
     (interleaved; 25 rounds: a VM's step times drift by 10-20% from round to round)."""
@@ -281,7 +258,7 @@ def print_machine(reference, runner, methods) -> None:
     model = reference  # the same weights in their plain form (the runtime's are packed)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     device = next(model.parameters()).device
-    gbs, read_gbs = bandwidth(device)
+    gbs, read_gbs = memory_bandwidth(device)
     roofline_ms = weight_bytes / gbs / 1e6
     read_ms = weight_bytes / read_gbs / 1e6
     step_ms = 1000 / statistics.median(methods[0].tps())

@@ -41,6 +41,27 @@ def describe_cpu(proc: Path = PROC) -> dict:
     }
 
 
+def memory_bandwidth(device: torch.device = torch.device("cpu"), repeats: int = 9) -> tuple[float, float]:
+    """GB/s of `device`'s memory, the best of `repeats` (the most each gave): a copy of 256 MiB (bytes read plus
+    bytes written) and a sum over the same 256 MiB (bytes read, as a decoding step reads its weights)."""
+    src = torch.ones(64 << 20, device=device)  # float32
+    dst = torch.empty_like(src)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def best(fn) -> float:
+        times = []
+        for _ in range(repeats):
+            sync()
+            start = time.perf_counter()
+            fn()
+            sync()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    nbytes = src.numel() * src.element_size()
+    return 2 * nbytes / best(lambda: dst.copy_(src)) / 1e9, nbytes / best(src.sum) / 1e9
+
+
 def cpu_flags(proc: Path = PROC) -> str | None:
     """The CPU's whole flags line of /proc/cpuinfo (x86 "flags", ARM "Features"); None where it cannot say."""
     return _flags(_first_processor(proc / "cpuinfo"))
