@@ -8,7 +8,7 @@
   SmolLM2-135M's heads, 128 rows of 60..384 positions in the runtime's length bands, one 30-layer step
   (benchmarks/decode_attention.py): bfloat16 64 ms -> 32 ms (20 GB/s of live keys and values), float32
   116 ms -> 54 ms (24 GB/s), against a copy at 34 GB/s; fetching each row's keys and values ahead of their
-  use took bfloat16 from 33.7 to 25.0 ms in a later session. The step kernel also writes the step's keys and
+  use then took bfloat16 from 33.7 to 25.0 ms. The step kernel also writes the step's keys and
   values and takes the prompt chunks riding along with the step, so a band's whole attention is one call.
 - `layer_ops()` (csrc/layer_ops.cpp): a decoder layer's elementwise steps (residual sum and RMSNorm, silu
   times up, the rotary embedding), one pass each.
