@@ -16,9 +16,11 @@
   out in blocks of 32 output features (runtime/weights.py), at the memory's speed for a few rows and near the
   CPU's peak for hundreds; each row's result is the same whatever rows it is computed with.
 
-The first call builds them (about 45 s on 2 cores), later processes load them from `<cache_root>/kernels/`
-(0.13 s). Where the build fails (no compiler, no ninja) it logs one warning and every function returns None:
-callers keep torch's operations.
+The first call builds them (about 45 s on 2 cores, one INFO line says so and where), later processes load them
+from `<cache_root>/kernels/` once the .so is the very file its build recorded (size and sha256): a damaged one
+(truncated, overwritten) is rebuilt after one warning instead of crashing the process that loads it. Where the
+build fails (no compiler, no ninja) it logs one warning and every function returns None: callers keep torch's
+operations.
 """
 
 from __future__ import annotations
@@ -27,14 +29,17 @@ import contextlib
 import fcntl
 import functools
 import hashlib
+import importlib.util
+import json
 import logging
 import platform
+import sysconfig
 from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
 
-from mtptrain.io import cache_root
+from mtptrain.io import atomic_write_json, cache_root, sha256_file
 from mtptrain.machine import cpu_flags
 
 log = logging.getLogger(__name__)
@@ -49,13 +54,15 @@ BLOCK = 32  # output features per block of the blocked layout (csrc/blocked_line
 
 def extension_name(sources: list[Path] | None = None) -> str:
     """The extension's module name, unique to the files it is built from (SOURCES and HEADERS by default),
-    torch's version, the CPU and the flags: a -march=native binary built on one CPU may not run on another, and
-    the cache directory may be shared by machines of both."""
+    torch's version, Python's ABI, the CPU and the flags: a -march=native binary built on one CPU may not run on
+    another, a module built for one Python does not import in another, and the cache directory may be shared by
+    machines and environments of each."""
     sources = SOURCES + HEADERS if sources is None else sources
     digest = hashlib.sha256()
     cpu = cpu_flags() or platform.processor()  # what -march=native sees
+    abi = sysconfig.get_config_var("EXT_SUFFIX") or platform.python_version()  # .cpython-311-x86_64-linux-gnu.so
     parts = [source.read_bytes() for source in sources]
-    for part in (*parts, torch.__version__.encode(), cpu.encode(), " ".join(CFLAGS).encode()):
+    for part in (*parts, torch.__version__.encode(), abi.encode(), cpu.encode(), " ".join(CFLAGS).encode()):
         digest.update(hashlib.sha256(part).digest())
     return f"mtptrain_{sources[0].stem}_{digest.hexdigest()[:12]}"
 
@@ -89,22 +96,98 @@ def _only_builder(build: Path) -> Iterator[None]:
             fcntl.flock(guard, fcntl.LOCK_UN)
 
 
+def _record(library: Path) -> Path:
+    """Where the size and sha256 of `library` are kept when its build made it: `<name>.sha256.json` beside it."""
+    return library.with_suffix(".sha256.json")
+
+
+def _fingerprint(library: Path) -> dict:
+    return {"file": library.name, "size": library.stat().st_size, "sha256": sha256_file(library)}
+
+
+def _mismatch(library: Path) -> str | None:
+    """Why `library` is not the file its build recorded (its record missing or unreadable, its size or its
+    sha256 other), or None when it is. The record may be damaged or hostile like the library: any content is
+    read as a mismatch, never as an error."""
+    record = _record(library)
+    try:
+        recorded = json.loads(record.read_text())
+    except FileNotFoundError:
+        return f"it has no record of its build ({record.name})"
+    except (OSError, ValueError):  # ValueError: bytes that are not UTF-8 or not JSON
+        return f"the record of its build ({record.name}) is unreadable"
+    if not isinstance(recorded, dict):
+        return f"the record of its build ({record.name}) holds no object"
+    size = library.stat().st_size
+    if recorded.get("size") != size:
+        return f"it holds {size} bytes, not the size its build recorded in {record.name}"
+    if recorded.get("sha256") != sha256_file(library):
+        return f"its sha256 is not the one its build recorded in {record.name}"
+    return None
+
+
+def _clear(build: Path, name: str) -> None:
+    """Remove what a build left in `build`, so that the next one compiles every source again.
+
+    ninja judges by times: a .so damaged after its build is newer than its sources and counts as up to date,
+    and objects damaged with it would be linked again. The flock file and torch's `lock` stay."""
+    outputs = [build / f"{name}.so", _record(build / f"{name}.so"), build / "build.ninja",
+               build / ".ninja_log", build / ".ninja_deps", *build.glob("*.o")]
+    for output in outputs:
+        output.unlink(missing_ok=True)
+
+
+def _import(name: str, library: Path):
+    """The module in `library`, imported as torch's loader imports the extensions it builds."""
+    spec = importlib.util.spec_from_file_location(name, library)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _build(name: str, sources: list[Path], build: Path, cflags: list[str], ldflags: list[str]):
+    """Compile the extension from scratch in `build`, record its .so's size and sha256, and return its module."""
+    # torch.utils.cpp_extension takes 0.12 s to import (measured): only a build needs it
+    from torch.utils.cpp_extension import load
+
+    _clear(build, name)
+    log.info("compiling %s for this CPU, once (the runtime's kernels take 45 to 90 s on 2 cores), in %s",
+             ", ".join(s.name for s in sources), build)
+    module = load(name=name, sources=[str(s) for s in sources], extra_cflags=cflags, extra_ldflags=ldflags,
+                  build_directory=str(build), verbose=False)
+    library = build / f"{name}.so"
+    atomic_write_json(_record(library), _fingerprint(library))
+    return module
+
+
+def _load_verified(name: str, sources: list[Path], build: Path, cflags: list[str], ldflags: list[str]):
+    """The extension `name` from `sources`: its .so in `build` where that is the very file its build recorded,
+    else built there afresh, after one warning saying why where a .so was there.
+
+    A truncated .so makes the process that loads it die of a bus error, one overwritten of a segmentation
+    fault: nothing that can be caught, and torch's loader would load it (ninja sees it newer than its sources).
+    So the check comes before anything opens the file, and a verified file is imported without ninja, which
+    could otherwise rebuild it unannounced (sources touched, another environment's paths in build.ninja)."""
+    library = build / f"{name}.so"
+    with _only_builder(build):
+        if library.is_file():
+            problem = _mismatch(library)
+            if problem is None:
+                return _import(name, library)
+            log.warning("%s is not loaded: %s, and a truncated or overwritten library crashes the process that "
+                        "loads it. It is rebuilt from its sources now (45 to 90 s for the runtime's kernels on 2 "
+                        "cores)", library, problem)
+        return _build(name, sources, build, cflags, ldflags)
+
+
 @functools.cache
 def extension():
     """The built extension, or None (one warning logged) when it does not build."""
     try:
-        # torch.utils.cpp_extension takes 0.12 s to import (measured): only the first call needs it
-        from torch.utils.cpp_extension import load
-
         name = extension_name()  # reads the sources: a wheel built without csrc/ fails here, not at import
         build = cache_root() / "kernels" / name
         build.mkdir(parents=True, exist_ok=True)
-        with _only_builder(build):
-            if not (build / f"{name}.so").is_file():
-                log.info("compiling the runtime's CPU kernels for this CPU, once (about 45 s on 2 cores) in %s",
-                         build)
-            return load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS,
-                        extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
+        return _load_verified(name, SOURCES, build, CFLAGS, ["-fopenmp"])
     except Exception as error:  # no source, compiler, ninja, or an import failure: the caller falls back
         log.warning("the runtime's CPU kernels (%s) did not build, torch's operations stay in use: %s",
                     ", ".join(s.name for s in SOURCES), _reason(error))
