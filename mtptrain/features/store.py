@@ -32,12 +32,13 @@ import json
 import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import numpy as np
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
+from mtptrain.config import PrecomputeConfig
 from mtptrain.errors import MtptrainError
 from mtptrain.io import atomic_write, atomic_write_json, contained, sha256_file
 from mtptrain.target import identity_mismatch
@@ -47,7 +48,19 @@ log = logging.getLogger(__name__)
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
 SPLITS = ("train", "validation")
-REQUIRED_MANIFEST_KEYS = ("schema_version", "target", "layers", "dtype", "max_length", "plan_id", "shards")
+REQUIRED_MANIFEST_KEYS = ("schema_version", "target", "layers", "dtype", "max_length", "plan_id", "totals", "shards")
+STORE_DTYPES = get_args(PrecomputeConfig.model_fields["dtype"].annotation)
+# A shard entry of the manifest: its fields and their JSON types.
+SHARD_FIELDS = {"file": str, "split": str, "samples": int, "tokens": int, "bytes": int, "sha256": str}
+_TYPE_NAMES = {str: "a string", int: "an integer"}
+# What to do about a shard that does not hold what its manifest says: a rerun into the same directory trusts every
+# shard that still matches its record (the .json beside it), so only a new directory is sure to rebuild it.
+RECOMPUTE = ("recompute the store: run `mtptrain precompute` with its recipe.yaml into a new precompute.output_dir "
+             "(a rerun into this one recomputes only the shards that differ from their records)")
+# A rerun sets aside a manifest that load_manifest refuses and writes it anew from the shards' records.
+REWRITE_MANIFEST = ("run `mtptrain precompute` again with the store's recipe.yaml and the same "
+                    "precompute.output_dir: it writes the manifest anew from the shards' records")
+HOSTILE_MANIFEST_FIX = "Precompute again into a new directory, or restore the manifest from the run that wrote it."
 
 
 class FeatureStoreError(MtptrainError, RuntimeError):
@@ -188,7 +201,7 @@ def read_complete_record(path: Path, plan_id: str) -> ShardRecord | None:
     if record.plan_id != plan_id:
         raise FeatureStoreError(
             f"{rec_path} was written by another recipe (other data, target, layers or dtype). "
-            "Point precompute.output_dir at a new directory, or delete this one to start over.")
+            "Point precompute.output_dir at a new directory; this one is left as it is.")
     if not path.is_file() or path.stat().st_size != record.bytes:
         return None
     return record
@@ -233,21 +246,19 @@ class FeatureStore:
         self._handles: dict[int, Any] = {}
         self._index: list[tuple[int, int, int]] = []  # (shard, start row, end row) per sample
         self.keys: list[str] = []
+        shard_of: dict[str, Path] = {}  # sample key -> the shard holding it
         for shard_no, shard in enumerate(self.shards):
             path = self._path(shard_no)
             verify_shard(path, shard, verify)
             handle = self._handle(shard_no)
-            metadata = handle.metadata() or {}
-            if metadata.get("plan_id") != self.manifest["plan_id"]:
-                raise FeatureStoreError(
-                    f"{self.directory / MANIFEST}: shard {self._entry(shard_no)} is {path.name}, a shard written for "
-                    f"another store (plan {metadata.get('plan_id')!r}, this store's is {self.manifest['plan_id']!r}): "
-                    "a corrupt or hostile manifest. Precompute again into a new directory.")
-            offsets = handle.get_tensor("offsets").tolist()
-            keys = json.loads(metadata["keys"])
-            if len(keys) != shard["samples"] or len(offsets) != shard["samples"] + 1:
-                raise FeatureStoreError(f"{path}: holds {len(keys)} samples, manifest says {shard['samples']}; "
-                                        "the shard is corrupted: delete it and its .json, then rerun precompute")
+            self._check_plan(shard_no, handle.metadata() or {})
+            keys, offsets = read_shard_index(handle, path, shard, self.manifest)
+            for key in keys:
+                if shard_of.setdefault(key, path) != path:
+                    raise FeatureStoreError(
+                        f"{path}: sample {key!r} is also in {shard_of[key].name}: {self.directory / MANIFEST} lists "
+                        "the same samples twice, and they would be trained on twice; a corrupt or hostile manifest. "
+                        + HOSTILE_MANIFEST_FIX)
             self._index.extend((shard_no, offsets[i], offsets[i + 1]) for i in range(len(keys)))
             self.keys.extend(keys)
         # The target's choices come with every sample only when every shard holds them (a store written before
@@ -255,23 +266,30 @@ class FeatureStore:
         self.has_target_top = bool(self.shards) and all(TARGET_TOP in self._handle(n).keys()
                                                         for n in range(len(self.shards)))
 
+    def _check_plan(self, shard_no: int, metadata: dict[str, str]) -> None:
+        """A shard of another store, even one inside this directory, must not be read as this store's."""
+        if metadata.get("plan_id") != self.manifest["plan_id"]:
+            raise FeatureStoreError(
+                f"{self.directory / MANIFEST}: shard {self._entry(shard_no)} is {self._path(shard_no).name}, a shard "
+                f"written for another store (plan {metadata.get('plan_id')!r}, this store's is "
+                f"{self.manifest['plan_id']!r}): a corrupt or hostile manifest. " + HOSTILE_MANIFEST_FIX)
+
     def _entry(self, shard_no: int) -> int:
         """The shard's index in the manifest's list (shards of both splits)."""
         return self.manifest["shards"].index(self.shards[shard_no])
 
     def _path(self, shard_no: int) -> Path:
         return contained(self.directory, self.shards[shard_no].get("file"), self.directory / MANIFEST,
-                         f"shard {self._entry(shard_no)}", FeatureStoreError,
-                         "Precompute again into a new directory, or restore the manifest from the run that wrote it.")
+                         f"shard {self._entry(shard_no)}", FeatureStoreError, HOSTILE_MANIFEST_FIX)
 
     def _handle(self, shard_no: int):
         if shard_no not in self._handles:
             path = self._path(shard_no)
             try:
                 self._handles[shard_no] = safe_open(str(path), framework="pt")
-            except Exception as exc:
-                raise FeatureStoreError(f"{path}: not a readable safetensors file ({exc}); "
-                                        "delete it and its .json, then rerun precompute") from exc
+            except (SafetensorError, OSError) as exc:
+                raise FeatureStoreError(f"{path}: not a readable safetensors file, its header is damaged ({exc}); "
+                                        + RECOMPUTE) from exc
         return self._handles[shard_no]
 
     def __getstate__(self):  # safetensors handles do not pickle (data-loader workers reopen them)
@@ -349,7 +367,67 @@ def load_manifest(directory: Path) -> dict[str, Any]:
     if manifest["schema_version"] != SCHEMA_VERSION:
         raise FeatureStoreError(f"{path} has schema version {manifest['schema_version']}, this mtptrain reads "
                                 f"{SCHEMA_VERSION}; rerun precompute with this version")
+    check_manifest(manifest, path)
     return manifest
+
+
+def check_manifest(manifest: dict[str, Any], path: Path) -> None:
+    """Refuse what precompute never writes, before any shard is opened: a storage dtype or target sizes the shards
+    cannot be checked against, shard entries with missing or impossible counts or a path out of the store, a shard
+    listed twice (its samples would be trained on twice) and totals that are not the sum of the entries."""
+    if manifest["dtype"] not in STORE_DTYPES:
+        raise FeatureStoreError(f"{path}: dtype {manifest['dtype']!r} is none of {list(STORE_DTYPES)}; "
+                                + REWRITE_MANIFEST)
+    target = manifest["target"] if isinstance(manifest["target"], dict) else {}
+    for field in ("hidden_size", "vocab_size"):
+        if not _is_count(target.get(field)) or target[field] < 1:
+            raise FeatureStoreError(f"{path}: target.{field} is {target.get(field)!r}, not a positive integer; "
+                                    + REWRITE_MANIFEST)
+    if not isinstance(manifest["shards"], list):
+        raise FeatureStoreError(f"{path}: shards must be a list of shard entries; " + REWRITE_MANIFEST)
+    listed: dict[Path, int] = {}  # shard file, every link resolved -> its first entry
+    for index, entry in enumerate(manifest["shards"]):
+        check_shard_entry(entry, f"{path}: shard {index}")
+        file = contained(path.parent, entry["file"], path, f"shard {index}", FeatureStoreError, HOSTILE_MANIFEST_FIX)
+        first = listed.setdefault(file.resolve(), index)
+        if first != index:
+            raise FeatureStoreError(f"{path}: shard {index} ({entry['file']}) is shard {first} listed twice: its "
+                                    "samples would be trained on twice; " + REWRITE_MANIFEST)
+    for split in SPLITS:
+        for field in ("samples", "tokens"):
+            total = sum(entry[field] for entry in manifest["shards"] if entry["split"] == split)
+            stated = _stated_total(manifest["totals"], split, field)
+            if stated != total:
+                raise FeatureStoreError(f"{path}: totals.{split}.{field} is {stated!r}, but the {split} shards add "
+                                        f"up to {total}; " + REWRITE_MANIFEST)
+
+
+def check_shard_entry(entry: Any, where: str) -> None:
+    """One shard entry of a manifest: every field of its JSON type, a split, and at least one token per sample."""
+    if not isinstance(entry, dict):
+        raise FeatureStoreError(f"{where} is {entry!r}, not a shard entry; " + REWRITE_MANIFEST)
+    where = f"{where} ({entry.get('file')})"
+    for field, kind in SHARD_FIELDS.items():
+        value = entry.get(field)
+        if not isinstance(value, kind) or (kind is int and not _is_count(value)):
+            raise FeatureStoreError(f"{where}: {field} is {value!r}, not {_TYPE_NAMES[kind]}; " + REWRITE_MANIFEST)
+    if entry["split"] not in SPLITS:
+        raise FeatureStoreError(f"{where}: split {entry['split']!r} is none of {list(SPLITS)}; " + REWRITE_MANIFEST)
+    least = {"samples": 1, "tokens": entry["samples"]}  # precompute writes no empty shard or sample
+    for field, low in least.items():
+        if entry[field] < low:
+            raise FeatureStoreError(f"{where}: {field} is {entry[field]}, fewer than {low}: a shard holds at least "
+                                    "one sample, and at least one token per sample; " + REWRITE_MANIFEST)
+
+
+def _stated_total(totals: Any, split: str, field: str) -> Any:
+    """totals[split][field] of a manifest, or None where that is not there."""
+    stated = totals.get(split) if isinstance(totals, dict) else None
+    return stated.get(field) if isinstance(stated, dict) else None
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def check_target(manifest: dict[str, Any], identity: dict[str, Any], directory: Path) -> None:
@@ -363,11 +441,94 @@ def check_target(manifest: dict[str, Any], identity: dict[str, Any], directory: 
 
 
 def verify_shard(path: Path, shard: dict[str, Any], verify: str) -> None:
-    fix = "delete it and its .json, then rerun precompute to rewrite it"
     if not path.is_file():
-        raise FeatureStoreError(f"{path} is listed in the manifest but missing; {fix}")
+        raise FeatureStoreError(f"{path} is listed in the manifest but missing; {RECOMPUTE}")
     size = path.stat().st_size
     if size != shard["bytes"]:
-        raise FeatureStoreError(f"{path}: {size} bytes, manifest says {shard['bytes']}; the shard is damaged; {fix}")
+        raise FeatureStoreError(f"{path}: {size} bytes, manifest says {shard['bytes']}; the shard is damaged; "
+                                + RECOMPUTE)
     if verify == "sha256" and sha256_file(path) != shard["sha256"]:
-        raise FeatureStoreError(f"{path}: sha256 does not match the manifest; the shard is corrupted; {fix}")
+        raise FeatureStoreError(f"{path}: sha256 does not match the manifest; the shard is corrupted; {RECOMPUTE}")
+
+
+def shard_layout(manifest: dict[str, Any], shard: dict[str, Any]) -> dict[str, tuple[str, list[int]]]:
+    """Name -> (safetensors dtype, shape) of every tensor a shard of this manifest holds (`target_top` may be
+    absent: stores written before it existed have none)."""
+    tokens = shard["tokens"]
+    layout = {"input_ids": ("I32", [tokens]), "loss_mask": ("U8", [tokens]),
+              "offsets": ("I64", [shard["samples"] + 1]), TARGET_TOP: ("I32", [tokens])}
+    stored = _SAFETENSORS_DTYPES[getattr(torch, manifest["dtype"])]
+    for layer in manifest["layers"]:
+        layout[hidden_key(layer)] = (stored, [tokens, manifest["target"]["hidden_size"]])
+        if manifest["dtype"] == FP8:
+            layout[scale_key(layer)] = ("F32", [tokens])
+    return layout
+
+
+def read_shard_index(handle, path: Path, shard: dict[str, Any],
+                     manifest: dict[str, Any]) -> tuple[list[str], list[int]]:
+    """The shard's sample keys and row offsets, once its content is what the manifest says: names, dtypes and
+    shapes from the header alone (the hidden states are never read here), then the small integer tensors in full."""
+    metadata = handle.metadata() or {}
+    problem = _header_problem(handle, shard, manifest) or _metadata_problem(metadata, shard)
+    if problem is None:  # every dtype and shape is right: the small tensors can be read
+        offsets = handle.get_tensor("offsets")
+        problem = _offsets_problem(offsets, shard["tokens"]) or _values_problem(handle, manifest)
+    if problem is not None:
+        raise FeatureStoreError(f"{path}: {problem}; {RECOMPUTE}")
+    return json.loads(metadata["keys"]), offsets.tolist()
+
+
+def _header_problem(handle, shard: dict[str, Any], manifest: dict[str, Any]) -> str | None:
+    """What in the shard's header differs from the tensors its manifest entry implies, or None."""
+    layout, names = shard_layout(manifest, shard), set(handle.keys())
+    missing, unknown = sorted(set(layout) - names - {TARGET_TOP}), sorted(names - set(layout))
+    if missing:
+        return f"tensors {missing} are missing"
+    if unknown:
+        return f"tensors {unknown} are not part of a store of layers {manifest['layers']} in {manifest['dtype']}"
+    for name in [name for name in layout if name in names]:  # the counts (input_ids, offsets) first
+        dtype, shape = layout[name]
+        found = handle.get_slice(name)
+        if (found.get_dtype(), found.get_shape()) != (dtype, shape):
+            return (f"{name} is {found.get_dtype()} {found.get_shape()}, where a shard of {shard['samples']} samples "
+                    f"and {shard['tokens']} tokens (its manifest entry's samples and tokens) of a {manifest['dtype']} "
+                    f"store holds {dtype} {shape}")
+    return None
+
+
+def _metadata_problem(metadata: dict[str, str], shard: dict[str, Any]) -> str | None:
+    """What in the shard's metadata differs from its manifest entry (split, sample keys), or None."""
+    if metadata.get("split") != shard["split"]:
+        return f"its metadata's split is {metadata.get('split')!r}, the manifest lists it as {shard['split']!r}"
+    try:
+        keys = json.loads(metadata["keys"])
+    except (KeyError, TypeError, json.JSONDecodeError):
+        keys = None
+    if not isinstance(keys, list) or len(keys) != shard["samples"] or not all(isinstance(k, str) for k in keys):
+        return f"its metadata's keys are not a JSON list of {shard['samples']} sample keys (the manifest's samples)"
+    return None
+
+
+def _offsets_problem(offsets: torch.Tensor, tokens: int) -> str | None:
+    """Why `offsets` do not cut the shard's `tokens` rows into samples of at least one row, or None."""
+    if offsets[0] != 0 or offsets[-1] != tokens:
+        return f"offsets run from {int(offsets[0])} to {int(offsets[-1])}, not from 0 to the shard's {tokens} tokens"
+    empty = (offsets[1:] <= offsets[:-1]).nonzero()
+    if len(empty):
+        i = int(empty[0, 0])
+        return f"offsets give sample {i} the rows {int(offsets[i])}:{int(offsets[i + 1])}, not at least one row"
+    return None
+
+
+def _values_problem(handle, manifest: dict[str, Any]) -> str | None:
+    """The first token id outside the target's vocabulary, or loss-mask value other than 0 and 1, or None."""
+    vocab = manifest["target"]["vocab_size"]
+    ends = {"input_ids": vocab, TARGET_TOP: vocab, "loss_mask": 2}
+    for name in [name for name in ends if name in handle.keys()]:
+        values = handle.get_tensor(name)
+        outside = ((values < 0) | (values >= ends[name])).nonzero()
+        if len(outside):
+            row = int(outside[0, 0])
+            return f"{name}[{row}] is {int(values[row])}, outside 0..{ends[name] - 1}"
+    return None

@@ -84,8 +84,8 @@ def write_offline_data(store_dir: Path, out: Path, feature_layers: list[int], dr
     made = {"plan_id": manifest["plan_id"], "layers": [*feature_layers, last]}
     marker = out / STARTED
     if marker.is_file() and json.loads(marker.read_text()) != made:
-        raise PeerError(f"{out} holds speculators data of another store or other layers ({marker}): write to a new "
-                        "directory, or delete this one")
+        raise PeerError(f"{out} holds speculators data of another store or other layers ({marker}), left as it "
+                        "is: write to a new directory")
     (out / "hidden_states").mkdir(parents=True, exist_ok=True)
     atomic_write_json(marker, made)
     columns: dict[str, list] = {"input_ids": [], "loss_mask": [], "seq_len": []}

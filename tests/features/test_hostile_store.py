@@ -34,10 +34,13 @@ def pair(stores, tmp_path):
 
 
 def _point_first_shard_at(store, name, entry_from=None):
-    """Rewrite the manifest's first train shard entry to name `name` (with another entry's bytes and sha256)."""
+    """Rewrite the manifest's first train shard entry to name `name` (with another entry's counts, bytes and sha256,
+    and totals that add up, as a careful forger would)."""
     manifest = json.loads((store / "manifest.json").read_text())
     index = next(i for i, s in enumerate(manifest["shards"]) if s["split"] == "train")
     manifest["shards"][index] = {**manifest["shards"][index], **(entry_from or {}), "file": name}
+    manifest["totals"] = {split: {field: sum(s[field] for s in manifest["shards"] if s["split"] == split)
+                                  for field in ("samples", "tokens")} for split in ("train", "validation")}
     (store / "manifest.json").write_text(json.dumps(manifest))
     return index
 

@@ -46,18 +46,23 @@ def test_missing_layers_are_refused(store_dir):
 
 def test_corrupted_shard_is_refused(store_copy):
     shard = next(store_copy.glob("train-*.safetensors"))
+    tokens = next(s["tokens"] for s in json.loads((store_copy / "manifest.json").read_text())["shards"]
+                  if s["file"] == shard.name)
     data = bytearray(shard.read_bytes())
-    data[-100] ^= 0xFF
+    data[-4 * tokens - 100] ^= 0xFF  # in the last hidden states (target_top [tokens] int32 is stored after them)
     shard.write_bytes(bytes(data))
-    with pytest.raises(FeatureStoreError, match=f"{shard.name}: sha256 does not match"):
+    with pytest.raises(FeatureStoreError, match=f"{shard.name}: sha256 does not match") as err:
         FeatureStore(store_copy)
-    FeatureStore(store_copy, verify="size")  # the cheap check cannot see a flipped byte; sha256 is the default
+    assert "recompute" in str(err.value) and "delete" not in str(err.value)
+    FeatureStore(store_copy, verify="size")  # the cheap check cannot see a flipped hidden state; sha256 is the default
     shard.write_bytes(bytes(data[:-10]))
-    with pytest.raises(FeatureStoreError, match="bytes, manifest says"):
+    with pytest.raises(FeatureStoreError, match="bytes, manifest says") as err:
         FeatureStore(store_copy, verify="size")
+    assert "delete" not in str(err.value)
     shard.unlink()
-    with pytest.raises(FeatureStoreError, match="listed in the manifest but missing"):
+    with pytest.raises(FeatureStoreError, match="listed in the manifest but missing") as err:
         FeatureStore(store_copy)
+    assert "delete" not in str(err.value)
 
 
 def test_bad_manifests_are_refused(store_copy):
@@ -72,8 +77,8 @@ def test_bad_manifests_are_refused(store_copy):
     manifest_path.write_text(json.dumps({**good, "schema_version": 99}))
     with pytest.raises(FeatureStoreError, match="schema version 99"):
         FeatureStore(store_copy)
-    manifest_path.write_text(json.dumps({**good, "shards": [{**good["shards"][0], "samples": 10_000}]}))
-    with pytest.raises(FeatureStoreError, match="manifest says 10000"):
+    manifest_path.write_text(json.dumps({**good, "shards": [{**good["shards"][0], "samples": 100}]}))
+    with pytest.raises(FeatureStoreError, match=r"totals\.train\.samples is \d+, but the train shards add up to 100;"):
         FeatureStore(store_copy, verify="size")
     manifest_path.unlink()
     with pytest.raises(FeatureStoreError, match="has not finished"):
