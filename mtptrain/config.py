@@ -3,6 +3,11 @@
 Every stage reads its settings from a `Recipe`. Unknown keys are an error that
 names the key and the closest valid one; `--set a.b=c` overrides are applied
 to the raw mapping and the whole tree is validated again afterwards.
+
+A recipe may come from anyone, so YAML aliases (`*name`) are refused, in the
+file and in `--set` values: nine lines of nested ones stand for a billion
+values, which validation and its error messages would walk. A number field
+takes no boolean (`true` is not 1), and an integer field no float or string.
 """
 
 from __future__ import annotations
@@ -12,8 +17,8 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator,
-                      model_validator)
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, Strict, ValidationError,
+                      field_validator, model_validator)
 
 from mtptrain.errors import MtptrainError
 from mtptrain.io import atomic_write_text
@@ -30,6 +35,18 @@ MTPInput = Literal["normed", "raw"]
 
 class RecipeError(MtptrainError, ValueError):
     """A recipe that cannot be used; the message says where and how to fix it."""
+
+
+def _not_a_boolean(value: Any) -> Any:
+    if isinstance(value, bool):
+        raise ValueError("a boolean is not a number")
+    return value
+
+
+# YAML reads `true` as a bool, which pydantic would take as 1 (or 1.0). Integers are strict (no bool, float or
+# string); floats only refuse bools, as PyYAML reads 3e-4 (no dot) as a string that pydantic turns into a float.
+Int = Annotated[int, Strict()]
+Float = Annotated[float, BeforeValidator(_not_a_boolean)]
 
 
 class _Section(BaseModel):
@@ -57,7 +74,7 @@ class TargetConfig(_Section):
         "auto", description="auto = flash_attention_2 when flash-attn imports on CUDA, else sdpa."
     )
     device: str = Field("auto", description="auto = cuda:<local rank> when CUDA is present, else cpu.")
-    gpus_per_rank: int = Field(
+    gpus_per_rank: Int = Field(
         1, ge=1, description="GPUs one rank's copy of the target is split over, for targets larger than one GPU "
         "(Llama-3.1-70B: 2 H100s). Rank r takes GPUs r*N ... r*N+N-1 of its node, decoder layers cut into N "
         "equal runs; run gpus_per_node / N ranks per node. Precompute and eval only: training reads the "
@@ -79,17 +96,17 @@ class DataConfig(_Section):
     messages_column: str | None = Field(
         None, description="Column holding the conversation in a `datasets` source (auto-detected if unset)."
     )
-    max_conversations: int | None = Field(
+    max_conversations: Int | None = Field(
         None, ge=1, description="Read at most this many rows from the source (smoke runs)."
     )
-    max_length: int = Field(2048, ge=8, description="Tokens per sample; longer conversations are truncated.")
+    max_length: Int = Field(2048, ge=8, description="Tokens per sample; longer conversations are truncated.")
     overlong: Literal["truncate", "skip"] = Field(
         "truncate", description="What to do with a conversation longer than max_length."
     )
-    validation_fraction: float = Field(
+    validation_fraction: Float = Field(
         0.02, ge=0.0, lt=1.0, description="Share of conversations held out for validation."
     )
-    seed: int = Field(0, description="Seed of the deterministic train/validation split.")
+    seed: Int = Field(0, description="Seed of the deterministic train/validation split.")
     regenerated: str | None = Field(
         None, description="A .jsonl written by `mtptrain regenerate`: the same conversations with every assistant "
         "turn rewritten by the target. When set, precompute reads it in place of `source` (same ids, so the same "
@@ -105,23 +122,23 @@ class DataConfig(_Section):
 
 class _Truncation(_Section):
     """Sampling truncation shared by every stage that decodes (applied only at temperature > 0)."""
-    top_k: int = Field(0, ge=0, description="Sampling top-k (0 = off).")
-    top_p: float = Field(1.0, gt=0, le=1, description="Sampling top-p (1 = off).")
+    top_k: Int = Field(0, ge=0, description="Sampling top-k (0 = off).")
+    top_p: Float = Field(1.0, gt=0, le=1, description="Sampling top-p (1 = off).")
 
 
 class RegenerateConfig(_Truncation):
-    max_new_tokens: int = Field(512, ge=1, description="Longest regenerated answer, in tokens.")
-    max_turns: int | None = Field(
+    max_new_tokens: Int = Field(512, ge=1, description="Longest regenerated answer, in tokens.")
+    max_turns: Int | None = Field(
         None, ge=1, description="Assistant turns regenerated per conversation (None = every turn that fits in "
         "data.max_length). Later user turns are asked after the target's own earlier answers.")
-    min_answer_tokens: int = Field(
+    min_answer_tokens: Int = Field(
         16, ge=1, description="A turn is generated only if at least this many tokens of data.max_length are left "
         "after its prompt; a conversation whose first prompt leaves fewer is skipped.")
-    batch_size: int = Field(
+    batch_size: Int = Field(
         32, ge=1, description="Rows decoded together; when an answer ends, its row takes the conversation's next turn "
         "or the next conversation at once. Conversations are written (and resumed) in groups of 8 x batch_size.")
-    temperature: float = Field(0.0, ge=0, description="0 = greedy; above 0, sampled with per-conversation seeds.")
-    seed: int = Field(0, description="Seed of the sampling streams (one per conversation and turn).")
+    temperature: Float = Field(0.0, ge=0, description="0 = greedy; above 0, sampled with per-conversation seeds.")
+    seed: Int = Field(0, description="Seed of the sampling streams (one per conversation and turn).")
     cpu_matmul: Literal["auto", "skinny", "packed", "native", "stock"] = Field(
         "auto", description="On CPU, the product of short inputs for linear layers the runtime does not run itself "
         "(the transformers fallback): skinny = W @ x.T, packed = oneDNN with packed weights, native = mtptrain's "
@@ -131,7 +148,7 @@ class RegenerateConfig(_Truncation):
 
 class PrecomputeConfig(_Section):
     output_dir: str = Field("runs/quickstart/features", description="Feature store directory.")
-    layers: list[int] | Literal["eagle3", "last"] = Field(
+    layers: list[Int] | Literal["eagle3", "last"] = Field(
         "eagle3",
         description="Inner layers to capture besides the last one, numbered as 'output of decoder "
         "layer i' (0-based). 'eagle3' = [1, L//2 - 1, L - 4] (low, middle, high), 'last' = none.",
@@ -141,12 +158,12 @@ class PrecomputeConfig(_Section):
         "scaled by its largest magnitude / 448 (a float32 scale per row stored beside it), read back as bfloat16: "
         "half a bfloat16 store's size."
     )
-    batch_tokens: int = Field(
+    batch_tokens: Int = Field(
         8192, ge=16, description="Token budget of one forward batch (padded length x batch size)."
     )
-    max_batch_size: int = Field(64, ge=1, description="Upper bound on sequences per forward batch.")
-    shard_mb: float = Field(256.0, gt=0, description="Target shard size in MiB.")
-    write_queue: int = Field(
+    max_batch_size: Int = Field(64, ge=1, description="Upper bound on sequences per forward batch.")
+    shard_mb: Float = Field(256.0, gt=0, description="Target shard size in MiB.")
+    write_queue: Int = Field(
         2, ge=1, description="Batches waiting to be written while the next ones compute."
     )
 
@@ -163,10 +180,10 @@ class HeadConfig(_Section):
     norms: Norms = Field(
         "restored", description="RMSNorm restoration (default) or the original stripped EAGLE placement "
         "(eagle and mtp; eagle3 always keeps its norms).")
-    feature_layers: list[int] | Literal["auto"] = Field(
+    feature_layers: list[Int] | Literal["auto"] = Field(
         "auto", description="eagle3: captured layers fused as features; auto = every captured layer but the last.")
-    ttt_steps: int = Field(3, ge=1, description="eagle3: training-time-test unroll length.")
-    draft_vocab_size: int = Field(
+    ttt_steps: Int = Field(3, ge=1, description="eagle3: training-time-test unroll length.")
+    draft_vocab_size: Int = Field(
         8192, ge=1, description="eagle3: draft vocabulary size (most frequent target tokens of the training data).")
     fc_norm: bool = Field(
         False, description="eagle3: an RMSNorm of its own on each fused layer's states before fc, so layers of "
@@ -175,27 +192,27 @@ class HeadConfig(_Section):
         False, description="eagle3: each TTT and drafting step reads the previous step's output after the final "
         "norm (the state the LM head reads), not before it, which keeps its scale from drifting with depth "
         "(EAGLE-3.1; speculators' norm_output).")
-    mtp_depths: int = Field(2, ge=1, description="mtp: number of chained depths.")
+    mtp_depths: Int = Field(2, ge=1, description="mtp: number of chained depths.")
     mtp_share: bool = Field(False, description="mtp: reuse one module at every depth.")
     mtp_input: MTPInput = Field(
         "normed", description="mtp: the target state depth 1 reads. normed = after the target's final norm, as "
         "vLLM and SGLang feed DeepSeek MTP layers (needed for the deepseek-mtp export); raw = the pre-norm state.")
-    step_weights: list[float] | Literal["auto"] = Field(
+    step_weights: list[Float] | Literal["auto"] = Field(
         "auto", description="Loss weight per TTT step / MTP depth; auto = 0.8^k (the EAGLE-3 recipe's decay).")
-    feature_weight: float = Field(
+    feature_weight: Float = Field(
         0.1, ge=0.0, description="eagle: weight of the smooth-L1 feature regression next to distillation.")
 
 
 class EngineEvalConfig(_Section):
     """Validation through the inference implementation: at every train.eval_every, the head drafts for real in
     the engine (the target on its runtime, the head's own KV-cache steps) on held-out prompts."""
-    prompts: int = Field(
+    prompts: Int = Field(
         8, ge=0, description="Validation-split prompts (each sample's tokens before its first answer token) the "
         "head drafts for; 0 = off (only the teacher-forced validation runs, and the target's decoder layers are "
         "not loaded).")
-    max_new_tokens: int = Field(32, ge=1, description="Tokens generated per prompt, greedy.")
-    k: int = Field(3, ge=1, description="Draft length of the chain whose tau is measured.")
-    tree_budget: int = Field(
+    max_new_tokens: Int = Field(32, ge=1, description="Tokens generated per prompt, greedy.")
+    k: Int = Field(3, ge=1, description="Draft length of the chain whose tau is measured.")
+    tree_budget: Int = Field(
         6, ge=0, description="Nodes of the small EAGLE-2 tree also measured (branch 2, depth k), where the "
         "head's family drafts trees; 0 = chain only.")
     select_best: bool = Field(
@@ -212,33 +229,33 @@ class TrainConfig(_Section):
         "precompute.dtype, the data from the data section), and nothing is written to disk. The same batches and "
         "loss as offline; every epoch runs the target again.")
     output_dir: str = Field("runs/quickstart/train", description="Run directory: checkpoints, logs, exported head.")
-    seed: int = Field(0, description="Seed of the head's initialisation and of the data order.")
-    epochs: float = Field(1.0, gt=0, description="Passes over the training split (fractions allowed).")
-    max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps (overrides epochs).")
-    micro_batch_size: int = Field(4, ge=1, description="Samples per rank per forward/backward.")
-    grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
-    lr: float = Field(3e-4, gt=0, description="Peak learning rate (AdamW; under muon, also the base its matrices' "
+    seed: Int = Field(0, description="Seed of the head's initialisation and of the data order.")
+    epochs: Float = Field(1.0, gt=0, description="Passes over the training split (fractions allowed).")
+    max_steps: Int | None = Field(None, ge=1, description="Stop after this many optimizer steps (overrides epochs).")
+    micro_batch_size: Int = Field(4, ge=1, description="Samples per rank per forward/backward.")
+    grad_accum: Int = Field(1, ge=1, description="Micro-batches per optimizer step.")
+    lr: Float = Field(3e-4, gt=0, description="Peak learning rate (AdamW; under muon, also the base its matrices' "
                       "rates are scaled from).")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW's decoupled weight decay (under muon: of the vectors).")
+    weight_decay: Float = Field(0.0, ge=0, description="AdamW's decoupled weight decay (under muon: of the vectors).")
     optimizer: Literal["adamw", "muon"] = Field(
         "adamw", description="adamw = AdamW on every trained parameter. muon = Muon (momentum orthogonalised by "
         "Newton-Schulz, DeepSpeed's implementation) on the head's weight matrices and AdamW on its norms, biases and "
         "LM head, with each matrix's rate lr x 0.2 x sqrt(max(rows, cols)) so that its update has AdamW's RMS and "
         "one lr serves both (the rule of torch.optim.Muon's match_rms_adamw, which speculators trains with). Muon "
         "bounds its own steps: train.grad_clip is not applied under it.")
-    muon_weight_decay: float = Field(0.1, ge=0, description="muon: decoupled weight decay of the matrices.")
+    muon_weight_decay: Float = Field(0.1, ge=0, description="muon: decoupled weight decay of the matrices.")
     draft_lm_head: Literal["trained", "frozen"] = Field(
         "trained", description="eagle3: whether the head's own LM head (its draft vocabulary's rows of the target's, "
         "copied at initialisation) is trained with the rest, or stays the target's rows (as speculators keeps it).")
-    warmup_ratio: float = Field(0.05, ge=0, lt=1, description="Share of the steps spent warming up linearly.")
-    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Cosine decay floor, as a share of lr.")
-    grad_clip: float = Field(1.0, ge=0, description="Global gradient-norm clipping (0 = off).")
+    warmup_ratio: Float = Field(0.05, ge=0, lt=1, description="Share of the steps spent warming up linearly.")
+    min_lr_ratio: Float = Field(0.1, ge=0, le=1, description="Cosine decay floor, as a share of lr.")
+    grad_clip: Float = Field(1.0, ge=0, description="Global gradient-norm clipping (0 = off).")
     precision: Literal["auto", "bf16", "fp16", "fp32", "bf16-autocast"] = Field(
         "auto", description="auto = bf16 on CUDA; on a CPU, bf16-autocast where it multiplies bfloat16 faster "
         "than float32 (measured once per machine, mtptrain/runtime/choice.py), fp32 elsewhere. bf16 / fp16 = "
         "DeepSpeed's mixed precision; bf16-autocast = float32 weights, gradients and optimizer, with the products "
         "of the forward (and so of the backward) in bfloat16 under torch.autocast.")
-    zero_stage: int = Field(
+    zero_stage: Int = Field(
         1, description="DeepSpeed ZeRO stage 0, 1 or 2. Stage 3 is refused: it partitions the parameters "
         "themselves, which a draft head of one decoder layer does not need, and the export and rank-0 "
         "validation read whole parameters.")
@@ -247,12 +264,12 @@ class TrainConfig(_Section):
         "cross-entropy against the target (forward KL); tv = 1 - alpha, alpha = sum min(p, q) being the acceptance "
         "probability of speculative sampling; lk = -log alpha; lk-hybrid = a KL / TV blend weighted by "
         "exp(-loss_eta * alpha), KL while acceptance is low and TV as it grows. alpha is logged for all of them.")
-    loss_eta: float = Field(3.0, gt=0, description="lk-hybrid: how fast the blend moves from KL to TV with alpha.")
-    loss_chunk: int = Field(1024, ge=1, description="Positions per chunk of full-vocabulary logits.")
-    num_workers: int = Field(1, ge=0, description="Data-loader worker processes.")
-    log_every: int = Field(10, ge=1, description="Steps between logged metrics.")
-    eval_every: int = Field(100, ge=1, description="Steps between validation passes.")
-    checkpoint_every: int = Field(200, ge=1, description="Steps between checkpoints (and one at the end).")
+    loss_eta: Float = Field(3.0, gt=0, description="lk-hybrid: how fast the blend moves from KL to TV with alpha.")
+    loss_chunk: Int = Field(1024, ge=1, description="Positions per chunk of full-vocabulary logits.")
+    num_workers: Int = Field(1, ge=0, description="Data-loader worker processes.")
+    log_every: Int = Field(10, ge=1, description="Steps between logged metrics.")
+    eval_every: Int = Field(100, ge=1, description="Steps between validation passes.")
+    checkpoint_every: Int = Field(200, ge=1, description="Steps between checkpoints (and one at the end).")
     engine_eval: EngineEvalConfig = EngineEvalConfig()
     head_dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="dtype of the floating-point weights written to output_dir/head (bfloat16 halves "
@@ -286,21 +303,21 @@ def _distinct_positive(value: list[int]) -> list[int]:
 
 
 # A swept list of sizes: each size is measured once, in increasing order.
-DistinctPositive = Annotated[list[int], AfterValidator(_distinct_positive)]
+DistinctPositive = Annotated[list[Int], AfterValidator(_distinct_positive)]
 
 
 class TreeConfig(_Section):
     """The tree method: EAGLE-2 trees drafted by an eagle/eagle3 head."""
-    branch: int = Field(4, ge=1, description="Children per expanded node, and nodes expanded per level.")
-    depth: int = Field(5, ge=1, description="Levels drafted.")
+    branch: Int = Field(4, ge=1, description="Children per expanded node, and nodes expanded per level.")
+    depth: Int = Field(5, ge=1, description="Levels drafted.")
     budgets: DistinctPositive = Field([8, 16, 32], description="Node budgets swept (tokens the target verifies).")
 
 
 class NgramConfig(_Section):
     """The ngram method: prompt lookup, drafting what followed an earlier occurrence of the last n tokens."""
-    min: int = Field(2, ge=1, description="Shortest suffix matched. 1 also drafts after a single repeated token: "
+    min: Int = Field(2, ge=1, description="Shortest suffix matched. 1 also drafts after a single repeated token: "
                      "as many accepted tokens, at two to three times the tokens verified (docs/benchmarks.md).")
-    max: int = Field(3, ge=1, description="Longest suffix matched.")
+    max: Int = Field(3, ge=1, description="Longest suffix matched.")
 
     @model_validator(mode="after")
     def _ordered(self) -> NgramConfig:
@@ -313,20 +330,20 @@ class NgramConfig(_Section):
 class DraftConfig(_Section):
     """The draft and ssd-draft methods' draft model; they need exactly one of the two."""
     model: str | None = Field(None, description="A causal LM with the target's tokenizer (hub id, dir).")
-    layers: int | None = Field(None, ge=1, description="Use the target cut to its first N layers.")
+    layers: Int | None = Field(None, ge=1, description="Use the target cut to its first N layers.")
 
 
 class SSDConfig(_Section):
     """The ssd and ssd-draft methods: speculative speculative decoding."""
-    budget: int = Field(8, ge=0, description="Continuations pre-drafted per verification, spread over the "
+    budget: Int = Field(8, ge=0, description="Continuations pre-drafted per verification, spread over the "
                         "outcomes (drafts accepted, next token) by the measured acceptance rates.")
-    factor: float = Field(1.0, gt=0, le=1, description="Saguaro's C. When sampling, the drafter's top tokens are "
+    factor: Float = Field(1.0, gt=0, le=1, description="Saguaro's C. When sampling, the drafter's top tokens are "
                           "scaled by C, which steers a rejection's token onto the guessed ones (1 = plain sampling; "
                           "no effect at temperature 0).")
     fallback: Literal["draft", "ngram"] = Field(
         "draft", description="On a cache miss, draft afresh, or take a prompt-lookup draft first when there is one "
         "(no drafter latency).")
-    threads: int = Field(1, ge=1, description="On CPU: the drafter process's threads; the target keeps the rest of "
+    threads: Int = Field(1, ge=1, description="On CPU: the drafter process's threads; the target keeps the rest of "
                          "this process's threads while ssd runs.")
     device: str = Field("auto", description="The drafter's device. auto = the second GPU when the target is on a "
                         "GPU and there is one (one GPU: shared with the target, so the overlap is only what the GPU "
@@ -336,12 +353,12 @@ class SSDConfig(_Section):
 class EvalConfig(_Truncation):
     prompts: str = Field("mtbench", description="'mtbench' (the 80 two-turn MT-bench questions, embedded) or a JSONL "
                          "file of {\"turns\": [...]} or {\"prompt\": ...} rows.")
-    max_prompts: int | None = Field(None, ge=1, description="Use only the first N prompts (None = all).")
-    max_turns: int | None = Field(None, ge=1, description="Turns per prompt (None = all; later turns follow the "
+    max_prompts: Int | None = Field(None, ge=1, description="Use only the first N prompts (None = all).")
+    max_turns: Int | None = Field(None, ge=1, description="Turns per prompt (None = all; later turns follow the "
                                   "model's own earlier answers).")
-    max_new_tokens: int = Field(256, ge=1, description="New tokens per turn.")
-    temperature: float = Field(0.0, ge=0, description="0 = greedy (checked for exactness against the baseline).")
-    seed: int = Field(0, description="Seed of the sampling streams.")
+    max_new_tokens: Int = Field(256, ge=1, description="New tokens per turn.")
+    temperature: Float = Field(0.0, ge=0, description="0 = greedy (checked for exactness against the baseline).")
+    seed: Int = Field(0, description="Seed of the sampling streams.")
     methods: list[Literal["ngram", "suffix", "chain", "tree", "draft", "ssd", "ssd-draft"]] = Field(
         ["ngram", "suffix", "chain", "tree"],
         description="Drafting methods, each measured against the autoregressive baseline: ngram (prompt lookup), "
@@ -357,18 +374,18 @@ class EvalConfig(_Truncation):
     ngram: NgramConfig = NgramConfig()
     draft: DraftConfig = DraftConfig()
     ssd: SSDConfig = SSDConfig()
-    repeats: int = Field(3, ge=1, description="Times every configuration generates every request, in an order "
+    repeats: Int = Field(3, ge=1, description="Times every configuration generates every request, in an order "
                          "that changes from one repeat to the next; tokens/s and speedup are the medians over the "
                          "repeats, reported with their spread (tau, acceptance and the exactness checks come from "
                          "the first: decoding is deterministic, and later repeats must reproduce it).")
-    max_spread: float = Field(0.10, ge=0, description="Warn that a speedup is unreliable when it varied over the "
+    max_spread: Float = Field(0.10, ge=0, description="Warn that a speedup is unreliable when it varied over the "
                               "repeats by more than this fraction of its median ((fastest - slowest) / median).")
-    max_other_load: float = Field(0.25, ge=0, description="Warn that every timing is unreliable when other "
+    max_other_load: Float = Field(0.25, ge=0, description="Warn that every timing is unreliable when other "
                                   "processes kept more than this many CPU cores busy on average while eval measured "
                                   "(read from /proc/stat; unknown elsewhere, which the report says).")
-    near_tie: float = Field(1e-3, ge=0, description="At temperature 0 a divergence from the baseline is accepted "
+    near_tie: Float = Field(1e-3, ge=0, description="At temperature 0 a divergence from the baseline is accepted "
                             "only where the baseline's top-2 logit gap is below this (a float near-tie).")
-    near_tie_ulps: float = Field(4, ge=0, description="In bfloat16 or float16 the near-tie bound is at least this "
+    near_tie_ulps: Float = Field(4, ge=0, description="In bfloat16 or float16 the near-tie bound is at least this "
                                  "many rounding steps (units in the last place) of the largest logit in "
                                  "magnitude: the logits carry rounding errors of that scale, so a batched and a "
                                  "one-token forward can order two of them either way.")
@@ -398,17 +415,17 @@ class ExportConfig(_Section):
     sglang_ids: Literal["auto", "before-25454", "since-25454"] = Field(
         "auto", description="eagle3 with feature layers not starting at layer 1: the SGLang numbering to write "
         "(its PR #25454 changed how it reads them).")
-    speculative_tokens: int | None = Field(
+    speculative_tokens: Int | None = Field(
         None, ge=1, description="speculators: draft length `vllm serve` uses (default: the head's TTT steps).")
 
 
 class SlurmStage(_Section):
-    nodes: int = Field(1, ge=1, description="Nodes of the allocation.")
-    tasks_per_node: int = Field(
+    nodes: Int = Field(1, ge=1, description="Nodes of the allocation.")
+    tasks_per_node: Int = Field(
         8, ge=1, description="precompute, eval: one task (rank) per GPU; train: processes per node, started by "
         "one torchrun launcher per node.")
-    gpus_per_node: int = Field(8, ge=0, description="GPUs per node (0 on CPU clusters: gloo instead of NCCL).")
-    cpus_per_task: int | None = Field(None, ge=1, description="CPUs per task (train: per node's launcher); "
+    gpus_per_node: Int = Field(8, ge=0, description="GPUs per node (0 on CPU clusters: gloo instead of NCCL).")
+    cpus_per_task: Int | None = Field(None, ge=1, description="CPUs per task (train: per node's launcher); "
                                       "None = the cluster's default.")
     mem: str | None = Field(None, description="Memory per node, e.g. 400G; None = the cluster's default.")
     time: str = Field("04:00:00", description="Time limit (HH:MM:SS or D-HH:MM:SS).")
@@ -423,8 +440,8 @@ class SlurmTrain(SlurmStage):
 
 
 class SlurmEval(SlurmStage):
-    tasks_per_node: int = Field(1, ge=1, description="Always 1: eval runs one process.")
-    gpus_per_node: int = Field(1, ge=0, description="GPUs (0 on CPU clusters).")
+    tasks_per_node: Int = Field(1, ge=1, description="Always 1: eval runs one process.")
+    gpus_per_node: Int = Field(1, ge=0, description="GPUs (0 on CPU clusters).")
 
     @field_validator("nodes", "tasks_per_node")
     @classmethod
@@ -443,7 +460,7 @@ class SlurmConfig(_Section):
                         "`mtptrain slurm` (so its virtual environment must be on the shared file system).")
     output_dir: str | None = Field(None, description="Rendered scripts, the resolved recipe and job logs "
                                    "(default: <train.output_dir>/slurm).")
-    warning_seconds: int = Field(
+    warning_seconds: Int = Field(
         300, ge=10, description="train: Slurm signals the batch script this long before the time limit (or on "
         "preemption); the trainer checkpoints at its next step and the job requeues itself.")
     # One class per stage, so that overriding one key keeps the stage's other defaults.
@@ -480,6 +497,31 @@ class Recipe(_Section):
 
 # --------------------------------------------------------------------------- loading
 
+_ALIASES_REFUSED = ("YAML aliases (*name) are refused in recipes, as a few nested ones expand to billions of values: "
+                   "write the value out")
+
+
+class _Alias(yaml.YAMLError):
+    """An alias met while composing; the caller names the file or --set it came from."""
+
+    def __init__(self, line: int):
+        super().__init__(f"alias on line {line}")
+        self.line = line
+
+
+class _NoAliasLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that stops at the first alias, before anything is built: composing shares an alias's node,
+    but everything that walks the loaded value (validation, an error message quoting it) expands it."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            raise _Alias(self.peek_event().start_mark.line + 1)
+        return super().compose_node(parent, index)
+
+
+def _load_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_NoAliasLoader)  # noqa: S506 (a SafeLoader)
+
 
 def load_recipe(path: str | Path | None = None, overrides: list[str] | None = None) -> Recipe:
     """Read a YAML recipe (or the defaults when `path` is None), apply `a.b=c` overrides, validate."""
@@ -491,7 +533,9 @@ def load_recipe(path: str | Path | None = None, overrides: list[str] | None = No
         if not path.is_file():
             raise RecipeError(f"recipe {path} does not exist")
         try:
-            loaded = yaml.safe_load(path.read_text())
+            loaded = _load_yaml(path.read_text())
+        except _Alias as alias:
+            raise RecipeError(f"recipe {path}, line {alias.line}: {_ALIASES_REFUSED}") from None
         except yaml.YAMLError as exc:
             raise RecipeError(f"recipe {path} is not valid YAML: {exc}") from exc
         if loaded is not None and not isinstance(loaded, dict):
@@ -513,7 +557,9 @@ def apply_override(raw: dict[str, Any], item: str) -> tuple[str, ...]:
     if not all(keys):
         raise RecipeError(f"override {item!r} has an empty key")
     try:
-        value = yaml.safe_load(value_text) if value_text.strip() else None
+        value = _load_yaml(value_text) if value_text.strip() else None
+    except _Alias:
+        raise RecipeError(f"override {item!r}: {_ALIASES_REFUSED}") from None
     except yaml.YAMLError:
         value = value_text
     node = raw

@@ -1,10 +1,14 @@
 import re
+import resource
+import subprocess
+import sys
+import typing
 from pathlib import Path
 
 import pytest
 import yaml
 
-from mtptrain.config import RecipeError, dump_recipe, load_recipe
+from mtptrain.config import Recipe, RecipeError, _sections, dump_recipe, load_recipe
 
 RECIPES = sorted(Path(__file__).resolve().parents[1].joinpath("recipes").glob("*.yaml"))
 
@@ -156,3 +160,58 @@ def test_one_tracking_section_holds_the_wandb_settings_of_every_stage():
             load_recipe(None, [f"{stage}.wandb_project=p"])
     with pytest.raises(RecipeError, match=r"unknown key 'wandb_group'.*did you mean 'tracking.group'"):
         load_recipe(None, ["wandb_group=g"])
+
+
+# Billion laughs: nine lines of nested aliases stand for 9^9 (387 million) strings.
+ALIAS_BOMB = 'a: &a ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]\n' + "".join(
+    f"{name}: &{name} [{', '.join([f'*{prev}'] * 9)}]\n" for prev, name in zip("abcdefgh", "bcdefghi"))
+
+
+def _limit_memory() -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+
+
+def test_a_yaml_alias_bomb_is_refused_before_it_expands(tmp_path):
+    """Run in a process of its own, bounded in memory and time: expanding the aliases took 9 GB."""
+    path = tmp_path / "bomb.yaml"
+    path.write_text(ALIAS_BOMB + "data:\n  source: *i\n")
+    result = subprocess.run([sys.executable, "-m", "mtptrain.cli", "recipe", "-r", str(path)], capture_output=True,
+                            text=True, timeout=30, preexec_fn=_limit_memory)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.startswith(f"error: recipe {path}, line 2: YAML aliases"), result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+
+
+def test_an_alias_in_a_set_value_is_refused():
+    with pytest.raises(RecipeError, match=r"override 'data.source=\[&a \[1, 2\], \*a\]': YAML aliases"):
+        load_recipe(None, ["data.source=[&a [1, 2], *a]"])
+
+
+def _number_fields():
+    """(dotted key, a boolean written where the field takes a number or a list of them) for every such field."""
+    def takes(annotation, kind) -> bool:
+        return kind in (annotation, typing.get_origin(annotation)) or any(takes(arg, kind)
+                                                                          for arg in typing.get_args(annotation))
+
+    for path, model in _sections(Recipe, ()):
+        for name, field in model.model_fields.items():
+            if takes(field.annotation, int) or takes(field.annotation, float):
+                listed = takes(field.annotation, list)
+                yield ".".join([*path, name]), "[true]" if listed else "true"
+
+
+def test_a_boolean_is_not_a_number_in_any_field(tmp_path):
+    fields = dict(_number_fields())
+    assert {"train.micro_batch_size", "precompute.layers", "eval.k", "train.lr", "slurm.eval.nodes"} <= set(fields)
+    for key, value in fields.items():
+        item = f"{key}={value}"
+        with pytest.raises(RecipeError, match=rf"  {re.escape(key)}\b\S*: .*\(from --set {re.escape(item)}\)"):
+            load_recipe(None, [item])
+    path = tmp_path / "r.yaml"
+    path.write_text("train:\n  micro_batch_size: true\n")
+    with pytest.raises(RecipeError, match=rf"{re.escape(str(path))}: invalid recipe\n  train.micro_batch_size: "):
+        load_recipe(path)
+    path.write_text("train:\n  micro_batch_size: 8\n  lr: 3e-4\n")
+    recipe = load_recipe(path, ["train.grad_accum=2", "precompute.layers=[0, 3]"])
+    assert (recipe.train.micro_batch_size, recipe.train.lr, recipe.train.grad_accum) == (8, 3e-4, 2)
+    assert recipe.precompute.layers == [0, 3]

@@ -29,7 +29,7 @@ from tqdm import tqdm
 from mtptrain.data.chat import prompt_ids, stop_tokens
 from mtptrain.errors import MtptrainError
 from mtptrain.eval.drafters import draft_lm, head_parts
-from mtptrain.eval.prompts import load_prompts
+from mtptrain.eval.prompts import check_lengths, load_prompts, request_ids, token_limit
 from mtptrain.eval.report import write_report
 from mtptrain.config import Recipe, TargetConfig
 from mtptrain.engine.draft_model import DraftModelProposer, truncated_target
@@ -295,6 +295,8 @@ def run_eval(recipe: Recipe, wandb: str | None = None, show_progress: bool = Tru
     out_dir = Path(ev.output_dir)
     prompts = load_prompts(ev.prompts, ev.max_prompts)
     target = load_target(recipe.target)
+    limit = token_limit(target.model.config, ev.max_new_tokens, recipe.data.max_length)
+    check_lengths(prompts, target.tokenizer, limit, ev.max_turns)
     sampling = Sampling(ev.temperature, ev.top_k, ev.top_p)
     configs, head_info, notes, modules = build_configs(recipe, target, sampling)
     for note in notes:
@@ -321,7 +323,7 @@ def run_eval(recipe: Recipe, wandb: str | None = None, show_progress: bool = Tru
         with fast_linears(*linears, product=product):
             _warm_up(configs, kept, plain, reading, prompt_ids(target.tokenizer, [{"role": "user", "content": "Hello!"}]),
                      ev, sampling, stops)
-            engine = _Engine(plain, reading, target, ev, sampling, stops)
+            engine = _Engine(plain, reading, target, ev, sampling, stops, limit)
             start = cpu_sample()
             answers = _measure(requests, tallies, kept, engine, show_progress)
             measured = start, cpu_sample()  # before the ssd workers are closed: their CPU is this run's own
@@ -369,6 +371,7 @@ class _Engine:
     ev: object
     sampling: Sampling
     stops: set
+    limit: int  # tokens a request may hold (prompts.token_limit)
 
     def run(self, config: Config, proposer, ids: list[int], seed: int):
         """One timed generation: (result, seconds)."""
@@ -405,7 +408,7 @@ def _measure(requests, tallies, kept, engine: _Engine, show_progress) -> dict[st
         for index, (prompt, turn) in enumerate(requests):
             if repeat == 0:
                 messages = answers.get(prompt.id, []) + [{"role": "user", "content": prompt.turns[turn]}]
-                contexts.append(prompt_ids(engine.target.tokenizer, messages))
+                contexts.append(request_ids(engine.target.tokenizer, messages, engine.limit, prompt.where(turn + 1)))
             for i in run_order(len(tallies), repeat):
                 bar.set_postfix_str(f"{tallies[i].config.label} ({repeat + 1}/{engine.ev.repeats})")
                 _request(tallies, i, proposers[i], engine, contexts[index], index, repeat, prompt, turn)
