@@ -1,20 +1,42 @@
 """Crash-safe file writes: write a temporary name, fsync, rename.
 
 A reader never sees a half-written file under its final name, whatever moment
-the writer is killed at.
+the writer is killed at; a write the disk refuses is said as such (`writing_to`).
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import re
 import secrets
 import socket
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
+
+from safetensors import SafetensorError
+
+from mtptrain.errors import MtptrainError
 
 _CHUNK = 8 << 20
+
+# A write the disk refuses, by errno: what is wrong with the directory, and the way past it.
+_REFUSED = {
+    errno.ENOSPC: ("no space left on {dir}", "Free space there, or {elsewhere}"),
+    errno.EDQUOT: ("the disk quota on {dir} is used up", "Free space there, or {elsewhere}"),
+    errno.EFBIG: ("a file in {dir} would pass the file size limit of this process (ulimit -f)",
+                  "Raise the limit (ulimit -f unlimited in the shell that runs mtptrain)"),
+    errno.EROFS: ("{dir} is read-only", "Make it writable, or {elsewhere}"),
+    errno.EACCES: ("{dir} is not writable by this user", "Make it writable, or {elsewhere}"),
+}
+
+
+class WriteRefusedError(MtptrainError, RuntimeError):
+    """The disk refused a write (full, over the file size limit, read-only); the message says where and what
+    was kept."""
 
 
 def read_marked_json(path: Path, marker: str, error: type[Exception], missing: str) -> dict:
@@ -85,6 +107,39 @@ def contained(directory: Path, name: object, listed_in: Path, entry: str, error:
     raise error(f"{listed_in}: {entry} names {name!r}, which is outside {directory}: a corrupt or hostile "
                 f"{Path(listed_in).name}. Nothing was read from that path. "
                 + (fix or f"Write {Path(listed_in).name} again with the tool that made it."))
+
+
+@contextmanager
+def writing_to(directory: Path, what: str, elsewhere: str, kept: str) -> Iterator[None]:
+    """Raise WriteRefusedError, naming `directory`, for a write under it that the disk refuses; `elsewhere` is the
+    setting that moves `what` to another disk, `kept` says what is left as it was. Other errors pass unchanged.
+
+    safetensors raises its own error, with the errno only in its message ('... (os error 27)'). A refusal that
+    names a path outside `directory` (a file being read, say) is not this write's and passes unchanged too.
+    """
+    try:
+        yield
+    except (OSError, SafetensorError) as exc:
+        refused = _REFUSED.get(_errno(exc))
+        if refused is None or not _inside(getattr(exc, "filename", None), directory):
+            raise
+        reason, fix = (text.format(dir=directory, elsewhere=elsewhere) for text in refused)
+        raise WriteRefusedError(f"cannot write {what}: {reason}. {fix}. {kept}") from exc
+
+
+def _errno(exc: Exception) -> int | None:
+    if isinstance(exc, OSError):
+        return exc.errno
+    found = re.search(r"os error (\d+)\)", str(exc))
+    return int(found.group(1)) if found else None
+
+
+def _inside(filename: object, directory: Path) -> bool:
+    """Whether a failing call's path lies in `directory` or one of the parents it creates (unnamed: a write)."""
+    if not filename:
+        return True
+    path, root = Path(os.fsdecode(filename)).absolute(), Path(directory).absolute()
+    return path.is_relative_to(root) or root.is_relative_to(path)
 
 
 def sha256_file(path: Path) -> str:

@@ -17,7 +17,7 @@ from mtptrain.export.readme import export_readme
 from mtptrain.export.sidecar import EXPORT_FILES, EXPORT_FORMAT, SIDECAR, ExportError
 from mtptrain.export.source import HeadSource, open_head
 from mtptrain.heads.checkpoint import head_directory
-from mtptrain.io import tmp_name
+from mtptrain.io import tmp_name, writing_to
 
 
 def run_export(recipe: Recipe) -> dict:
@@ -75,13 +75,15 @@ def _write(form: Format, src: HeadSource, written: Written, sidecar: dict, measu
            served: str) -> None:
     stage, old = tmp_name(out), tmp_name(out)
     try:
-        stage.mkdir(parents=True)
-        save_file(written.tensors, str(stage / "model.safetensors"), metadata={"format": "pt"})
-        write_json(stage / "config.json", written.config)
-        write_json(stage / SIDECAR, sidecar)
-        (stage / "README.md").write_text(export_readme(form, src, written, sidecar, measured, out, served))
-        for path in stage.iterdir():  # readable by a server running as another user (safetensors writes 0600)
-            path.chmod(0o644)
+        with writing_to(out.parent, f"the export {out}", "set export.output_dir to a directory on another disk",
+                        f"Nothing was left half-written: {out} is as it was."):
+            stage.mkdir(parents=True)
+            save_file(written.tensors, str(stage / "model.safetensors"), metadata={"format": "pt"})
+            write_json(stage / "config.json", written.config)
+            write_json(stage / SIDECAR, sidecar)
+            (stage / "README.md").write_text(export_readme(form, src, written, sidecar, measured, out, served))
+            for path in stage.iterdir():  # readable by a server running as another user (safetensors writes 0600)
+                path.chmod(0o644)
         failures = check_export(stage, src.target_config,
                                 src.target_layer_shapes() if form.name == "deepseek-mtp" else None)
         if failures:

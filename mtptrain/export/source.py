@@ -14,12 +14,11 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file
 
 from mtptrain.config import EMBEDDED_TARGET, TargetConfig
 from mtptrain.export.formats import read_export
 from mtptrain.export.sidecar import ExportError, is_export
-from mtptrain.heads.checkpoint import head_from, read_head_config
+from mtptrain.heads.checkpoint import head_from, read_head
 from mtptrain.heads.spec import HeadSpec
 from mtptrain.heads.common import FrozenTarget
 from mtptrain.target import (
@@ -161,7 +160,7 @@ def read_head_files(directory: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     directory = Path(directory)
     if is_export(directory):
         return read_export(directory)
-    return read_head_config(directory), load_file(str(directory / "model.safetensors"))
+    return read_head(directory)
 
 
 def load_head_directory(directory: Path, frozen: FrozenTarget, target_identity: dict):

@@ -19,9 +19,11 @@ from tqdm import tqdm
 
 from mtptrain.data.samples import Sample
 from mtptrain.config import Recipe
+from mtptrain.errors import MtptrainError
 from mtptrain.features.plan import ShardPlan, make_batches
 from mtptrain.features.store import FP8, READ_DTYPE, ShardRecord, quantize_rows, read_complete_record, write_shard
 from mtptrain.heads.common import FrozenTarget
+from mtptrain.io import writing_to
 from mtptrain.runtime.batch import capture_states
 from mtptrain.target import Target
 
@@ -76,6 +78,15 @@ class _ShardBuffer:
         self.pending -= 1
 
 
+def store_writes(out_dir: Path):
+    """A write into the store that the disk refuses, said as such: shards and records are written atomically,
+    so the complete ones stay and a rerun resumes after them."""
+    return writing_to(out_dir, "the feature store",
+                      "set precompute.output_dir to a directory on another disk (a new directory starts afresh)",
+                      "Every complete shard is kept (nothing half-written is left), and rerunning the same command "
+                      "resumes after them.")
+
+
 class ShardWriter:
     """A background thread that assembles shards from finished batches and writes them."""
 
@@ -88,8 +99,7 @@ class ShardWriter:
         self._thread.start()
 
     def put(self, item) -> None:
-        if self.error is not None:
-            raise RuntimeError("the shard writer failed") from self.error
+        self._raise_failure()
         self._queue.put(item)
 
     def close(self) -> list[ShardRecord]:
@@ -97,9 +107,16 @@ class ShardWriter:
         if self._thread.is_alive():
             self._queue.put(None)
             self._thread.join()
+        self._raise_failure()
+        return self.records
+
+    def _raise_failure(self) -> None:
+        """The writer thread's error in the main thread: a project error (a full disk) as it is, any other as
+        the bug it is."""
+        if isinstance(self.error, MtptrainError):
+            raise self.error
         if self.error is not None:
             raise RuntimeError("the shard writer failed") from self.error
-        return self.records
 
     def _run(self) -> None:
         try:
@@ -121,10 +138,11 @@ class ShardWriter:
             quantized = {layer: quantize_rows(states) for layer, states in hidden.items()}
             hidden = {layer: q for layer, (q, _) in quantized.items()}
             scales = {layer: scale for layer, (_, scale) in quantized.items()}
-        return write_shard(self.out_dir / buffer.plan.name, buffer.plan.split, [s.key for s in samples],
-                           np.concatenate([s.input_ids for s in samples]),
-                           np.concatenate([s.loss_mask for s in samples]), offsets, hidden,
-                           self.plan_id, self.rank, target_top=buffer.top, scales=scales)
+        with store_writes(self.out_dir):
+            return write_shard(self.out_dir / buffer.plan.name, buffer.plan.split, [s.key for s in samples],
+                               np.concatenate([s.input_ids for s in samples]),
+                               np.concatenate([s.loss_mask for s in samples]), offsets, hidden,
+                               self.plan_id, self.rank, target_top=buffer.top, scales=scales)
 
 
 def _to_host(states: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

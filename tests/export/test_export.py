@@ -23,7 +23,7 @@ from mtptrain.export.formats.eagle3 import sglang_layer_ids, vllm_layer_ids
 from mtptrain.export.source import open_head
 from mtptrain.heads import FrozenTarget
 from mtptrain.export.source import load_head_directory
-from mtptrain.heads.checkpoint import save_head
+from mtptrain.heads.checkpoint import config_digest, save_head
 from mtptrain.heads.spec import HeadSpec
 from mtptrain.heads.eagle3 import DraftVocab
 from mtptrain.target import LayerCapture
@@ -364,6 +364,7 @@ def test_every_export_checks_the_recorded_target_without_export_target(fmt, targ
     head_dir = save_trained_like_head(target_dir, tmp_path / "head", SPECS[fmt])
     config = json.loads((head_dir / "config.json").read_text())
     config["target"]["fingerprint"] = "f" * 32
+    config["sha256"]["config"] = config_digest(config)  # as trained for that target, not edited after training
     (head_dir / "config.json").write_text(json.dumps(config))
     with pytest.raises(ExportError, match="has fingerprint .* but the head was trained for") as err:
         export_head(head_dir, tmp_path / "out", ExportConfig(format=fmt))

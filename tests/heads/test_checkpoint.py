@@ -1,12 +1,15 @@
+import json
+import logging
+import re
 from collections import Counter
 
 import pytest
 import torch
 from conftest import make_tiny_llama
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from mtptrain.heads import FrozenTarget
-from mtptrain.heads.checkpoint import HeadCheckpointError, load_head, save_head
+from mtptrain.heads.checkpoint import PRETRAINED_HEAD, HeadCheckpointError, load_head, read_head, save_head
 from mtptrain.heads.spec import HeadSpec
 from mtptrain.heads.eagle3 import DraftVocab
 
@@ -34,3 +37,57 @@ def test_saved_head_loads_back_identical_and_refuses_another_target(spec, tmp_pa
         assert torch.equal(loaded.state_dict()[name], tensor), name
     with pytest.raises(HeadCheckpointError, match="trained for target 'tiny'"):
         load_head(tmp_path, frozen, {**IDENTITY, "name": "other", "fingerprint": "bbb"})
+
+
+EAGLE3 = HeadSpec("eagle3", last_layer=3, feature_layers=[0, 1, 2], ttt_steps=2, draft_vocab_size=50)
+
+
+def saved_eagle3(directory):
+    """A tiny eagle3 head saved as training saves it, and the frozen target it drafts for."""
+    frozen = FrozenTarget.of(make_tiny_llama(400))
+    vocab = DraftVocab.from_counts(Counter({i: 400 - i for i in range(0, 400, 3)}), 50, 400)
+    save_head(directory, EAGLE3.family.build(EAGLE3, frozen, vocab), EAGLE3, IDENTITY)
+    return frozen
+
+
+def test_a_config_edited_after_training_is_refused_and_a_reformatted_one_is_not(tmp_path):
+    frozen = saved_eagle3(tmp_path)
+    path = tmp_path / "config.json"
+    config = json.loads(path.read_text())
+    path.write_text(json.dumps(dict(reversed(config.items())), indent=4))  # the same content, laid out anew
+    assert load_head(tmp_path, frozen, IDENTITY)[1] == EAGLE3
+    config["head"]["feature_layers"] = [0, 2, 1]  # layer ids the weights were not trained on
+    path.write_text(json.dumps(config, indent=2))
+    with pytest.raises(HeadCheckpointError, match=rf"{re.escape(str(path))}: the head's config was changed after "
+                                                  r"training .* Undo the edit .* or train the head again"):
+        load_head(tmp_path, frozen, IDENTITY)
+
+
+def test_weights_replaced_after_training_are_refused(tmp_path):
+    frozen = saved_eagle3(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    state = load_file(weights)
+    name = next(k for k, v in state.items() if v.is_floating_point())
+    state[name] = state[name] + 1
+    save_file(state, weights)
+    with pytest.raises(HeadCheckpointError, match=rf"{re.escape(str(weights))} was changed after training"):
+        load_head(tmp_path, frozen, IDENTITY)
+
+
+def test_a_head_written_before_digests_loads_with_one_warning(tmp_path, caplog):
+    frozen = saved_eagle3(tmp_path)
+    path = tmp_path / "config.json"
+    config = json.loads(path.read_text())
+    del config["sha256"]
+    path.write_text(json.dumps(config, indent=2))
+    with caplog.at_level(logging.WARNING, logger="mtptrain.heads.checkpoint"):
+        assert load_head(tmp_path, frozen, IDENTITY)[1] == EAGLE3
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{path} records no sha256 of the head (written before mtptrain recorded one): it is used unchecked; "
+        "train the head again to have edits after training caught"]
+
+
+def test_the_shipped_head_records_the_digests_of_its_files(caplog):
+    with caplog.at_level(logging.WARNING):
+        config, state = read_head(PRETRAINED_HEAD)
+    assert set(config["sha256"]) == {"config", "weights"} and state and not caplog.records

@@ -22,6 +22,7 @@ from mtptrain.export.formats.eagle import Eagle
 from mtptrain.export.formats.eagle3 import Eagle3, Speculators
 from mtptrain.export.formats.mtp import DeepSeekMTP
 from mtptrain.export.sidecar import SIDECAR, ExportError, read_sidecar, sidecar_weights
+from mtptrain.heads.checkpoint import check_config_digest
 from mtptrain.heads.spec import HeadSpec
 
 FORMATS: dict[str, Format] = {f.name: f for f in (Eagle3(), Speculators(), Eagle(), DeepSeekMTP())}
@@ -47,4 +48,5 @@ def read_export(directory: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     path = sidecar_weights(directory, sidecar)
     if not path.is_file():
         raise ExportError(f"{path} is missing: the export directory is incomplete; export again")
+    check_config_digest(sidecar["head_config"], Path(directory) / SIDECAR)  # the head's config, as trained
     return sidecar["head_config"], FORMATS[sidecar["export_format"]].to_head(load_file(str(path)), sidecar)
