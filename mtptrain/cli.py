@@ -315,6 +315,28 @@ def slurm(stage: Annotated[str, typer.Argument(help="precompute, train, eval, or
     typer.echo(f"logs: {slurm_dir(cfg) / 'logs'}")
 
 
+@app.command()
+def measure(recipe: RecipeOpt = None, overrides: SetOpt = None) -> None:
+    """Time the runtime's products and attention kernels on the target's shapes again, and cache the result.
+
+    Each stage measures once per machine, CPU, torch version and thread count, and caches the timings in
+    <MTPTRAIN_CACHE or ~/.cache/mtptrain>/runtime-choice.json. Run this after a change the key does not see
+    (a BIOS or VM setting, a new compiler) or to replace a doubtful choice; run it on a quiet machine: timings
+    taken while other processes keep the cores busy are not cached (exit code 1).
+    """
+    from mtptrain.io import cache_root
+    from mtptrain.target import measure_runtime
+
+    cfg = _recipe(recipe, overrides)
+    choice, cached = _guarded(lambda: measure_runtime(cfg.target))
+    typer.echo(f"{cfg.target.model}: {choice.describe()}")
+    if not cached:
+        typer.echo("error: other processes kept the cores busy during the measurement, so it was not cached; "
+                   "run mtptrain measure again when the machine is quiet", err=True)
+        raise typer.Exit(1)
+    typer.echo(f"cached in {cache_root() / 'runtime-choice.json'}")
+
+
 @app.command("recipe")
 def show_recipe(recipe: RecipeOpt = None, overrides: SetOpt = None) -> None:
     """Validate a recipe and print it fully resolved (every default spelled out)."""

@@ -42,8 +42,8 @@ from mtptrain.config import EMBEDDED_TARGET, TargetConfig
 from mtptrain.dist import DistInfo, pick_device
 from mtptrain.embedded import wheel_file
 from mtptrain.errors import MtptrainError
-from mtptrain.io import cache_root, contained, tmp_name
-from mtptrain.runtime.choice import choose
+from mtptrain.io import cache_root, contained, tmp_name, writing_to
+from mtptrain.runtime.choice import Choice, agree, choose, measure
 from mtptrain.runtime.model import SUPPORTED
 
 # transformers (~0.7 s to import) and huggingface_hub's download client (~0.1 s) are imported inside the
@@ -221,8 +221,11 @@ def converted_gguf_dir(gguf_path: Path) -> Path:
     log.info("converting %s to a safetensors model directory (once) ...", gguf_path.name)
     tmp = tmp_name(out)
     try:
-        _convert_gguf(gguf_path, tmp)
-        out.parent.mkdir(parents=True, exist_ok=True)
+        with writing_to(out.parent, f"the safetensors copy of {gguf_path.name} (made once, kept in the cache)",
+                        "set MTPTRAIN_CACHE to a writable directory with room (the cache moves there)",
+                        "Nothing was left half-written."):
+            out.parent.mkdir(parents=True, exist_ok=True)  # a read-only cache is said before the conversion's work
+            _convert_gguf(gguf_path, tmp)
         try:
             os.replace(tmp, out)
         except OSError:
@@ -269,6 +272,28 @@ def pick_dtype(requested: str, device: torch.device, config=None) -> torch.dtype
     if config is None or config.model_type not in SUPPORTED:
         return torch.float32
     return choose(config, device).dtype
+
+
+def agree_on_runtime(cfg: TargetConfig, dist: DistInfo) -> None:
+    """Every rank of a process group runs the target with rank 0's measured dtype and kernels (`choice.agree`).
+    Collective: each stage calls it once on every rank, before loading the target."""
+    device = rank_devices(cfg, dist)[0]
+    if dist.world_size < 2 or device.type != "cpu":
+        return
+    config = load_config(cfg)
+    if config.model_type in SUPPORTED:
+        agree(config, device)
+
+
+def measure_runtime(cfg: TargetConfig) -> tuple[Choice, bool]:
+    """Time the runtime's kernels on the target's shapes again, as `mtptrain measure` does; the choice it makes
+    now and whether it was cached (not when other processes kept the machine busy meanwhile)."""
+    config = load_config(cfg)
+    if config.model_type not in SUPPORTED:
+        raise TargetError(f"{cfg.model} ({config.model_type}) runs on transformers' forward: the runtime measures "
+                          f"nothing for it (it runs {', '.join(sorted(SUPPORTED))})")
+    _, source = measure(config)
+    return choose(config, torch.device("cpu"), cfg.dtype), source == "measured"
 
 
 def pick_attention(requested: str, device: torch.device) -> str:
@@ -335,9 +360,10 @@ def load_frozen_target(cfg: TargetConfig, dist: DistInfo | None = None) -> Targe
     dist = dist or DistInfo()
     source, name = resolve_local_dir(cfg)
     device = pick_device(cfg.device, dist)
-    dtype = pick_dtype(cfg.dtype, device)
+    config = load_config(cfg, source)
+    dtype = pick_dtype(cfg.dtype, device, config)  # the dtype the whole target loads in: its parts must equal it
     tokenizer = load_tokenizer(cfg)
-    model = _skeleton(load_config(cfg, source), dtype, cfg)
+    model = _skeleton(config, dtype, cfg)
     tensors = _read_checkpoint_tensors(source, cfg, [param_name for param_name, _ in frozen_parameters(model)])
     if tensors is None:
         return None

@@ -1,7 +1,10 @@
 """Loading the target in part (training) and split over several devices (precompute and eval of large targets)."""
 
+import errno
 import json
 import logging
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +13,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from conftest import make_tiny_llama, make_tokenizer
 from mtptrain.config import TargetConfig, load_recipe
 from mtptrain.dist import DistInfo
+from mtptrain.io import WriteRefusedError
+import mtptrain.target as target_module
 from mtptrain.target import (
     _skeleton, frozen_parameters, identity_mismatch, load_frozen_target, load_identified_parts, load_target,
     model_fingerprint, rank_devices, split_device_map,
@@ -216,3 +221,38 @@ def test_a_hub_id_found_in_the_hub_cache_loads_with_the_hub_out_of_reach(tmp_pat
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     assert len(load_tokenizer(TargetConfig(model="org/tiny"))) == len(make_tokenizer())
+
+
+@pytest.mark.parametrize("refusal", ["read-only", "full"])
+def test_a_cache_that_refuses_the_converted_gguf_names_its_directory_and_mtptrain_cache(tmp_path, monkeypatch,
+                                                                                          refusal):
+    """HOME read-only on a fresh machine, or its disk full: tests run as root, so the file system's answer is
+    simulated, at the first directory the cache needs or at the conversion's first write."""
+    home, mkdir = tmp_path / "home", Path.mkdir
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv("MTPTRAIN_CACHE", raising=False)
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+
+    def read_only(self, *args, **kwargs):
+        if self.is_relative_to(home):
+            raise OSError(errno.EROFS, "Read-only file system", str(self))
+        return mkdir(self, *args, **kwargs)
+
+    def convert(gguf_path, out):  # what save_pretrained does first: make the directory, then write into it
+        out.mkdir(parents=True)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    if refusal == "read-only":
+        monkeypatch.setattr(Path, "mkdir", read_only)
+    monkeypatch.setattr(target_module, "_convert_gguf", convert)
+    cache = home / ".cache" / "mtptrain" / "targets"
+    reason = f"{cache} is read-only. Make it writable" if refusal == "read-only" else \
+        f"no space left on {cache}. Free space there"
+    with pytest.raises(WriteRefusedError, match=re.escape(
+            f"cannot write the safetensors copy of model.gguf (made once, kept in the cache): {reason}, or set "
+            "MTPTRAIN_CACHE to a writable directory with room (the cache moves there). Nothing was left "
+            "half-written.")):
+        target_module.converted_gguf_dir(gguf)
+    assert not cache.exists() or not any(cache.iterdir())

@@ -9,7 +9,9 @@ writes the manifest (under torchrun, rank 0 after a barrier).
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -17,21 +19,24 @@ from mtptrain.data.prepare import prepare_samples
 from mtptrain.data.samples import RowStats
 from mtptrain.config import Recipe, dump_recipe
 from mtptrain.dist import DistInfo, all_reduce_sum, barrier, destroy_process_group, init_process_group
-from mtptrain.features.compute import RankResult, compute_shards
+from mtptrain.features.compute import RankResult, compute_shards, store_writes
 from mtptrain.features.plan import ShardPlan, make_plan_id, plan_shards, resolve_layers
 from mtptrain.features.store import (
     MANIFEST, SCHEMA_VERSION, SPLITS, FeatureStoreError, load_manifest, read_complete_record, record_path,
     stored_bits, write_manifest,
 )
-from mtptrain.io import atomic_write_json, sha256_file
-from mtptrain.target import Target, load_target
+from mtptrain.io import atomic_write_json, sha256_file, tmp_name
+from mtptrain.runtime.runner import runtime_record
+from mtptrain.target import Target, agree_on_runtime, load_target
 from mtptrain.tracking import init_run
 
 log = logging.getLogger(__name__)
 
+RUNTIME_FILE = "runtime.json"  # the target's compute dtype and kernels that computed the store's shards
+
 
 def build_manifest(out_dir: Path, plan: list[ShardPlan], plan_id: str, target: Target, layers: list[int],
-                   recipe: Recipe, stats: RowStats) -> dict | None:
+                   recipe: Recipe, stats: RowStats, runtime: dict) -> dict | None:
     """The manifest, if every planned shard is complete; None while some are missing."""
     records = [read_complete_record(out_dir / shard.name, plan_id) for shard in plan]
     if any(r is None for r in records):
@@ -46,6 +51,7 @@ def build_manifest(out_dir: Path, plan: list[ShardPlan], plan_id: str, target: T
         "last_layer": target.num_layers - 1,
         "layer_convention": "output of decoder layer i, 0-based; the last layer is stored before the final norm",
         "dtype": recipe.precompute.dtype,
+        "runtime": runtime,  # what computed the features: the target's compute dtype and kernels
         "max_length": recipe.data.max_length,
         "data": {**recipe.data.model_dump(mode="json"), "rows": stats.to_dict()},
         "plan_id": plan_id,
@@ -80,7 +86,9 @@ def _log_wandb(recipe: Recipe, summary: dict, mode: str) -> None:
 
 def _precompute(recipe: Recipe, dist: DistInfo, grouped: bool, show_progress: bool) -> dict:
     out_dir = Path(recipe.precompute.output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    with store_writes(out_dir):
+        out_dir.mkdir(parents=True, exist_ok=True)
+    agree_on_runtime(recipe.target, dist)  # every rank computes its shards with rank 0's dtype and kernels
     target = load_target(recipe.target, dist)
     layers = resolve_layers(recipe.precompute.layers, target.num_layers)
     samples, stats = prepare_samples(recipe.data, target.tokenizer, show_progress=show_progress)
@@ -95,7 +103,7 @@ def _precompute(recipe: Recipe, dist: DistInfo, grouped: bool, show_progress: bo
     existing = _existing_manifest(out_dir)
     if existing is not None and existing["plan_id"] != plan_id:
         raise FeatureStoreError(f"{out_dir / MANIFEST} belongs to a store made by another recipe (other data, "
-                                "target, layers or dtype). Use a new precompute.output_dir, or delete this one.")
+                                "target, layers or dtype); nothing in it was changed. Use a new precompute.output_dir.")
     mine = plan[dist.rank :: dist.world_size]
     damaged = _drop_damaged(out_dir, mine, plan_id)
     if grouped:  # every rank takes the same branch below, or the others would wait at a barrier forever
@@ -107,22 +115,61 @@ def _precompute(recipe: Recipe, dist: DistInfo, grouped: bool, show_progress: bo
         log.warning("%s lists shards that are missing or damaged: recomputing them", out_dir / MANIFEST)
         (out_dir / MANIFEST).unlink(missing_ok=True)  # rewritten once every shard is back
     if dist.is_main:
-        dump_recipe(recipe, out_dir / "recipe.yaml")
+        with store_writes(out_dir):
+            dump_recipe(recipe, out_dir / "recipe.yaml")
     log.info("plan: %d samples, %d tokens, layers %s, %d shards over %d rank(s)", len(samples),
              sum(len(s) for s in samples), layers, len(plan), dist.world_size)
+    runtime = _claim_runtime(out_dir, runtime_record(target.model, recipe.target.runtime, batched=True))
     _remove_stale_temporaries(out_dir, mine)
     result = compute_shards(target, mine, layers, recipe, out_dir, plan_id, dist.rank, show_progress)
     if grouped:
         barrier()
     manifest, wrote = None, False
     if dist.is_main or not grouped:
-        manifest = build_manifest(out_dir, plan, plan_id, target, layers, recipe, stats)
+        manifest = build_manifest(out_dir, plan, plan_id, target, layers, recipe, stats, runtime)
         if manifest is not None:
-            write_manifest(out_dir, manifest)
+            with store_writes(out_dir):
+                write_manifest(out_dir, manifest)
             wrote = True
     if grouped:
         barrier()
     return _finish(out_dir, manifest, result, dist, bytes_per_token, wrote)
+
+
+def _claim_runtime(out_dir: Path, record: dict) -> dict:
+    """The runtime every shard of the store is computed with: the first run (or rank) to get here records its own
+    in RUNTIME_FILE; a later one whose target would compute in another dtype refuses, since a store whose shards
+    differ in precision by which run or rank wrote them trains a head on a mix. Other kernels in the same dtype
+    differ in float32 rounding only: a warning."""
+    path = out_dir / RUNTIME_FILE
+    if not path.exists():
+        tmp = tmp_name(path)
+        try:
+            with store_writes(out_dir):
+                tmp.write_text(json.dumps(record, indent=2) + "\n")
+            os.link(tmp, path)  # atomic, and never over a record another rank made first
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink(missing_ok=True)
+    try:
+        stored = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise FeatureStoreError(f"{path} cannot be read ({exc}): it records how this store's shards were computed. "
+                                "Compute the store into a new precompute.output_dir.") from None
+    if not isinstance(stored, dict) or (stored.get("runtime"), stored.get("dtype")) != \
+            (record["runtime"], record["dtype"]):
+        mine = f"{record['runtime']} runtime in {record['dtype']}"
+        theirs = (f"{stored.get('runtime')} runtime in {stored.get('dtype')}" if isinstance(stored, dict)
+                  else repr(stored))
+        raise FeatureStoreError(
+            f"{path}: this store's shards were computed on the {theirs}, and this run would compute on the {mine}. "
+            f"One store holds one precision: set target.dtype={stored.get('dtype') if isinstance(stored, dict) else '...'}"
+            " (and target.runtime to match) to finish it, or compute into a new precompute.output_dir.")
+    if stored != record:
+        log.warning("%s: the shards so far were computed with other kernels (%s) than this run's (%s); same dtype, "
+                    "so they differ in rounding only", path, stored, record)
+    return stored
 
 
 def _existing_manifest(out_dir: Path) -> dict | None:
@@ -181,7 +228,8 @@ def _finish(out_dir: Path, manifest: dict | None, result: RankResult, dist: Dist
         "min_bytes_per_token": min_bytes_per_token,
     })
     if wrote_manifest:
-        atomic_write_json(out_dir / "summary.json", summary)
+        with store_writes(out_dir):
+            atomic_write_json(out_dir / "summary.json", summary)
     return summary
 
 

@@ -25,25 +25,36 @@ Two choices depend on the CPU more than on anything else, so they are measured r
 The products are timed on the model's own shapes (its attention and MLP projections) over 1, 4 and 8
 rows (and over BATCH_PRODUCT_ROWS for batches), the attention on its heads over 512 cached positions (and
 over 256 for BATCH_ROWS rows); the answer is cached in `<cache_root>/runtime-choice.json` under a key naming
-the CPU, torch's version, the thread count and the shapes, so each machine measures once. On a GPU nothing is measured: bfloat16 and
-`F.linear`.
+the CPU, torch's version, the thread count and the shapes, so each machine measures once. On a GPU nothing is
+measured: bfloat16 and `F.linear`.
+
+The cache is a file anyone can edit, and a measurement is only as good as the machine was quiet:
+- every entry is checked before use (known kernels, positive timings); one that does not validate is dropped
+  with one warning and measured again;
+- a measurement taken while other processes kept more than MAX_OTHER_LOAD cores busy is used by that process
+  only, never cached (a choice measured under load once made every later run three times slower);
+- `mtptrain measure` measures again on demand;
+- the ranks of a process group use rank 0's timings (`agree`): what a feature store or a checkpoint holds must
+  not depend on which rank computed it, nor on how each rank's own measurement came out.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
+import torch.distributed as torch_dist
 import torch.nn.functional as F
 
 from mtptrain.io import atomic_write_json, cache_root
-from mtptrain.machine import describe_cpu
-from mtptrain.runtime.attention import (F32_CACHE, attention_kernels, batch_attention, batch_mask, causal_mask,
-                                        row_attention)
+from mtptrain.machine import cpu_sample, describe_cpu, other_load
+from mtptrain.runtime.attention import (ATTENTION, F32_CACHE, attention_kernels, batch_attention, batch_mask,
+                                        causal_mask, row_attention, usable)
 from mtptrain.runtime.native_kernels import blocked_linear_kernel
 from mtptrain.runtime.weights import LAYOUT, blocked_product, packed_product
 
@@ -53,7 +64,8 @@ ROWS = (1, 4, 8)
 BATCH_PRODUCT_ROWS = 128  # rows of the batch product's timing (regenerate, precompute)
 SKINNY_ROWS = 32  # above this many rows (a prefill) every product is F.linear
 BATCH_ROWS = 32  # rows of the batched-decoding attention timing
-VERSION = 6  # of what is measured: a cached answer from another version is measured again
+VERSION = 7  # of what is measured: a cached answer from another version is measured again
+MAX_OTHER_LOAD = 0.25  # cores other processes may keep busy during a measurement that is cached
 
 
 def products(dtype: torch.dtype) -> list[str]:
@@ -104,6 +116,7 @@ class Choice:
     timings: dict | None = None  # dtype -> what was timed -> ms
     attention_batch: str = "sdpa"  # for one new token in each of many rows (batched decoding)
     product_batch: str = "linear"  # for batches of many rows (regenerate, precompute)
+    fallback: str = ""  # what runs in place of a measured kernel that does not build here any more
 
     @property
     def cache_dtype(self) -> torch.dtype:
@@ -114,9 +127,30 @@ class Choice:
         return torch.float32 if self.attention_batch in F32_CACHE else self.dtype
 
     def describe(self) -> str:
+        fallback = f"; {self.fallback}" if self.fallback else ""
         return (f"{str(self.dtype).removeprefix('torch.')} ({self.source}), products {self.product} / "
                 f"{self.product_batch} (batches), attention {self.attention_one} (1 token) / {self.attention_many} / "
-                f"{self.attention_batch} (batches)")
+                f"{self.attention_batch} (batches){fallback}")
+
+    def record(self) -> dict:
+        """What a store, a checkpoint or a head records of the runtime that computed it."""
+        return {"dtype": str(self.dtype).removeprefix("torch."), "product": self.product,
+                "product_batch": self.product_batch, "attention_one": self.attention_one,
+                "attention_many": self.attention_many, "attention_batch": self.attention_batch}
+
+    def runnable(self) -> "Choice":
+        """This choice with each kernel that does not build here (a cached choice names the runtime's own kernels,
+        and the compiler may be gone since) replaced by what runs in its place, and `fallback` saying so: reports
+        name what ran, not what was measured."""
+        products = {name: usable_product(getattr(self, name), self.dtype) for name in ("product", "product_batch")}
+        attention = {name: usable(getattr(self, name))
+                     for name in ("attention_one", "attention_many", "attention_batch")}
+        changed = {name: kernel for name, kernel in {**products, **attention}.items() if kernel != getattr(self, name)}
+        if not changed:
+            return self
+        note = ("the runtime's C++ kernels did not build here: " +
+                ", ".join(f"{name} {getattr(self, name)} runs as {kernel}" for name, kernel in changed.items()))
+        return replace(self, **changed, fallback=note)
 
 
 def shapes(config) -> list[tuple[int, int]]:
@@ -145,7 +179,7 @@ def choose(config, device: torch.device, requested: str = "auto") -> Choice:
     fastest = lambda times: min(times, key=times.get)  # noqa: E731
     one, many = _attention_pair(measured["attention_one"], measured["attention_many"])
     return Choice(dtype, fastest(measured["products"]), one, many, source, timings,
-                  fastest(measured["attention_batch"]), fastest(measured["products_batch"]))
+                  fastest(measured["attention_batch"]), fastest(measured["products_batch"])).runnable()
 
 
 BFLOAT16_MARGIN = 0.9  # bfloat16 is chosen where its products take at most this share of float32's time
@@ -187,17 +221,127 @@ def _key(config) -> str:
                      "heads=%dx%dx%d" % _heads(config)])
 
 
-def _cpu_timings(config) -> tuple[dict, str]:
-    """dtype name -> {"products": {product: ms}, "attention_one" / "attention_many": {kernel: ms}}; from the
-    cache when this machine measured them before."""
-    path = cache_root() / "runtime-choice.json"
-    key = _key(config)
+SECTIONS = {"products": PRODUCT, "products_batch": PRODUCT, "attention_one": (*ATTENTION, "fused"),
+            "attention_many": (*ATTENTION, "fused"), "attention_batch": (*ATTENTION, "fused")}
+# (cache file, key) -> (timings, source) this process settled on outside the cache: agreed with rank 0, or
+# measured under load
+_SETTLED: dict[tuple[str, str], tuple[dict, str]] = {}
+
+
+def cache_path():
+    return cache_root() / "runtime-choice.json"
+
+
+def invalid_timings(timings: object) -> str | None:
+    """Why `timings` (one machine's entry: dtype name -> section -> kernel -> ms) cannot be used, or None."""
+    if not isinstance(timings, dict) or set(timings) != {"float32", "bfloat16"}:
+        return "not an object of float32 and bfloat16 timings"
+    for dtype, sections in timings.items():
+        if not isinstance(sections, dict) or set(sections) != set(SECTIONS):
+            return f"{dtype}: not an object of the sections {', '.join(SECTIONS)}"
+        for section, kernels in sections.items():
+            if not isinstance(kernels, dict) or not kernels:
+                return f"{dtype}.{section}: no kernels"
+            for kernel, ms in kernels.items():
+                if kernel not in SECTIONS[section]:
+                    return f"{dtype}.{section}: unknown kernel {kernel!r}"
+                if isinstance(ms, bool) or not isinstance(ms, (int, float)) or not math.isfinite(ms) or ms <= 0:
+                    return f"{dtype}.{section}.{kernel}: {ms!r} is not a positive time"
+    return None
+
+
+def _read_cache(path, quiet: bool = False) -> dict:
+    """The cached entries that validate; the others dropped with one warning (they are measured again)."""
+    warn = (lambda *args: None) if quiet else log.warning
     try:
         known = json.loads(path.read_text())
-    except (OSError, ValueError):
-        known = {}
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        warn("%s cannot be read (%s): this machine's runtime choices are measured again", path, exc)
+        return {}
+    if not isinstance(known, dict):
+        warn("%s holds %s, not an object of measured choices: they are measured again", path, type(known).__name__)
+        return {}
+    known = {key: entry for key, entry in known.items() if key.startswith(f"v{VERSION}|")}  # others: stale
+    bad = {key: invalid_timings(entry.get("timings") if isinstance(entry, dict) else None)
+           for key, entry in known.items()}
+    bad = {key: why for key, why in bad.items() if why is not None}
+    if bad:
+        key, why = next(iter(bad.items()))
+        warn("%s: dropping %d entr%s not validate (the first, for %s: %s); measured again when needed",
+                    path, len(bad), "y that does" if len(bad) == 1 else "ies that do", key.split("|")[1], why)
+    return {key: entry for key, entry in known.items() if key not in bad}
+
+
+def _cpu_timings(config) -> tuple[dict, str]:
+    """dtype name -> {"products": {product: ms}, "attention_one" / "attention_many": {kernel: ms}, ...}; what
+    this process settled on before, else from the cache when this machine measured them before, else measured."""
+    key = _key(config)
+    if (str(cache_path()), key) in _SETTLED:
+        return _SETTLED[str(cache_path()), key]
+    known = _read_cache(cache_path())
     if key in known:
-        return known[key], "cached"
+        return known[key]["timings"], "cached"
+    return measure(config)
+
+
+def measure(config, cache: bool = True) -> tuple[dict, str]:
+    """Time every kernel on `config`'s shapes; cache the timings unless other processes kept more than
+    MAX_OTHER_LOAD cores busy meanwhile (then they serve this process only, and one warning says so)."""
+    key = _key(config)
+    before = cpu_sample()
+    timings = _measure_kernels(config)
+    load = other_load(before, cpu_sample())
+    log.info("measured this CPU's products (ms per layer, rows %s) and attention (ms, 512 positions): %s",
+             "/".join(map(str, ROWS)), json.dumps(timings))
+    if load is not None and load > MAX_OTHER_LOAD:
+        log.warning("the runtime's kernels were timed while other processes kept %.2f cores busy: this choice "
+                    "serves this run only and is not cached; run `mtptrain measure` on a quiet machine", load)
+        _SETTLED[str(cache_path()), key] = timings, "measured under load"
+        return timings, "measured under load"
+    if cache:
+        _SETTLED.pop((str(cache_path()), key), None)  # a quiet measurement replaces one taken under load
+        _store(key, {"timings": timings, "other_load": load,
+                     "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+    return timings, "measured"
+
+
+def _store(key: str, entry: dict) -> None:
+    path = cache_path()
+    known = _read_cache(path, quiet=True)  # what did not validate was said when it was read
+    known[key] = entry
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(path, known)
+    except OSError as exc:  # a read-only home: measured again next time
+        log.warning("could not cache the runtime's measured choice in %s (%s); set MTPTRAIN_CACHE to a writable "
+                    "directory to keep it", path, exc)
+
+
+def agree(config, device: torch.device) -> None:
+    """Every rank of the process group (where one is up, on a CPU) takes rank 0's timings, so that all ranks run
+    one dtype and one set of kernels: a store's shards, or a checkpoint's ranks, must not depend on which rank
+    computed them. Collective: every rank calls it at the same point. The timings travel as JSON and are checked
+    as the cache's are."""
+    if device.type != "cpu" or not torch_dist.is_available() or not torch_dist.is_initialized() or \
+            torch_dist.get_world_size() < 2:
+        return
+    rank = torch_dist.get_rank()
+    data = json.dumps(_cpu_timings(config)).encode() if rank == 0 else b""
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    torch_dist.broadcast(size, src=0)
+    buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8) if rank == 0 else \
+        torch.empty(int(size), dtype=torch.uint8)
+    torch_dist.broadcast(buffer, src=0)
+    timings, source = json.loads(buffer.numpy().tobytes().decode())
+    why = invalid_timings(timings)
+    if why is not None:
+        raise RuntimeError(f"rank 0 sent runtime timings that do not validate: {why}")
+    _SETTLED[str(cache_path()), _key(config)] = timings, source if rank == 0 else f"{source} by rank 0"
+
+
+def _measure_kernels(config) -> dict:
     timings = {}
     for name in ("float32", "bfloat16"):
         dtype = getattr(torch, name)
@@ -211,15 +355,7 @@ def _cpu_timings(config) -> tuple[dict, str]:
             "attention_batch": {a: _time_attention(_heads(config), dtype, a, 1, BATCH_ROWS)
                                 for a in attention_kernels(dtype)},
         }
-    known[key] = timings
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(path, known)
-    except OSError as exc:  # a read-only home: measured again next time
-        log.warning("could not cache the runtime's measured choice in %s: %s", path, exc)
-    log.info("measured this CPU's products (ms per layer, rows %s) and attention (ms, 512 positions): %s",
-             "/".join(map(str, ROWS)), json.dumps(timings))
-    return timings, "measured"
+    return timings
 
 
 STREAM_BYTES = 256 << 20  # float32 weights cycled through per timing: far more than any CPU cache holds

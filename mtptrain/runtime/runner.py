@@ -114,6 +114,16 @@ def open_runner(model: torch.nn.Module, capture=(), runtime: str = "auto"):
     return TransformersRunner(model, capture) if decoder is None else FastRunner(decoder, capture)
 
 
+def runtime_record(model: torch.nn.Module, runtime: str = "auto", batched: bool = False) -> dict:
+    """What runs `model` (as `native_decoder` picks it), as a store, a checkpoint or a head records it: the
+    runtime's dtype and kernels, or transformers' forward and its attention."""
+    decoder = native_decoder(model, runtime, batched)
+    if decoder is None:
+        dtype = str(model.get_input_embeddings().weight.dtype).removeprefix("torch.")
+        return {"runtime": "transformers", "dtype": dtype, "attention": model.config._attn_implementation}
+    return {"runtime": "native", **decoder.choice.record()}
+
+
 def runtime_description(runner) -> str:
     """One line for reports: which forward runs the target, its dtype and products."""
     if runner.runtime == "native":

@@ -6,7 +6,9 @@ recipe and saved with the run. Its checkpoints (every `checkpoint_every`
 steps and at the end, with its `latest` pointer) carry the trainer's own
 state: the global micro-batch position and the RNG states, so a resumed run
 continues exactly where the last checkpoint stood. DeepSpeed writes them as
-torch pickles; they are read back only from this run's own directory.
+torch pickles; they are read back only from this run's own directory, when
+their files match the record the run wrote beside them, and with
+`weights_only=True` (train/checkpoints.py).
 
 Stopping on request. A file named STOP in the run directory (what the Slurm
 train job writes on its time-limit or preemption warning) makes every rank
@@ -27,7 +29,6 @@ import json
 import logging
 import math
 import os
-import random
 import shutil
 import socket
 import time
@@ -56,9 +57,13 @@ from mtptrain.heads.spec import HeadSpec
 from mtptrain.data.chat import stop_tokens
 from mtptrain.io import atomic_write_json
 from mtptrain.runtime.choice import choose
+from mtptrain.runtime.runner import runtime_record
 from mtptrain.target import (
-    ARCHITECTURE_FIELDS, Target, checkpoint_fingerprint, compared_fields, load_frozen_target, load_target,
+    ARCHITECTURE_FIELDS, Target, agree_on_runtime, checkpoint_fingerprint, compared_fields, load_frozen_target,
+    load_target,
 )
+from mtptrain.train.checkpoints import commit, latest_tag, load, restore_rng, rng_state, tag_for, verify
+from mtptrain.train.checkpoints import RunMismatch  # noqa: F401 (verify raises it; callers catch it here)
 from mtptrain.train.data import BatchPlan, loader, steps_for
 from mtptrain.train.drafting import BestHead, drafting_metrics
 from mtptrain.train.metrics import MetricsLog
@@ -67,10 +72,6 @@ log = logging.getLogger(__name__)
 
 
 class TrainingDiverged(MtptrainError, RuntimeError):
-    pass
-
-
-class RunMismatch(MtptrainError, RuntimeError):
     pass
 
 
@@ -190,6 +191,7 @@ def run_train(recipe: Recipe, wandb: str | None = None, show_progress: bool = Tr
         # DeepSpeed caches its process groups for the life of the process, so the group stays up
         # across runs in one process and is torn down at exit (ranks abort if it is left open).
         atexit.register(destroy_process_group)
+    agree_on_runtime(recipe.target, dist)  # every rank runs the target's parts with rank 0's dtype and kernels
     return Trainer(recipe, dist, device, wandb or recipe.tracking.wandb, show_progress and dist.is_main).run()
 
 
@@ -260,6 +262,9 @@ class Trainer:
         self.fingerprint = run_fingerprint(recipe, manifest, dist.world_size)
         self.precision = pick_precision(self.cfg.precision, device, self.target.config)
         log.info("training precision: %s%s", self.precision, " (auto)" if self.cfg.precision == "auto" else "")
+        # What computed the features the head learns from, recorded with it: the store's, or here the target's own.
+        self.features_runtime = runtime_record(self.target.model, recipe.target.runtime, batched=True) \
+            if self.cfg.online else manifest.get("runtime")
         self.stop_file = self.run_dir / STOP_FILE
         # The store's check above compared the frozen parts of a partly loaded target; the features, and so the
         # head, belong to the model the store names.
@@ -309,22 +314,13 @@ class Trainer:
         return engine, scheduler
 
     def _resume(self, engine) -> dict:
-        if not (self.ckpt_dir / "latest").is_file():
+        """The state of the checkpoint `latest` names, verified by every rank before any file of it is loaded."""
+        tag = latest_tag(self.ckpt_dir)
+        if tag is None:
             return {"micro_batch": 0, "step": 0}
-        tag = (self.ckpt_dir / "latest").read_text().strip()
-        _, client = engine.load_checkpoint(str(self.ckpt_dir), load_lr_scheduler_states=True)
-        if client is None:
-            raise RunMismatch(f"{self.ckpt_dir / tag} could not be loaded (files missing or damaged). Point "
-                              f"{self.ckpt_dir / 'latest'} at an earlier complete step-* directory, or delete "
-                              "the checkpoints to start over.")
-        if client.get("fingerprint") != self.fingerprint:
-            raise RunMismatch(f"{self.ckpt_dir} holds checkpoints of another run (other recipe, store or number "
-                              "of ranks). Use a new train.output_dir, or delete that directory to start over.")
-        torch.set_rng_state(client["rng"]["torch"])
-        if client["rng"].get("cuda") is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state(client["rng"]["cuda"])
-        np.random.set_state(client["rng"]["numpy"])
-        random.setstate(client["rng"]["python"])
+        verify(self.ckpt_dir, tag, self.fingerprint, self._made_with())
+        client = load(engine, self.ckpt_dir, tag)
+        restore_rng(client["rng"])
         log.info("resumed from %s at step %d", self.ckpt_dir / tag, client["step"])
         return client
 
@@ -452,7 +448,8 @@ class Trainer:
         save_head(directory, head, self.spec, self.target_identity,
                   {"target_checked": self.target_checked,
                    "features": {"store": ONLINE if self.cfg.online else str(self.cfg.features),
-                                "layers": self.train_store.layers},
+                                "layers": self.train_store.layers, "runtime": self.features_runtime},
+                   "precision": self.precision,
                    "train": {"steps": step, "tokens": self.plan.tokens_through(step),
                              "recipe": self.recipe.model_dump(mode="json")}, **(extra or {})},
                   dtype=getattr(torch, self.cfg.head_dtype) if exported else None)
@@ -474,13 +471,20 @@ class Trainer:
             raise TrainingDiverged(f"{what} is not finite at step {step}; last good checkpoint: "
                                    f"{last_checkpoint or 'none yet'}. Lower train.lr or check the data.")
 
+    def _made_with(self) -> dict:
+        """What a checkpoint records of how this run computes, and a resume must match."""
+        return {"precision": self.precision, "features": self.features_runtime}
+
     def _checkpoint(self, engine, step: int, wandb_id: str | None) -> str:
-        tag = f"step-{step:07d}"
+        """Save every rank's state for `step`; rank 0 then records the files and moves `latest` to them."""
+        tag = tag_for(step)
         client = {"fingerprint": self.fingerprint, "step": step, "micro_batch": step * self.plan.micro_batches_per_step,
-                  "checkpoint": str(self.ckpt_dir / tag), "wandb_id": wandb_id,
-                  "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
-                          "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}}
-        engine.save_checkpoint(str(self.ckpt_dir), tag=tag, client_state=client)
+                  "checkpoint": str(self.ckpt_dir / tag), "wandb_id": wandb_id, "rng": rng_state()}
+        engine.save_checkpoint(str(self.ckpt_dir), tag=tag, client_state=client, save_latest=False)
+        if self.dist.is_main:  # DeepSpeed's save ends in a barrier: every rank's files are written
+            commit(self.ckpt_dir, tag, self.fingerprint, self._made_with())
+        if self.dist.world_size > 1:
+            torch_dist.barrier()
         return str(self.ckpt_dir / tag)
 
     def _snapshot(self, head, step: int) -> None:

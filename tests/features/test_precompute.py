@@ -268,3 +268,22 @@ def test_a_float8_store_keeps_each_row_within_its_scale_at_half_the_size(tiny_ta
                 assert got.dtype == torch.bfloat16
                 bound = ref.abs().amax(dim=-1, keepdim=True) * (1 / 16 + 1 / 128)
                 assert ((got.float() - ref).abs() <= bound).all(), (split, i, layer)
+
+
+def test_a_store_records_what_computed_it_and_refuses_a_run_in_another_precision(tiny_target_dir, tmp_path):
+    """Shards of one store come from one compute dtype: a rerun (or another rank) whose target would compute in
+    another refuses before it writes a shard, naming the record and the setting that finishes the store."""
+    data = write_sharegpt(tmp_path / "c.json", 12)
+    out = tmp_path / "store"
+    run_precompute(tiny_recipe(tiny_target_dir, data, out), show_progress=False)  # target.dtype=float32
+    manifest = json.loads((out / "manifest.json").read_text())
+    record = json.loads((out / "runtime.json").read_text())
+    assert manifest["runtime"] == record and record["dtype"] == "float32" and record["runtime"] == "native"
+    assert set(record) >= {"product_batch", "attention_batch"}
+
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "runtime.json").write_text(json.dumps({**record, "dtype": "bfloat16"}))  # a killed run in bfloat16
+    with pytest.raises(FeatureStoreError, match=r"runtime\.json.*bfloat16.*float32.*target\.dtype=bfloat16"):
+        run_precompute(tiny_recipe(tiny_target_dir, data, other), show_progress=False)
+    assert not list(other.glob("*.safetensors")) and not (other / "manifest.json").exists()

@@ -9,7 +9,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def train_recipe(target_dir, store, out, *overrides):
-    return load_recipe(None, [f"target.model={target_dir}", f"train.features={store}", f"train.output_dir={out}",
+    # Pinned, not measured: on a tiny model bfloat16 and float32 run in a near tie the machine may break either
+    # way, and runs compared across processes must not differ in precision (a test of auto sets it again).
+    return load_recipe(None, [f"target.model={target_dir}", "target.dtype=float32", "train.precision=fp32",
+                              f"train.features={store}", f"train.output_dir={out}",
                               "train.micro_batch_size=4", "train.lr=3e-3", "train.warmup_ratio=0.1",
                               "train.log_every=5", "train.eval_every=1000", "train.num_workers=0",
                               "tracking.wandb=disabled", "head.draft_vocab_size=128",
