@@ -229,11 +229,12 @@ class _Band(KVCache):
     def write_and_attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          attention) -> torch.Tensor:
         """The band's rows of one step: their new keys and values [n, Hkv, 1, D] written at each row's length
-        (one index_copy_ into the flattened cache, the index computed once per step), then their attention."""
+        (one index_copy_ into the flattened cache, the index computed once per step), then their attention. A
+        kernel over a float32 cache gets its keys and values cast up here (index_copy_ does not cast)."""
         dim, count = k.shape[-1], len(self.rows)
         keys, values = self.keys[layer], self.values[layer]
-        keys.view(-1, dim).index_copy_(0, self.slots, k.reshape(-1, dim))
-        values.view(-1, dim).index_copy_(0, self.slots, v.reshape(-1, dim))
+        keys.view(-1, dim).index_copy_(0, self.slots, k.reshape(-1, dim).to(keys.dtype))
+        values.view(-1, dim).index_copy_(0, self.slots, v.reshape(-1, dim).to(values.dtype))
         return attention(q, keys[:count], values[:count], self.mask, False)
 
     def prefill(self, layer: int, row: _Row, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -136,6 +136,25 @@ def test_the_fused_kernel_decodes_as_the_plain_products_do(varied_target_dir, mo
     assert all(len(a) == 14 for a in answers["fused"])
 
 
+@pytest.mark.parametrize("kernel", ["plain-f32", "sdpa-f32"])
+def test_a_bfloat16_model_decodes_in_batches_over_a_float32_cache(varied_target_dir, monkeypatch, kernel):
+    """A batch kernel over a float32 cache (measured fastest on some CPUs) takes the bfloat16 steps' keys and
+    values cast up: each step writes them into the bands' float32 caches."""
+    import dataclasses
+
+    from mtptrain.runtime import runner
+
+    tok = load_tokenizer(load_recipe(None, [f"target.model={varied_target_dir}"]).target)
+    prompts = [prompt_ids(tok, [{"role": "user", "content": t}]) for t in ("the a of", "hot water", "one")]
+    chosen = runner.choose
+    monkeypatch.setattr(runner, "choose", lambda *a: dataclasses.replace(chosen(*a), attention_batch=kernel))
+    model = AutoModelForCausalLM.from_pretrained(varied_target_dir, dtype=torch.bfloat16).eval()
+    requests = [Request(p, 10) for p in prompts]
+    decode_stream(model, requests, lambda request: None, 2, set(), tok.pad_token_id)
+    assert runner.fast_decoder(model, batched=True).choice.batch_cache_dtype == torch.float32
+    assert all(len(r.tokens) == 10 for r in requests)
+
+
 def test_sampled_rows_do_not_depend_on_their_batch(model64, varied_target_dir):
     tok = load_tokenizer(load_recipe(None, [f"target.model={varied_target_dir}"]).target)
     prompts = [prompt_ids(tok, [{"role": "user", "content": t}]) for t in ["the a", "of to and in is it you"]]
