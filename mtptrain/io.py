@@ -31,6 +31,7 @@ _REFUSED = {
                   "Raise the limit (ulimit -f unlimited in the shell that runs mtptrain)"),
     errno.EROFS: ("{dir} is read-only", "Make it writable, or {elsewhere}"),
     errno.EACCES: ("{dir} is not writable by this user", "Make it writable, or {elsewhere}"),
+    errno.EPERM: ("{dir} may not be written here (operation not permitted)", "Make it writable, or {elsewhere}"),
 }
 
 

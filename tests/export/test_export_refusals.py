@@ -69,6 +69,17 @@ def test_export_under_a_read_only_directory_is_an_error_message(target_dir, tmp_
     assert "Traceback" not in result.output
 
 
+def test_export_where_the_system_does_not_permit_a_directory_is_an_error_message(target_dir, tmp_path):
+    """A real refusal that root meets too: sysfs permits no new directory (EPERM)."""
+    head_dir = save_trained_like_head(target_dir, tmp_path / "head", EAGLE3)
+    result = CliRunner().invoke(app, ["export", "--set", f"export.head={head_dir}",
+                                      "--set", "export.output_dir=/sys/fs/mtptrain-test/out"])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    assert "error: cannot write the export /sys/fs/mtptrain-test/out: /sys/fs/mtptrain-test may not be written " \
+           "here (operation not permitted)" in result.output
+    assert "Traceback" not in result.output
+
+
 @contextmanager
 def file_size_limit(nbytes: int):
     """RLIMIT_FSIZE for this process (SIGXFSZ ignored, so a write past it fails with EFBIG), restored after."""
