@@ -1,5 +1,5 @@
-"""Every benchmark script, and the kernels' cross-target check, still imports and parses its arguments: they run
-by hand, not in CI, so a renamed function they use would otherwise break them unnoticed."""
+"""Every benchmark script, the kernels' cross-target check and the hostile tries still import and parse their
+arguments: they run by hand, not in CI, so a renamed function they use would otherwise break them unnoticed."""
 
 import runpy
 import sys
@@ -15,7 +15,10 @@ def test_the_benchmarks_are_found():
     assert len(BENCHMARKS) >= 10
 
 
-@pytest.mark.parametrize("script", BENCHMARKS + [ROOT / "scripts" / "check_kernel_targets.py"], ids=lambda p: p.name)
+SCRIPTS = [ROOT / "scripts" / "check_kernel_targets.py", ROOT / "scripts" / "hostile_tries.py"]
+
+
+@pytest.mark.parametrize("script", BENCHMARKS + SCRIPTS, ids=lambda p: p.name)
 def test_a_benchmark_imports_and_prints_its_help(script, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", [str(script), "--help"])
     with pytest.raises(SystemExit) as done:

@@ -248,7 +248,11 @@ class _Band(KVCache):
         if start == 0:  # nothing cached before: the new keys as computed, whatever the cache's dtype
             return kernels.attention_for(count)(q, k, v, None, count > 1)
         mask = causal_mask(count, start, q.device)[None, None] if count > 1 else None
-        return kernels.attention_for(count)(q, keys[:, :, : start + count], values[:, :, : start + count], mask, False)
+        attention = kernels.attention_for(count)
+        if keys.dtype != q.dtype:  # a batch kernel's float32 cache under a row kernel of the model's dtype
+            return attention(q.to(keys.dtype), keys[:, :, : start + count], values[:, :, : start + count], mask,
+                             False).to(q.dtype)
+        return attention(q, keys[:, :, : start + count], values[:, :, : start + count], mask, False)
 
 
 class _Slots:

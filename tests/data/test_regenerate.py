@@ -137,17 +137,22 @@ def test_the_fused_kernel_decodes_as_the_plain_products_do(varied_target_dir, mo
 
 
 @pytest.mark.parametrize("kernel", ["plain-f32", "sdpa-f32"])
-def test_a_bfloat16_model_decodes_in_batches_over_a_float32_cache(varied_target_dir, monkeypatch, kernel):
+@pytest.mark.parametrize("row", ["sdpa", "sdpa-f32"])
+def test_a_bfloat16_model_decodes_in_batches_over_a_float32_cache(varied_target_dir, monkeypatch, kernel, row):
     """A batch kernel over a float32 cache (measured fastest on some CPUs) takes the bfloat16 steps' keys and
-    values cast up: each step writes them into the bands' float32 caches."""
+    values cast up: each step writes them into the bands' float32 caches, and a prompt's chunk after a prefix
+    is attended over that cache by the row kernel, whichever cache the row kernel reads itself."""
     import dataclasses
 
     from mtptrain.runtime import runner
 
     tok = load_tokenizer(load_recipe(None, [f"target.model={varied_target_dir}"]).target)
+    # Three prompts on two rows: the third takes a row whose cache keeps the prefix they share (the system
+    # prompt), and its chunk is attended over what that band holds.
     prompts = [prompt_ids(tok, [{"role": "user", "content": t}]) for t in ("the a of", "hot water", "one")]
     chosen = runner.choose
-    monkeypatch.setattr(runner, "choose", lambda *a: dataclasses.replace(chosen(*a), attention_batch=kernel))
+    monkeypatch.setattr(runner, "choose", lambda *a: dataclasses.replace(
+        chosen(*a), attention_batch=kernel, attention_one=row, attention_many=row))
     model = AutoModelForCausalLM.from_pretrained(varied_target_dir, dtype=torch.bfloat16).eval()
     requests = [Request(p, 10) for p in prompts]
     decode_stream(model, requests, lambda request: None, 2, set(), tok.pad_token_id)

@@ -114,8 +114,10 @@ AGREE = textwrap.dedent("""
     alone = choice.choose(config, torch.device("cpu")).product
     choice.agree(config, torch.device("cpu"))
     agreed = choice.choose(config, torch.device("cpu"))
-    print(json.dumps({"alone": alone, "agreed": agreed.product, "source": agreed.source}))
+    print(json.dumps({"alone": alone, "agreed": agreed.product, "source": agreed.source}), flush=True)
+    dist.barrier()  # neither rank tears the group down while the other still uses it
     dist.destroy_process_group()
+    os._exit(0)  # gloo's threads may abort the interpreter's own shutdown ("terminate called ...")
 """)
 
 
