@@ -127,7 +127,10 @@ def _precompute(recipe: Recipe, dist: DistInfo, grouped: bool, show_progress: bo
     manifest, wrote = None, False
     if dist.is_main or not grouped:
         manifest = build_manifest(out_dir, plan, plan_id, target, layers, recipe, stats, runtime)
-        if manifest is not None:
+        if manifest is not None and not grouped and dist.world_size > 1:
+            wrote = _first_to_write(out_dir, manifest)
+            manifest = manifest if wrote else None  # the rank that wrote it reports the store
+        elif manifest is not None:
             with store_writes(out_dir):
                 write_manifest(out_dir, manifest)
             wrote = True
@@ -170,6 +173,26 @@ def _claim_runtime(out_dir: Path, record: dict) -> dict:
         log.warning("%s: the shards so far were computed with other kernels (%s) than this run's (%s); same dtype, "
                     "so they differ in rounding only", path, stored, record)
     return stored
+
+
+def _first_to_write(out_dir: Path, manifest: dict) -> bool:
+    """Write the manifest unless another rank has just written this store's: ranks without a process group
+    that finish together both see every record, and exactly one of them writes and reports the store."""
+    path = out_dir / MANIFEST
+    tmp = tmp_name(path)
+    try:
+        with store_writes(out_dir):
+            atomic_write_json(tmp, manifest)
+            try:
+                os.link(tmp, path)  # atomic, and never over a manifest another rank made first
+            except FileExistsError:
+                existing = _existing_manifest(out_dir)
+                if existing is not None and existing.get("plan_id") == manifest["plan_id"]:
+                    return False
+                os.replace(tmp, path)  # a stale or unreadable manifest: rewritten, as a single rank would
+    finally:
+        tmp.unlink(missing_ok=True)
+    return True
 
 
 def _existing_manifest(out_dir: Path) -> dict | None:

@@ -40,12 +40,15 @@ The cache is a file anyone can edit, and a measurement is only as good as the ma
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import logging
 import math
 import statistics
 import time
 from dataclasses import dataclass, replace
+from typing import Iterator
 
 import torch
 import torch.distributed as torch_dist
@@ -283,7 +286,31 @@ def _cpu_timings(config) -> tuple[dict, str]:
     known = _read_cache(cache_path())
     if key in known:
         return known[key]["timings"], "cached"
-    return measure(config)
+    with _measuring_alone():
+        known = _read_cache(cache_path(), quiet=True)  # a process that held the lock before may have measured
+        if key in known:
+            return known[key]["timings"], "cached"
+        return measure(config)
+
+
+@contextlib.contextmanager
+def _measuring_alone() -> Iterator[None]:
+    """One process of this machine measures at a time (an flock beside the cache, released if its holder dies):
+    ranks started together without a process group would otherwise each time the kernels while the others
+    load the cores, cache nothing, and may choose differently. The others wait idle, then read its answer."""
+    lock = cache_path().with_name("runtime-choice.lock")
+    try:
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        guard = open(lock, "a")
+    except OSError:  # a read-only cache: each process measures, as nothing is cached anyway
+        yield
+        return
+    with guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(guard, fcntl.LOCK_UN)
 
 
 def measure(config, cache: bool = True) -> tuple[dict, str]:

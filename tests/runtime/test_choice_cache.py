@@ -144,3 +144,41 @@ def test_the_ranks_of_a_group_run_rank_0s_choice(tmp_path):
     assert [r["alone"] for r in results] == ["skinny", "linear"]  # each rank's own cache disagrees
     assert [r["agreed"] for r in results] == ["skinny", "skinny"]
     assert results[1]["source"] == "cached by rank 0"
+
+
+TOGETHER = textwrap.dedent("""
+    import json, os, sys, time
+    from pathlib import Path
+    import torch, transformers
+    from mtptrain.runtime import choice
+    ready = Path(sys.argv[1])
+    (ready / f"ready-{os.getpid()}").touch()
+    while len(list(ready.glob("ready-*"))) < 2:  # both imported: neither loads the cores while the other measures
+        time.sleep(0.05)
+    config = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    picked = choice.choose(config, torch.device("cpu"))
+    print(json.dumps({"source": picked.source, "dtype": str(picked.dtype), "product": picked.product}))
+""")
+
+
+def test_processes_started_together_measure_once_and_choose_alike(tmp_path):
+    """Ranks without a process group (srun tasks, a job array) share the machine's cache: one measures while
+    the others wait idle, and they read its answer."""
+    suite_cache = Path(os.environ["MTPTRAIN_CACHE"])
+    native_kernels.extension()  # built in the suite's cache; the processes below load it from there
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "kernels").symlink_to(suite_cache / "kernels", target_is_directory=True)
+    script = tmp_path / "together.py"
+    script.write_text(TOGETHER)
+    env = {**os.environ, "MTPTRAIN_CACHE": str(cache)}
+    processes = [subprocess.Popen([sys.executable, str(script), str(tmp_path)], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True, env=env, cwd=REPO) for _ in range(2)]
+    results = []
+    for process in processes:
+        out, err = process.communicate(timeout=120)
+        assert process.returncode == 0, err[-2000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    assert sorted(r["source"] for r in results) == ["cached", "measured"]
+    assert results[0]["dtype"] == results[1]["dtype"] and results[0]["product"] == results[1]["product"]
