@@ -92,6 +92,24 @@ def atomic_write_json(path: Path, obj: Any) -> None:
     atomic_write_text(Path(path), json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
 
+def create_json_once(path: Path, obj: Any) -> bool:
+    """Write `obj` to `path` whole (a temporary name, fsync, then a hard link) unless `path` exists: False when
+    another writer (another rank, on this host or another sharing the file system) made it first. Unlike a
+    rename, a link never replaces what is there."""
+    path = Path(path)
+    tmp = tmp_name(path)
+    try:
+        atomic_write_json(tmp, obj)
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return False
+    finally:
+        tmp.unlink(missing_ok=True)
+    fsync_dir(path.parent)
+    return True
+
+
 def contained(directory: Path, name: object, listed_in: Path, entry: str, error: type[Exception],
               fix: str = "") -> Path:
     """`directory / name` for a `name` read from the file `listed_in` (at `entry`), refused with `error` unless it

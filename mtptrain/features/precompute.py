@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from mtptrain.features.store import (
     MANIFEST, SCHEMA_VERSION, SPLITS, FeatureStoreError, load_manifest, read_complete_record, record_path,
     stored_bits, write_manifest,
 )
-from mtptrain.io import atomic_write_json, sha256_file, tmp_name
+from mtptrain.io import atomic_write_json, create_json_once, sha256_file
 from mtptrain.runtime.runner import runtime_record
 from mtptrain.target import Target, agree_on_runtime, load_target
 from mtptrain.tracking import init_run
@@ -146,15 +145,8 @@ def _claim_runtime(out_dir: Path, record: dict) -> dict:
     differ in float32 rounding only: a warning."""
     path = out_dir / RUNTIME_FILE
     if not path.exists():
-        tmp = tmp_name(path)
-        try:
-            with store_writes(out_dir):
-                tmp.write_text(json.dumps(record, indent=2) + "\n")
-            os.link(tmp, path)  # atomic, and never over a record another rank made first
-        except FileExistsError:
-            pass
-        finally:
-            tmp.unlink(missing_ok=True)
+        with store_writes(out_dir):
+            create_json_once(path, record)  # never over a record another rank made first
     try:
         stored = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
@@ -178,20 +170,13 @@ def _claim_runtime(out_dir: Path, record: dict) -> dict:
 def _first_to_write(out_dir: Path, manifest: dict) -> bool:
     """Write the manifest unless another rank has just written this store's: ranks without a process group
     that finish together both see every record, and exactly one of them writes and reports the store."""
-    path = out_dir / MANIFEST
-    tmp = tmp_name(path)
-    try:
-        with store_writes(out_dir):
-            atomic_write_json(tmp, manifest)
-            try:
-                os.link(tmp, path)  # atomic, and never over a manifest another rank made first
-            except FileExistsError:
-                existing = _existing_manifest(out_dir)
-                if existing is not None and existing.get("plan_id") == manifest["plan_id"]:
-                    return False
-                os.replace(tmp, path)  # a stale or unreadable manifest: rewritten, as a single rank would
-    finally:
-        tmp.unlink(missing_ok=True)
+    with store_writes(out_dir):
+        if create_json_once(out_dir / MANIFEST, manifest):
+            return True
+        existing = _existing_manifest(out_dir)
+        if existing is not None and existing.get("plan_id") == manifest["plan_id"]:
+            return False
+        write_manifest(out_dir, manifest)  # a stale or unreadable manifest: rewritten, as a single rank would
     return True
 
 

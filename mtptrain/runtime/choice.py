@@ -313,7 +313,7 @@ def _measuring_alone() -> Iterator[None]:
             fcntl.flock(guard, fcntl.LOCK_UN)
 
 
-def measure(config, cache: bool = True) -> tuple[dict, str]:
+def measure(config) -> tuple[dict, str]:
     """Time every kernel on `config`'s shapes; cache the timings unless other processes kept more than
     MAX_OTHER_LOAD cores busy meanwhile (then they serve this process only, and one warning says so)."""
     key = _key(config)
@@ -327,10 +327,9 @@ def measure(config, cache: bool = True) -> tuple[dict, str]:
                     "serves this run only and is not cached; run `mtptrain measure` on a quiet machine", load)
         _SETTLED[str(cache_path()), key] = timings, "measured under load"
         return timings, "measured under load"
-    if cache:
-        _SETTLED.pop((str(cache_path()), key), None)  # a quiet measurement replaces one taken under load
-        _store(key, {"timings": timings, "other_load": load,
-                     "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+    _SETTLED.pop((str(cache_path()), key), None)  # a quiet measurement replaces one taken under load
+    _store(key, {"timings": timings, "other_load": load,
+                 "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
     return timings, "measured"
 
 
