@@ -39,7 +39,7 @@ import sys
 import time
 from pathlib import Path
 
-from mtptrain.config import Recipe, load_recipe
+from mtptrain.config import MTPHeadConfig, Recipe, load_recipe
 from mtptrain.features.store import FeatureStore
 from mtptrain.train.data import BatchPlan
 
@@ -48,9 +48,10 @@ REPO = Path(__file__).resolve().parents[1]
 ARMS = {
     "eagle3": [],
     "eagle3-original": ["data.regenerated=null"],
-    "eagle-restored": ["head.kind=eagle", "head.norms=restored"],
-    "eagle-stripped": ["head.kind=eagle", "head.norms=stripped"],
-    "mtp": ["head.kind=mtp"],
+    # another family's head replaces the recipe's head section (its eagle3 settings are not the new kind's)
+    "eagle-restored": ["head={kind: eagle, norms: restored}"],
+    "eagle-stripped": ["head={kind: eagle, norms: stripped}"],
+    "mtp": ["head={kind: mtp}"],
     # methods that learn more per token (the EAGLE-3 head with one change each, at the same training tokens)
     "eagle3-plain-norms": ["head.fc_norm=false", "head.norm_output=false"],
     "eagle3-3.1-norms": ["head.fc_norm=true", "head.norm_output=true"],
@@ -165,8 +166,9 @@ def run_arm(args, arm: str, stores: dict[str, str], out: Path) -> dict:
     store = stores[store_of(arm)]
     run_dir = out / arm
     sets = args.sets + overrides + [f"train.features={store}", f"train.output_dir={run_dir / 'train'}",
-                                    f"train.epochs={args.epochs}", "train.head_snapshots=false",
-                                    f"head.mtp_depths={args.mtp_depths}"]
+                                    f"train.epochs={args.epochs}", "train.head_snapshots=false"]
+    if isinstance(load_recipe(args.recipe, args.sets + overrides).head, MTPHeadConfig):
+        sets.append(f"head.mtp_depths={args.mtp_depths}")
     cli("train", "--recipe", args.recipe, "--no-wandb", "--no-progress", sets=sets)
     head = run_dir / "train" / "head"
     if not evaluated(run_dir / "eval", head, args):

@@ -2,9 +2,10 @@
 CPU kernel settings, interleaved step by step in one process, so that the VM's drift (±15% between runs of
 the whole stage on the 2-core machines) falls on every setting alike.
 
-    python benchmarks/batch_step.py [--rows 128] [--chunks 40,120] [--steps 15] [--dtype auto]
+    python benchmarks/batch_step.py [--rows 128] [--chunks 40,120] [--steps 15] [--dtype auto] [--model DIR]
 
-The target of recipes/reference.yaml (the embedded SmolLM2-135M-Instruct) on its runtime choice. --rows rows
+The target of recipes/reference.yaml (the embedded SmolLM2-135M-Instruct, or the one --model names) on its
+runtime choice. --rows rows
 hold 60 to 384 cached positions each (seeded, uniform: the reference run's spread), in the runtime's length
 bands; their caches hold random keys and values, as the cost of a step does not depend on them. A step takes
 one token per row, plus the prompt chunks of --chunks rows just given a new request (regenerate averages 0.4
@@ -31,18 +32,19 @@ from mtptrain.config import load_recipe
 from mtptrain.machine import describe_cpu
 from mtptrain.runtime import model as runtime_model
 from mtptrain.runtime.batch import Request, _Row, _Slots
-from mtptrain.runtime.runner import fast_decoder
+from mtptrain.runtime.runner import load_decoder
 from mtptrain.target import load_target
 
 SETTINGS = ("torch", "layer-ops", "kernels")
 
 
-def build(decoder, rows: int, chunks: list[int], seed: int = 0) -> _Slots:
+def build(decoder, rows: int, chunks: list[int], vocab: int, seed: int = 0) -> _Slots:
     rng = random.Random(seed)
+    top = min(40000, vocab)  # token ids drawn from 100 up to here
     slots = _Slots(decoder)
     for _ in range(rows):
         length = rng.randint(60, 384)
-        held = [rng.randrange(100, 40000) for _ in range(length)]
+        held = [rng.randrange(100, top) for _ in range(length)]
         row = _Row(Request(held + [1], 512), [], 1)
         slots.rows.append(row)
         slots._fit(row, length + 1, 0)
@@ -52,7 +54,7 @@ def build(decoder, rows: int, chunks: list[int], seed: int = 0) -> _Slots:
             for tensor in store:
                 tensor.normal_()
     for row, size in zip(rng.sample(slots.rows, len(chunks)), chunks):
-        row.chunk = [rng.randrange(100, 40000) for _ in range(size)]
+        row.chunk = [rng.randrange(100, top) for _ in range(size)]
         slots._fit(row, len(row.held) + size + 1, len(row.held))
     return slots
 
@@ -81,14 +83,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=15, help="timed steps per setting")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--settings", default=",".join(SETTINGS))
+    parser.add_argument("--model", help="target.model (a model directory, GGUF or hub id) instead of the recipe's")
     args = parser.parse_args()
-    recipe = load_recipe(args.recipe, [f"target.dtype={args.dtype}"])
+    recipe = load_recipe(args.recipe, [f"target.dtype={args.dtype}", *([f"target.model={args.model}"] if args.model
+                                                                      else [])])
     model = load_target(recipe.target).model
-    decoder = fast_decoder(model, batched=True)
-    assert decoder is not None, "the reference target must run on the runtime"
+    decoder = load_decoder(model, batched=True)
+    assert decoder is not None, "the target must run on the runtime"
     native, step_kernel = runtime_model._native, runtime_model.FastDecoder.step_kernel.fget
     chunks = [int(c) for c in args.chunks.split(",") if c]
-    slots = build(decoder, args.rows, chunks)
+    slots = build(decoder, args.rows, chunks, model.config.vocab_size)
     settings = args.settings.split(",")
     cpu = describe_cpu()
     print(f"CPU: {cpu['model']}, torch {torch.__version__} at {cpu['capability']}, extensions "

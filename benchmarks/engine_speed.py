@@ -3,20 +3,21 @@
     python benchmarks/engine_speed.py [--prompts 8] [--new-tokens 128] [--k 3] [--repeats 3]
                                       [--dtype auto] [--head pretrained/smollm2-135m-instruct-eagle3]
                                       [--methods ngram,suffix,chain,tree] [--ngram 2-3] [--no-peers]
+                                      [--model DIR] [--forward-rounds 25]
 
-Greedy decoding of the embedded SmolLM2-135M-Instruct, batch 1:
+Greedy decoding of the embedded SmolLM2-135M-Instruct (or the target --model names), batch 1:
   runtime AR        mtptrain's runtime (mtptrain/runtime/), no drafting: the baseline of every ratio
   transformers AR   the same engine loop on transformers' forward (target.runtime=transformers)
   hf-generate       transformers' model.generate(do_sample=False)
   llama.cpp         llama-cpp-python's greedy decoding of the same GGUF (quantised weights; install with
-                    `pip install -e .[bench]`; not compared for exactness)
+                    `pip install -e .[bench]`; not compared for exactness; not with --model)
   ngram / suffix    the runtime with n-gram prompt lookup / the suffix index over past outputs, K = --k;
                     --ngram lists the n-gram lengths matched (min-max, e.g. 1-3,2-3: one method per range)
   hf-prompt-lookup  transformers' generate(prompt_lookup_num_tokens=K)
   chain / tree      the runtime with the trained head (--head), chain K and a tree of --tree-budget nodes
 --k takes a list (1,2,3: each chain method at each K); --methods picks eval's methods; --no-peers leaves out
 transformers AR, hf-generate, llama.cpp and hf-prompt-lookup (a shorter run comparing the runtime's methods).
-The engine's methods are eval's own configurations (mtptrain.eval.run.build_configs).
+The engine's methods are eval's own configurations (mtptrain.eval.methods.build_configs).
 
 Every method runs on every prompt before the next prompt starts, in an order reversed every other repeat;
 each is warmed up first. A ratio is tokens/s against the runtime's AR in the same repeat; the table shows the
@@ -27,7 +28,7 @@ dtype's rounding is a near-tie, anything else a bug).
 Then: the machine's copy bandwidth and the roofline (weight bytes / bandwidth, the fastest a step can stream
 the weights once), the runtime AR's share of it; the read bandwidth (a sum over 256 MiB: a step only reads its
 weights) and the AR's share of that; and the cost of one forward over 1, 2, 4, 8, 16 new tokens after a
-200-token prefix relative to one token, on both forwards, the median of 25 interleaved rounds.
+200-token prefix relative to one token, on both forwards, the median of --forward-rounds interleaved rounds.
 """
 
 from __future__ import annotations
@@ -46,12 +47,13 @@ from mtptrain.data.chat import prompt_ids, stop_tokens
 from mtptrain.engine.generate import generate
 from mtptrain.engine.ngram import NgramProposer
 from mtptrain.engine.verify import Sampling
+from mtptrain.eval.exactness import logit_scale_and_gap
+from mtptrain.eval.methods import build_configs
 from mtptrain.eval.prompts import load_prompts
-from mtptrain.eval.run import build_configs, logit_scale_and_gap
 from mtptrain.heads.checkpoint import PRETRAINED_HEAD
 from mtptrain.machine import describe_cpu, memory_bandwidth
 from mtptrain.runtime.linears import fast_linears, product_for
-from mtptrain.runtime.runner import open_runner, runtime_description
+from mtptrain.runtime.runner import open_runner, runtime_description, runtime_for
 from mtptrain.target import embedded_gguf_path, load_target
 
 WIDTHS = (1, 2, 4, 8, 16)
@@ -125,6 +127,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                         help="target.dtype (auto: what this machine measured fastest)")
     parser.add_argument("--head", default=str(PRETRAINED_HEAD), help="trained head for chain/tree")
+    parser.add_argument("--model", help="target.model (a model directory, GGUF or hub id) instead of the embedded "
+                        "default; llama.cpp, which reads the embedded GGUF, is then not measured")
+    parser.add_argument("--forward-rounds", type=int, default=25, help="rounds of the forward costs' timings")
     return parser.parse_args()
 
 
@@ -135,7 +140,8 @@ def eval_recipe(args) -> Recipe:
         print(f"(no head at {args.head}: chain and tree are not measured)")
         methods = [m for m in methods if m not in ("chain", "tree")]
     return load_recipe(None, [f"eval.methods=[{','.join(methods)}]", f"eval.k=[{args.k}]", f"eval.head={args.head}",
-                              f"eval.tree.budgets=[{args.tree_budget}]", f"target.dtype={args.dtype}"])
+                              f"eval.tree.budgets=[{args.tree_budget}]", f"target.dtype={args.dtype}",
+                              *([f"target.model={args.model}"] if args.model else [])])
 
 
 def build_methods(args, recipe: Recipe, target) -> tuple[list[Method], list, bool]:
@@ -144,16 +150,15 @@ def build_methods(args, recipe: Recipe, target) -> tuple[list[Method], list, boo
     for note in notes:
         print(f"({note})")
     model = target.model
-    # transformers' methods run on a second copy: the runtime's packed layers would be restored and packed
-    # again at every switch if both ran one model (runtime/weights.py).
-    reference = load_target(recipe.target).model
+    reference = model  # transformers' methods run the model's own weights; the runtime reads its own from them
     capture = head_info.spec.layers if head_info is not None else []
-    plain, reading = open_runner(model), open_runner(model, capture)
+    source = runtime_for(model)  # one decoder for both runners
+    plain, reading = open_runner(source), open_runner(source, capture)
     methods = [Method("runtime AR", engine(plain))]
     if not args.no_peers:
         methods += [Method("transformers AR", engine(open_runner(reference, runtime="transformers"))),
                     Method("hf-generate", hf(reference))]
-    cpp = None if args.no_peers else llama_cpp(torch.get_num_threads())
+    cpp = None if args.no_peers or args.model else llama_cpp(torch.get_num_threads())
     if cpp is not None:
         methods.append(Method("llama.cpp", cpp, compare=False))
     for c in configs[1:]:
@@ -231,10 +236,11 @@ def synchronizer(device: torch.device):
     return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
 
-def forward_costs(model, reference, repeats: int = 25) -> dict[str, list[float]]:
+def forward_costs(model, reference, repeats: int) -> dict[str, list[float]]:
     """Median ms of one forward over w new tokens after a 200-token prefix, per width, on both forwards
-    (interleaved; 25 rounds: a VM's step times drift by 10-20% from round to round)."""
-    prefix = list(range(1000, 1200))
+    (interleaved; 25 rounds by default: a VM's step times drift by 10-20% from round to round)."""
+    vocab = reference.config.vocab_size  # ids past a small vocabulary wrap around
+    prefix = [t % vocab for t in range(1000, 1200)]
     runners = {"runtime": open_runner(model), "transformers": open_runner(reference, runtime="transformers")}
     times = {name: {w: [] for w in WIDTHS} for name in runners}
     sync = synchronizer(runners["runtime"].device)
@@ -247,13 +253,13 @@ def forward_costs(model, reference, repeats: int = 25) -> dict[str, list[float]]
                 runner.rollback(len(prefix))
                 sync()
                 start = time.perf_counter()
-                runner.forward(list(range(2000, 2000 + w)))
+                runner.forward([t % vocab for t in range(2000, 2000 + w)])
                 sync()
                 times[name][w].append(time.perf_counter() - start)
     return {name: [1000 * statistics.median(per[w]) for w in WIDTHS] for name, per in times.items()}
 
 
-def print_machine(reference, runner, methods) -> None:
+def print_machine(reference, runner, methods, forward_rounds: int) -> None:
     cpu = describe_cpu()
     model = reference  # the same weights in their plain form (the runtime's are packed)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -273,7 +279,7 @@ def print_machine(reference, runner, methods) -> None:
           f"runtime AR {step_ms:.1f} ms/token = {roofline_ms / step_ms:.0%} of the roofline")
     print(f"{device.type} read bandwidth {read_gbs:.1f} GB/s (a sum): weights stream in {read_ms:.1f} ms at best; "
           f"runtime AR = {read_ms / step_ms:.0%} of that")
-    costs = forward_costs(runner.model, reference)
+    costs = forward_costs(runner.decoder, reference, forward_rounds)
     print("\nforward over w new tokens after 200, ms (relative to w=1):")
     print(f"{'':<14}" + "".join(f"{'w=' + str(w):>14}" for w in WIDTHS))
     for name, ms in costs.items():
@@ -291,13 +297,16 @@ def main() -> None:
     prompts = [prompt_ids(tok, [{"role": "user", "content": p.turns[0]}])
                for p in load_prompts("mtbench", args.prompts)]
     plain = open_runner(target.model)
-    print(f"SmolLM2-135M-Instruct, {len(prompts)} MT-bench prompts x up to {args.new_tokens} new tokens, greedy, "
+    name = target.name if args.model else "SmolLM2-135M-Instruct"
+    print(f"{name}, {len(prompts)} MT-bench prompts x up to {args.new_tokens} new tokens, greedy, "
           f"batch 1, {args.repeats} repeats; {runtime_description(plain)}")
     measure(methods, prompts, args, modules, product_for("auto", target.model), stops)
     print_table(methods, prompts, plain)
-    if not has_cpp and not args.no_peers:
+    if args.model and not args.no_peers:
+        print("llama.cpp: reads the embedded GGUF, not measured with --model")
+    elif not has_cpp and not args.no_peers:
         print("llama.cpp: not installed (pip install -e .[bench]), not measured")
-    print_machine(reference, plain, methods)
+    print_machine(reference, plain, methods, args.forward_rounds)
 
 
 if __name__ == "__main__":

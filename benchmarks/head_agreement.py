@@ -42,7 +42,8 @@ def eval_conversations(results: Path, out: Path) -> None:
 def agreement(head, spec, store: FeatureStore, recipe, batch_size: int) -> list[float]:
     """Top-1 agreement per draft position, scored as training validates (float32, on the CPU)."""
     window = score_store(head, spec, store, batch_size, step_weights(recipe.head.step_weights, spec.draft_positions),
-                         recipe.head.feature_weight, recipe.train.loss_chunk, torch.device("cpu"), torch.float32)
+                         spec.family.feature_weight(recipe.head), recipe.train.loss_chunk, torch.device("cpu"),
+                         torch.float32)
     sums = window.reduce(None)
     return [sums[f"train/acc_{p + 1}"] for p in range(spec.draft_positions)]
 

@@ -26,7 +26,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from mtptrain.config import load_recipe
+from mtptrain.config import Eagle3HeadConfig, load_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 SPECULATORS_PYTHON = REPO / ".venv-speculators" / "bin" / "python"
@@ -71,6 +71,8 @@ def main() -> None:
     out = Path(args.out).resolve()
     recipe = load_recipe(Path(args.recipe), args.sets)
     head = recipe.head
+    if not isinstance(head, Eagle3HeadConfig):
+        sys.exit(f"{args.recipe}: head.kind is {head.kind}; speculators trains EAGLE-3 heads: give an eagle3 recipe")
     cli("precompute", "--recipe", args.recipe, "--no-progress", "--no-wandb", sets=args.sets)  # kept when complete
     data = out / "speculators-data"
     if not (data / "mtptrain-speculators-data.json").is_file():

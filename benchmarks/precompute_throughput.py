@@ -28,11 +28,13 @@ from mtptrain.config import load_recipe
 from mtptrain.features.plan import make_batches, plan_shards, resolve_layers
 from mtptrain.features.precompute import run_precompute
 from mtptrain.runtime.batch import capture_states
+from mtptrain.runtime.runner import runtime_for
 from mtptrain.target import load_target
 
 
 def bare_forward_tokens_per_second(target, batches, runtime: str) -> float:
     """The decoder stack over the batches on the runtime precompute uses, nothing captured or written."""
+    source = runtime_for(target.model, runtime, batched=True)
     tokens = 0
     start = time.perf_counter()
     for batch in batches:
@@ -40,7 +42,7 @@ def bare_forward_tokens_per_second(target, batches, runtime: str) -> float:
         ids = torch.zeros(len(batch), longest, dtype=torch.long)
         for row, sample in enumerate(batch):
             ids[row, : len(sample)] = torch.from_numpy(sample.input_ids)
-        capture_states(target.model, ids, [], runtime)
+        capture_states(source, ids, [])
         tokens += sum(len(s) for s in batch)
     return tokens / (time.perf_counter() - start)
 

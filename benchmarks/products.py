@@ -1,7 +1,7 @@
 """The target's linear products, one decoding step's worth, on every product this machine offers, in one run.
 
     python benchmarks/products.py [--rows 1,2,4,8,16,32,160] [--repeats 7] [--dtype bfloat16]
-                                  [--recipe recipes/quickstart.yaml]
+                                  [--recipe recipes/quickstart.yaml] [--model DIR]
 
 The weights are the shapes of every layer of the recipe's target (its config, no weights loaded: random
 values), fused as the runtime fuses them (q/k/v, gate/up), plus the LM head, each in the layout its product
@@ -11,7 +11,7 @@ decoding step does. For each row count, the products take turns pass by pass (`-
 shows the median ms of a pass, its bandwidth (weight bytes / time) and the ratio against oneDNN's packed
 product, which the runtime used before its own.
 
-Then (unless --no-steps) whole decoding steps of the embedded target on the runtime, once per product, each
+Then (unless --no-steps) whole decoding steps of the recipe's target on the runtime, once per product, each
 on its own copy of the model: one token after a 200-token prefix, and a verification of 4 and 8 tokens, the
 products' steps interleaved; the runtime's other kernels are the ones this machine measured.
 """
@@ -26,8 +26,8 @@ import torch
 
 from mtptrain.config import load_recipe
 from mtptrain.machine import describe_cpu
-from mtptrain.runtime.choice import PRODUCT, products, shapes
-from mtptrain.runtime.weights import LAYOUT
+from mtptrain.runtime.choice import shapes
+from mtptrain.runtime.products import PRODUCTS, products
 from mtptrain.target import load_config
 
 
@@ -37,23 +37,26 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=7, help="passes per product and row count")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--recipe", default="recipes/quickstart.yaml", help="whose target's shapes")
+    parser.add_argument("--model", help="target.model (a model directory, GGUF or hub id) instead of the recipe's")
     parser.add_argument("--no-steps", action="store_true", help="only the products, not whole decoding steps")
     return parser.parse_args()
 
 
-def steps(recipe_path: str, dtype: torch.dtype, names: list[str], repeats: int) -> None:
+def steps(recipe_path: str, sets: list[str], dtype: torch.dtype, names: list[str], repeats: int) -> None:
     """Median ms of a forward over 1, 4 and 8 new tokens after a 200-token prefix, per product."""
     from mtptrain.runtime.choice import choose
-    from mtptrain.runtime.runner import FastRunner, build_decoder
+    from mtptrain.runtime.model import FastDecoder
+    from mtptrain.runtime.runner import FastRunner
     from mtptrain.target import load_target
 
-    recipe = load_recipe(recipe_path, [f"target.dtype={str(dtype).removeprefix('torch.')}"])
+    recipe = load_recipe(recipe_path, [*sets, f"target.dtype={str(dtype).removeprefix('torch.')}"])
     runners = {}
     for name in names:
         model = load_target(recipe.target).model
         choice = choose(model.config, torch.device("cpu"), str(dtype).removeprefix("torch."))
-        runners[name] = FastRunner(build_decoder(model, choice, name))
-    prefix = list(range(1000, 1200))
+        runners[name] = FastRunner(FastDecoder(model, choice, name))
+    vocab = model.config.vocab_size  # ids past a small vocabulary wrap around
+    prefix = [t % vocab for t in range(1000, 1200)]
     for runner in runners.values():
         runner.reset()
         runner.forward(prefix, last_only=True)
@@ -64,9 +67,9 @@ def steps(recipe_path: str, dtype: torch.dtype, names: list[str], repeats: int) 
             for name, runner in runners.items():
                 runner.rollback(len(prefix))
                 started = time.perf_counter()
-                runner.forward(list(range(2000 + step, 2000 + step + w)))
+                runner.forward([t % vocab for t in range(2000 + step, 2000 + step + w)])
                 times[name, w].append(time.perf_counter() - started)
-    print(f"\ndecoding steps of the embedded target, each product on its own copy (otherwise {choice.describe()}), "
+    print(f"\ndecoding steps of the target, each product on its own copy (otherwise {choice.describe()}), "
           f"median ms of {repeats * 5}:")
     print(f"{'tokens':>7}" + "".join(f"{name:>14}" for name in names))
     for w in widths:
@@ -76,28 +79,30 @@ def steps(recipe_path: str, dtype: torch.dtype, names: list[str], repeats: int) 
 def main() -> None:
     args = parse_args()
     dtype = getattr(torch, args.dtype)
-    config = load_config(load_recipe(args.recipe, []).target)
+    sets = [f"target.model={args.model}"] if args.model else []
+    config = load_config(load_recipe(args.recipe, sets).target)
     layer = shapes(config)
     every = layer * config.num_hidden_layers + [(config.vocab_size, config.hidden_size)]
     generator = torch.Generator().manual_seed(0)
     plain = [(torch.randn(o, i, generator=generator) * 0.02).to(dtype) for o, i in every]
     weight_bytes = sum(w.numel() * w.element_size() for w in plain)
     names = [p for p in products(dtype) if p != "skinny"]  # skinny is F.linear past 32 rows
-    laid_out = {p: [LAYOUT[p](w) for w in plain] if p in LAYOUT else plain for p in names}
+    laid_out = {p: [PRODUCTS[p].lay_out(w) for w in plain] for p in names}
     cpu = describe_cpu()
     print(f"CPU {cpu['model']} ({cpu['logical_cores']} logical cores, torch kernels {cpu['capability']}, "
           f"{' '.join(cpu['extensions'] or [])}); {torch.get_num_threads()} threads")
-    print(f"{len(every)} products of {args.recipe}'s target ({config.num_hidden_layers} layers and the LM head), "
+    whose = f"the target {args.model}" if args.model else f"{args.recipe}'s target"
+    print(f"{len(every)} products of {whose} ({config.num_hidden_layers} layers and the LM head), "
           f"{weight_bytes / 1e6:.0f} MB in {args.dtype}; median ms of a pass over {args.repeats}, interleaved\n")
     print(f"{'rows':>5}" + "".join(f"{name:>30}" for name in names))
     for rows in (int(r) for r in args.rows.split(",")):
         inputs = {i: torch.randn(rows, i, generator=generator).to(dtype) for _, i in every}
         times = {name: [] for name in names}
         for name in names:  # warm-up: first-call allocations, kernel builds
-            PRODUCT[name](inputs[every[0][1]], laid_out[name][0], None)
+            PRODUCTS[name](inputs[every[0][1]], laid_out[name][0], None)
         for _ in range(args.repeats):
             for name in names:
-                product, weights = PRODUCT[name], laid_out[name]
+                product, weights = PRODUCTS[name], laid_out[name]
                 started = time.perf_counter()
                 for (_, i), w in zip(every, weights):
                     product(inputs[i], w, None)
@@ -110,7 +115,7 @@ def main() -> None:
             cells.append(f"{ms:8.2f} ms {weight_bytes / ms / 1e6:5.1f} GB/s{ratio}")
         print(f"{rows:>5}" + "".join(f"{c:>30}" for c in cells))
     if not args.no_steps:
-        steps(args.recipe, dtype, names, args.repeats)
+        steps(args.recipe, sets, dtype, names, args.repeats)
 
 
 if __name__ == "__main__":

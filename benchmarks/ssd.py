@@ -1,9 +1,9 @@
 """Speculative speculative decoding against ordinary speculative and autoregressive decoding, in one run.
 
     python benchmarks/ssd.py [--prompts 4] [--new-tokens 96] [--k 4] [--drafters head,draft]
-                             [--draft-layers 10] [--budgets 1,2,4,8,16] [--factors 1,0.5,0.2]
+                             [--draft-layers 10] [--budgets 1,2,4,8,16] [--factors 1,0.5,0.2] [--model DIR]
 
-Target: the embedded SmolLM2-135M-Instruct (float32, CPU). Drafters:
+Target: the embedded SmolLM2-135M-Instruct, or the target --model names (float32, CPU). Drafters:
 
   head    the EAGLE-3 head shipped in pretrained/ (or --head DIR): it reads the target's states, which reach
           the SSD worker after each verification
@@ -21,7 +21,7 @@ Then, with each drafter of --sweep-drafters, SSD with every round's budget spent
 handed out (the cache's quality apart from this machine's timing): hit rate by drafts accepted j against
 the cache budget (temperature 0), and Saguaro's factor C at temperature 1 (hit rate, acceptance, tau).
 Ratios are tokens/s against the baseline measured in this run. The compared proposers are eval's own
-configurations (mtptrain.eval.run.build_configs: chain and ssd for the head, draft and ssd-draft for the draft
+configurations (mtptrain.eval.methods.build_configs: chain and ssd for the head, draft and ssd-draft for the draft
 model); the sweeps build their SSD workers here, as eval has no setting for spending the whole budget.
 """
 
@@ -45,8 +45,8 @@ from mtptrain.runtime.runner import Runner, open_runner
 from mtptrain.engine.ssd import SSDProposer, SSDSettings
 from mtptrain.engine.verify import Sampling
 from mtptrain.eval.drafters import draft_lm, head_parts
+from mtptrain.eval.methods import Config, build_configs
 from mtptrain.eval.prompts import load_prompts
-from mtptrain.eval.run import Config, build_configs
 from mtptrain.heads.checkpoint import PRETRAINED_HEAD
 from mtptrain.target import load_target
 
@@ -110,6 +110,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--drafters", default="head,draft")
     parser.add_argument("--head", default=str(PRETRAINED_HEAD))
+    parser.add_argument("--model", help="target.model (a model directory, GGUF or hub id) instead of the embedded "
+                        "default")
     parser.add_argument("--draft-layers", type=int, default=10)
     parser.add_argument("--budget", type=int, default=8, help="SSD guesses per round in the method comparison")
     parser.add_argument("--budgets", default="1,2,4,8,16")
@@ -133,7 +135,8 @@ def eval_recipe(args, drafters: list[str]) -> Recipe:
     return load_recipe(None, ["target.device=cpu", "target.dtype=float32", f"eval.methods=[{methods}]",
                               f"eval.k=[{args.k}]", f"eval.head={args.head}", f"eval.draft.layers={args.draft_layers}",
                               f"eval.ssd.budget={args.budget}", f"eval.ssd.threads={args.draft_threads}",
-                              f"eval.ssd.fallback={args.fallback}", "eval.ssd.device=cpu"])
+                              f"eval.ssd.fallback={args.fallback}", "eval.ssd.device=cpu",
+                              *([f"target.model={args.model}"] if args.model else [])])
 
 
 def load_drafters(recipe: Recipe, target) -> tuple[dict[str, Drafter], list]:
@@ -254,9 +257,10 @@ def main() -> None:
     prompts = [prompt_ids(target.tokenizer, [{"role": "user", "content": p.turns[0]}])
                for p in load_prompts("mtbench", args.prompts)]
     drafters, modules = load_drafters(recipe, target)
-    print(f"SmolLM2-135M-Instruct, float32 CPU; K={args.k}; {len(prompts)} MT-bench prompts x {args.new_tokens} new "
+    name = target.name if args.model else "SmolLM2-135M-Instruct"
+    print(f"{name}, float32 CPU; K={args.k}; {len(prompts)} MT-bench prompts x {args.new_tokens} new "
           f"tokens; target {args.target_threads} thread(s), SSD drafter {args.draft_threads} in its own process; "
-          f"drafters: head = {Path(args.head).name}, draft = first {args.draft_layers} of 30 layers")
+          f"drafters: head = {Path(args.head).name}, draft = first {args.draft_layers} of {target.num_layers} layers")
     with fast_linears(*modules, product=product_for("auto", target.model)):
         compare(args, open_runner(target.model), drafters, names, prompts, target.tokenizer, stops)
         for name in swept:

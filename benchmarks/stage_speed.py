@@ -73,9 +73,9 @@ def main() -> None:
     parser.add_argument("--set", dest="sets", action="append", default=[], help="extra recipe override")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    recipe = load_recipe(args.recipe, args.sets)
+    recipe = load_recipe(args.recipe, [*AFTER, *args.sets])  # what the runtime's path computes with
     device = pick_device(recipe.target.device, DistInfo.from_env())
-    choice = choose(load_config(recipe.target), device)
+    choice = choose(load_config(recipe.target), device, recipe.target.dtype)
     cpu = describe_cpu()
     print(f"CPU {cpu['model']} ({cpu['logical_cores']} logical cores, torch kernels {cpu['capability']}, "
           f"{' '.join(cpu['extensions'] or [])}), {torch.get_num_threads()} threads; runtime choice: "

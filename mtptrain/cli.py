@@ -149,8 +149,9 @@ def evaluate(recipe: RecipeOpt = None, overrides: SetOpt = None,
     every output is checked against the baseline token for token; a divergence that is not a float near-tie
     fails the command (exit code 3). Writes results.json, report.md and PNG plots to eval.output_dir.
     """
+    from mtptrain.eval.exactness import exactness_failures
     from mtptrain.eval.report import format_results
-    from mtptrain.eval.run import exactness_failures, run_eval
+    from mtptrain.eval.run import run_eval
 
     cfg = _recipe(recipe, overrides)
     results = _guarded(lambda: run_eval(cfg, wandb="disabled" if no_wandb else None, show_progress=progress))
@@ -245,18 +246,21 @@ def speculators_data(out: Annotated[Path, typer.Option(help="New directory for s
 
     A `datasets` directory (input_ids, loss_mask, seq_len; the train split, then the validation split), one
     hidden_states/hs_<i>.safetensors per sample ([T, 4, H]: the head's feature layers, then the last layer before
-    the final norm; token_ids) and the draft vocabulary the recipe's head would use (d2t-<N>.npy, t2d-<N>.npy).
+    the final norm; token_ids) and the draft vocabulary the recipe's head would use (d2t-<N>.npy, t2d-<N>.npy):
+    speculators trains eagle3 heads, so a head section of another kind stands for eagle3's defaults.
     Prints the arguments its trainer needs (scripts/speculators_train_cpu.py runs it on a CPU). Rerunning keeps
     the sample files already written.
     """
+    from mtptrain.config import Eagle3HeadConfig
     from mtptrain.features.store import load_manifest
     from mtptrain.heads.spec import HeadSpec
     from mtptrain.peers.speculators import write_offline_data
 
     cfg = _recipe(recipe, overrides)
+    head = cfg.head if isinstance(cfg.head, Eagle3HeadConfig) else Eagle3HeadConfig()
 
     def run():
-        spec = HeadSpec.of(cfg.head.model_copy(update={"kind": "eagle3"}), load_manifest(Path(cfg.train.features)))
+        spec = HeadSpec.of(head, load_manifest(Path(cfg.train.features)))
         return write_offline_data(Path(cfg.train.features), out, list(spec.feature_layers), spec.draft_vocab_size,
                                   progress)
 
@@ -325,10 +329,11 @@ def measure(recipe: RecipeOpt = None, overrides: SetOpt = None) -> None:
     taken while other processes keep the cores busy are not cached (exit code 1).
     """
     from mtptrain.io import cache_root
-    from mtptrain.target import measure_runtime
+    from mtptrain.runtime.dtype import measure_again
+    from mtptrain.target import load_config
 
     cfg = _recipe(recipe, overrides)
-    choice, cached = _guarded(lambda: measure_runtime(cfg.target))
+    choice, cached = _guarded(lambda: measure_again(load_config(cfg.target), cfg.target.dtype, cfg.target.model))
     typer.echo(f"{cfg.target.model}: {choice.describe()}")
     if not cached:
         typer.echo("error: other processes kept the cores busy during the measurement, so it was not cached; "

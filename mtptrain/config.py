@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args, get_origin
 
 import yaml
-from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, Strict, ValidationError,
-                      field_validator, model_validator)
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Strict, Tag,
+                      ValidationError, field_validator, model_validator)
 
 from mtptrain.errors import MtptrainError
 from mtptrain.io import atomic_write_text
@@ -27,10 +27,15 @@ EMBEDDED_TARGET = "embedded:smollm2-135m-instruct"
 EMBEDDED_DATA = "embedded:sharegpt"
 
 # The head's settings, shared by the recipe (HeadConfig) and a trained head's spec (mtptrain.heads.spec.HeadSpec).
-# Every kind has a family in mtptrain.heads.spec.FAMILIES (tests/heads/test_families.py checks both lists agree).
+# Every kind has a section class in HEAD_CONFIGS and a family in mtptrain.heads.spec.FAMILIES
+# (tests/heads/test_families.py checks the three lists agree).
 HeadKind = Literal["eagle", "eagle3", "mtp"]
 Norms = Literal["restored", "stripped"]
 MTPInput = Literal["normed", "raw"]
+
+# eval.methods' choices. Every name has a method in mtptrain.eval.methods.METHODS (tests/eval/test_methods.py
+# checks both lists agree).
+EvalMethodName = Literal["ngram", "suffix", "chain", "tree", "draft", "ssd", "ssd-draft"]
 
 
 class RecipeError(MtptrainError, ValueError):
@@ -176,31 +181,102 @@ class PrecomputeConfig(_Section):
 
 
 class HeadConfig(_Section):
-    kind: HeadKind = Field("eagle3", description="Head family.")
-    norms: Norms = Field(
-        "restored", description="RMSNorm restoration (default) or the original stripped EAGLE placement "
-        "(eagle and mtp; eagle3 always keeps its norms).")
-    feature_layers: list[Int] | Literal["auto"] = Field(
-        "auto", description="eagle3: captured layers fused as features; auto = every captured layer but the last.")
-    ttt_steps: Int = Field(3, ge=1, description="eagle3: training-time-test unroll length.")
-    draft_vocab_size: Int = Field(
-        8192, ge=1, description="eagle3: draft vocabulary size (most frequent target tokens of the training data).")
-    fc_norm: bool = Field(
-        False, description="eagle3: an RMSNorm of its own on each fused layer's states before fc, so layers of "
-        "different scales enter the projection alike (EAGLE-3.1; speculators' fc_norm).")
-    norm_output: bool = Field(
-        False, description="eagle3: each TTT and drafting step reads the previous step's output after the final "
-        "norm (the state the LM head reads), not before it, which keeps its scale from drifting with depth "
-        "(EAGLE-3.1; speculators' norm_output).")
-    mtp_depths: Int = Field(2, ge=1, description="mtp: number of chained depths.")
-    mtp_share: bool = Field(False, description="mtp: reuse one module at every depth.")
-    mtp_input: MTPInput = Field(
-        "normed", description="mtp: the target state depth 1 reads. normed = after the target's final norm, as "
-        "vLLM and SGLang feed DeepSeek MTP layers (needed for the deepseek-mtp export); raw = the pre-norm state.")
+    """What every head family's section holds. The recipe's head section is the class of its kind in HEAD_CONFIGS,
+    so a key of another family is refused, with the family it belongs to."""
+    kind: HeadKind = Field(description="Head family: eagle, eagle3 or mtp (a head section without one: eagle3).")
     step_weights: list[Float] | Literal["auto"] = Field(
-        "auto", description="Loss weight per TTT step / MTP depth; auto = 0.8^k (the EAGLE-3 recipe's decay).")
+        "auto", description="Loss weight per draft position (eagle's one, eagle3's TTT steps, mtp's depths); "
+        "auto = 0.8^k (the EAGLE-3 recipe's decay).")
+
+
+class _PlacedNorms(HeadConfig):
+    """Heads whose RMSNorms are placed by choice (eagle3 always keeps its norms)."""
+    norms: Norms = Field(
+        "restored", description="RMSNorm restoration (default) or the original stripped EAGLE placement.")
+
+
+class EagleHeadConfig(_PlacedNorms):
+    """EAGLE-1/2: one decoder layer over the target's last layer and the next token's embedding."""
+    kind: Literal["eagle"] = Field("eagle", description="Head family.")
     feature_weight: Float = Field(
-        0.1, ge=0.0, description="eagle: weight of the smooth-L1 feature regression next to distillation.")
+        0.1, ge=0.0, description="Weight of the smooth-L1 feature regression next to distillation.")
+
+
+class Eagle3HeadConfig(HeadConfig):
+    """EAGLE-3: fused low, middle and high layers, training-time test and a draft vocabulary of its own."""
+    kind: Literal["eagle3"] = Field("eagle3", description="Head family.")
+    feature_layers: list[Int] | Literal["auto"] = Field(
+        "auto", description="Captured layers fused as features; auto = every captured layer but the last.")
+    ttt_steps: Int = Field(3, ge=1, description="Training-time-test unroll length.")
+    draft_vocab_size: Int = Field(
+        8192, ge=1, description="Draft vocabulary size (most frequent target tokens of the training data).")
+    fc_norm: bool = Field(
+        False, description="An RMSNorm of its own on each fused layer's states before fc, so layers of different "
+        "scales enter the projection alike (EAGLE-3.1; speculators' fc_norm).")
+    norm_output: bool = Field(
+        False, description="Each TTT and drafting step reads the previous step's output after the final norm (the "
+        "state the LM head reads), not before it, which keeps its scale from drifting with depth (EAGLE-3.1; "
+        "speculators' norm_output).")
+
+
+class MTPHeadConfig(_PlacedNorms):
+    """DeepSeek-V3 multi-token prediction: chained depths, each reading the previous one's state."""
+    kind: Literal["mtp"] = Field("mtp", description="Head family.")
+    mtp_depths: Int = Field(2, ge=1, description="Number of chained depths.")
+    mtp_share: bool = Field(False, description="Reuse one module at every depth.")
+    mtp_input: MTPInput = Field(
+        "normed", description="The target state depth 1 reads. normed = after the target's final norm, as vLLM and "
+        "SGLang feed DeepSeek MTP layers (needed for the deepseek-mtp export); raw = the pre-norm state.")
+
+
+HEAD_CONFIGS: dict[str, type[HeadConfig]] = {
+    section.model_fields["kind"].default: section for section in (EagleHeadConfig, Eagle3HeadConfig, MTPHeadConfig)}
+DEFAULT_HEAD_KIND = "eagle3"
+
+# A resolved recipe of the flat head layout holds every family's fields under `head`, each field of another
+# family at its value here; read back, those are dropped (any other value is refused as another family's setting).
+FLAT_HEAD_DEFAULTS: dict[str, Any] = {
+    "norms": "restored", "feature_layers": "auto", "ttt_steps": 3, "draft_vocab_size": 8192, "fc_norm": False,
+    "norm_output": False, "mtp_depths": 2, "mtp_share": False, "mtp_input": "normed", "step_weights": "auto",
+    "feature_weight": 0.1}
+
+
+def flat_head(head: HeadConfig) -> dict[str, Any]:
+    """The head section in the flat layout: its own fields, and every other family's at FLAT_HEAD_DEFAULTS."""
+    return {**FLAT_HEAD_DEFAULTS, **head.model_dump(mode="json")}
+
+
+def _section_of_flat_head(section: Any) -> Any:
+    """A head mapping of the flat layout (every flat field present) without the other families' fields it holds at
+    their flat defaults; any other mapping as it is."""
+    if not isinstance(section, dict) or set(section) != {"kind", *FLAT_HEAD_DEFAULTS}:
+        return section
+    own = HEAD_CONFIGS.get(section["kind"]) if isinstance(section["kind"], str) else None
+    if own is None:
+        return section
+    return {key: value for key, value in section.items()
+            if key in own.model_fields or value != FLAT_HEAD_DEFAULTS[key]}
+
+
+def _head_kind(section: Any) -> Any:
+    """The kind whose class validates a head section: a mapping's kind (eagle3 when it names none), a section's
+    own; anything else goes to eagle3's class, which refuses it as not a mapping."""
+    if isinstance(section, dict):
+        kind = section.get("kind", DEFAULT_HEAD_KIND)
+        return kind if isinstance(kind, str) else repr(kind)
+    return getattr(section, "kind", DEFAULT_HEAD_KIND)
+
+
+_HEAD_KIND_ERROR = "head_kind"
+_KINDS = [f"'{kind}'" for kind in HEAD_CONFIGS]
+
+# The recipe's head section: one class per family, chosen by kind.
+AnyHeadConfig = Annotated[
+    Annotated[EagleHeadConfig, Tag("eagle")] | Annotated[Eagle3HeadConfig, Tag("eagle3")]
+    | Annotated[MTPHeadConfig, Tag("mtp")],
+    Discriminator(_head_kind, custom_error_type=_HEAD_KIND_ERROR,
+                  custom_error_message=f"Input should be {', '.join(_KINDS[:-1])} or {_KINDS[-1]}"),
+    BeforeValidator(_section_of_flat_head)]
 
 
 class EngineEvalConfig(_Section):
@@ -359,7 +435,7 @@ class EvalConfig(_Truncation):
     max_new_tokens: Int = Field(256, ge=1, description="New tokens per turn.")
     temperature: Float = Field(0.0, ge=0, description="0 = greedy (checked for exactness against the baseline).")
     seed: Int = Field(0, description="Seed of the sampling streams.")
-    methods: list[Literal["ngram", "suffix", "chain", "tree", "draft", "ssd", "ssd-draft"]] = Field(
+    methods: list[EvalMethodName] = Field(
         ["ngram", "suffix", "chain", "tree"],
         description="Drafting methods, each measured against the autoregressive baseline: ngram (prompt lookup), "
         "suffix (index over past outputs), chain (the head, drafting K tokens), tree (EAGLE-2 trees from an "
@@ -488,7 +564,7 @@ class Recipe(_Section):
     data: DataConfig = DataConfig()
     regenerate: RegenerateConfig = RegenerateConfig()
     precompute: PrecomputeConfig = PrecomputeConfig()
-    head: HeadConfig = HeadConfig()
+    head: AnyHeadConfig = Eagle3HeadConfig()
     train: TrainConfig = TrainConfig()
     eval: EvalConfig = EvalConfig()
     export: ExportConfig = ExportConfig()
@@ -586,15 +662,18 @@ def validate_recipe(raw: dict[str, Any], where: str = "recipe",
 def _explain(exc: ValidationError, where: str, overrides: dict[tuple[str, ...], str]) -> str:
     lines, from_file = [], False
     for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"])
-        item = _override_of(tuple(str(p) for p in err["loc"]), overrides)
+        keys, section, kinds = _located(err["loc"])
+        got = err.get("input")
+        if err["type"] == _HEAD_KIND_ERROR and isinstance(got, dict):
+            keys, got = (*keys, "kind"), got.get("kind")
+        loc = ".".join(keys)
+        item = _override_of(keys, overrides)
         source = f" (from --set {item})" if item else ""
         from_file |= item is None
         if err["type"] == "extra_forbidden":
-            hint = _closest_key(err["loc"])
-            lines.append(f"  unknown key '{loc}'{source}" + (f" (did you mean '{hint}'?)" if hint else ""))
+            lines.append(f"  unknown key '{loc}'{source}" + _unknown_key_hint(keys, section, kinds, item, overrides))
         else:
-            lines.append(f"  {loc}: {err['msg']} (got {err.get('input')!r}){source}")
+            lines.append(f"  {loc}: {err['msg']} (got {got!r}){source}")
     return "\n".join([f"{where}: invalid recipe" if from_file else "invalid --set override", *lines])
 
 
@@ -607,17 +686,74 @@ def _override_of(loc: tuple[str, ...], overrides: dict[tuple[str, ...], str]) ->
     return None
 
 
-def _closest_key(loc: tuple[Any, ...]) -> str | None:
-    """The valid key an unknown one most likely meant, first found of: a flat `<section>_<field>` written for the
-    nested `<section>.<field>` (eval.tree_budgets -> eval.tree.budgets); a near-identical spelling in its own
-    section; the same name where another section holds it (a moved key: train.wandb -> tracking.wandb); a flat
-    `<field>_<name>` whose `<field>` moved with `<name>` into one section (wandb_project -> tracking.project);
-    a looser spelling in its own section."""
-    sections = dict(_sections(Recipe, ()))
-    prefix, name = tuple(str(p) for p in loc[:-1]), str(loc[-1])
-    model = sections.get(prefix)
+def _section_classes(annotation: Any) -> dict[str | None, type[BaseModel]]:
+    """The sections a field holds: its own class (under None), or the classes of a union chosen by kind (under
+    their tags)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return {None: annotation}
+    tagged = {}
+    for member in get_args(annotation):
+        if get_origin(member) is Annotated:
+            cls, *metadata = get_args(member)
+            tagged |= {tag.tag: cls for tag in metadata if isinstance(tag, Tag)}
+    return tagged
+
+
+def _located(loc: tuple[Any, ...]) -> tuple[tuple[str, ...], type[BaseModel] | None,
+                                            dict[str | None, type[BaseModel]]]:
+    """An error's key path without the tags pydantic puts into it where a section is chosen by kind; the section
+    class its last key was looked up in (None below the sections: a list's items); and the classes of the kinds
+    that section was chosen from (empty where it is not chosen by kind)."""
+    parts, keys = [str(p) for p in loc], []
+    section, kinds = Recipe, {}
+    while parts:
+        key = parts.pop(0)
+        keys.append(key)
+        field = section.model_fields.get(key) if section is not None and parts else None
+        classes = _section_classes(field.annotation) if field is not None else {}
+        if None in classes:
+            section, kinds = classes[None], {}
+        elif parts and parts[0] in classes:
+            section, kinds = classes[parts.pop(0)], classes
+        elif parts:
+            section, kinds = None, {}
+    return tuple(keys), section, kinds
+
+
+def _unknown_key_hint(keys: tuple[str, ...], section: type[BaseModel] | None,
+                      kinds: dict[str | None, type[BaseModel]], item: str | None,
+                      overrides: dict[tuple[str, ...], str]) -> str:
+    """What follows "unknown key": the kinds whose section holds it and the fix, where the section is chosen by
+    kind; else the valid key it most likely meant."""
+    prefix, name = keys[:-1], keys[-1]
+    path, own = ".".join(prefix), section.model_fields["kind"].default if kinds else None
+    owners = [kind for kind, cls in kinds.items() if name in cls.model_fields]
+    if not owners:
+        hint = _closest_key(prefix, name, section)
+        if hint:
+            return f" (did you mean '{hint}'?)"
+        near = [(kind, match[0]) for kind, cls in kinds.items()
+                if (match := difflib.get_close_matches(name, list(cls.model_fields), n=1, cutoff=0.8))]
+        return (f" (did you mean '{path}.{near[0][1]}'? a setting of {near[0][0]} heads, and {path}.kind is {own})"
+                if near else "")
+    fix = f"remove it, or set {path}.kind={owners[0]}" if len(owners) == 1 else \
+        f"remove it, or set {path}.kind to {' or '.join(owners)}"
+    switched = _override_of((*prefix, "kind"), overrides)
+    if item is None and switched is not None:  # the recipe's key, and a --set's kind
+        return (f": a setting of {' and '.join(owners)} heads, and {path}.kind is {own} (from --set {switched}): "
+                f"{fix}; --set '{path}={{kind: {own}}}' replaces the recipe's {path} section")
+    return f": a setting of {' and '.join(owners)} heads, and {path}.kind is {own}: {fix}"
+
+
+def _closest_key(prefix: tuple[str, ...], name: str, model: type[BaseModel] | None) -> str | None:
+    """The valid key an unknown one in `model` (the section at `prefix`) most likely meant, first found of: a flat
+    `<section>_<field>` written for the nested `<section>.<field>` (eval.tree_budgets -> eval.tree.budgets); a
+    near-identical spelling in its own section; the same name where another section holds it (a moved key:
+    train.wandb -> tracking.wandb); a flat `<field>_<name>` whose `<field>` moved with `<name>` into one section
+    (wandb_project -> tracking.project); a looser spelling in its own section."""
     if model is None:
         return None
+    sections = list(_sections(Recipe, ()))
 
     def spelled(cutoff: float) -> str | None:
         match = difflib.get_close_matches(name, list(model.model_fields), n=1, cutoff=cutoff)
@@ -625,16 +761,17 @@ def _closest_key(loc: tuple[Any, ...]) -> str | None:
 
     splits = [(name[:i], name[i + 1:]) for i, char in enumerate(name) if char == "_"]
     for section, rest in splits:
-        nested = sections.get((*prefix, section))
-        match = nested and difflib.get_close_matches(rest, list(nested.model_fields), n=1, cutoff=0.6)
-        if match:
-            return ".".join([*prefix, section, *match])
+        for path, nested in sections:
+            match = path == (*prefix, section) and difflib.get_close_matches(rest, list(nested.model_fields), n=1,
+                                                                             cutoff=0.6)
+            if match:
+                return ".".join([*path, *match])
     if close := spelled(0.8):
         return close
-    for path, other in sections.items():
+    for path, other in sections:
         if name in other.model_fields:
             return ".".join([*path, name])
-    for path, other in sections.items():
+    for path, other in sections:
         for field, rest in splits:
             if field in other.model_fields and rest in other.model_fields:
                 return ".".join([*path, rest])
@@ -642,11 +779,12 @@ def _closest_key(loc: tuple[Any, ...]) -> str | None:
 
 
 def _sections(model: type[BaseModel], path: tuple[str, ...]):
-    """(key path, model) of `model` and of every section under it, in the order the recipe lists them."""
+    """(key path, model) of `model` and of every section under it, in the order the recipe lists them; a section
+    chosen by kind once per kind."""
     yield path, model
     for name, field in model.model_fields.items():
-        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
-            yield from _sections(field.annotation, (*path, name))
+        for section in _section_classes(field.annotation).values():
+            yield from _sections(section, (*path, name))
 
 
 def dump_recipe(recipe: Recipe, path: str | Path) -> None:

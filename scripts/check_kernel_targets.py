@@ -85,7 +85,7 @@ def check_attention(module, dtype) -> list[str]:
 
 
 def check_product(module, dtype) -> list[str]:
-    from mtptrain.runtime.weights import blocked
+    from mtptrain.runtime.products import blocked
 
     failures = []
     g = torch.Generator().manual_seed(1)

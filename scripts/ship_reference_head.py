@@ -16,8 +16,9 @@ from pathlib import Path
 
 from learning_curve import plot, table, validations  # scripts/learning_curve.py
 
-from mtptrain.eval.report import methods_table, run_line
+from mtptrain.eval.report import methods_table
 from mtptrain.heads.checkpoint import PRETRAINED_HEAD
+from mtptrain.report_lines import run_line
 
 EVALS = {"eval": "temperature 0", "eval-t1": "temperature 1"}
 

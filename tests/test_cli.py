@@ -91,7 +91,7 @@ def test_every_command_shows_the_library_info_lines(tmp_path, tiny_target_dir):
                 "--set", f"data.source={data}", "--set", f"data.regenerated={tmp_path / 'r.jsonl'}",
                 "--set", "regenerate.max_new_tokens=4")
     assert done.returncode == 0, done.stderr[-2000:]
-    assert f"INFO mtptrain.target: target {tiny_target_dir.name}" in done.stderr
+    assert f"INFO mtptrain.target.loading: target {tiny_target_dir.name}" in done.stderr
     assert "INFO mtptrain.data.regenerate: regenerate:" in done.stderr
     assert not any(" INFO " in line for line in done.stderr.splitlines() if "httpx" in line or "urllib3" in line)
 

@@ -1,3 +1,4 @@
+import json
 import re
 import resource
 import subprocess
@@ -8,7 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mtptrain.config import Recipe, RecipeError, _sections, dump_recipe, load_recipe
+from mtptrain.config import (DEFAULT_HEAD_KIND, HEAD_CONFIGS, Recipe, RecipeError, _sections, dump_recipe, flat_head,
+                             load_recipe)
 
 RECIPES = sorted(Path(__file__).resolve().parents[1].joinpath("recipes").glob("*.yaml"))
 
@@ -188,25 +190,29 @@ def test_an_alias_in_a_set_value_is_refused():
 
 
 def _number_fields():
-    """(dotted key, a boolean written where the field takes a number or a list of them) for every such field."""
+    """(dotted key, a boolean written where the field takes a number or a list of them, the --set items that
+    choose the section holding it: a head section's kind) for every such field."""
     def takes(annotation, kind) -> bool:
         return kind in (annotation, typing.get_origin(annotation)) or any(takes(arg, kind)
                                                                           for arg in typing.get_args(annotation))
 
     for path, model in _sections(Recipe, ()):
+        chosen = [f"{'.'.join(path)}.kind={model.model_fields['kind'].default}"] if "kind" in model.model_fields else []
         for name, field in model.model_fields.items():
             if takes(field.annotation, int) or takes(field.annotation, float):
                 listed = takes(field.annotation, list)
-                yield ".".join([*path, name]), "[true]" if listed else "true"
+                yield ".".join([*path, name]), "[true]" if listed else "true", chosen
 
 
 def test_a_boolean_is_not_a_number_in_any_field(tmp_path):
-    fields = dict(_number_fields())
-    assert {"train.micro_batch_size", "precompute.layers", "eval.k", "train.lr", "slurm.eval.nodes"} <= set(fields)
-    for key, value in fields.items():
+    fields = list(_number_fields())
+    assert {"train.micro_batch_size", "precompute.layers", "eval.k", "train.lr", "slurm.eval.nodes"} <= \
+        {key for key, _, _ in fields}
+    assert {"head.ttt_steps", "head.mtp_depths", "head.feature_weight"} <= {key for key, _, _ in fields}
+    for key, value, chosen in fields:
         item = f"{key}={value}"
         with pytest.raises(RecipeError, match=rf"  {re.escape(key)}\b\S*: .*\(from --set {re.escape(item)}\)"):
-            load_recipe(None, [item])
+            load_recipe(None, [*chosen, item])
     path = tmp_path / "r.yaml"
     path.write_text("train:\n  micro_batch_size: true\n")
     with pytest.raises(RecipeError, match=rf"{re.escape(str(path))}: invalid recipe\n  train.micro_batch_size: "):
@@ -215,3 +221,110 @@ def test_a_boolean_is_not_a_number_in_any_field(tmp_path):
     recipe = load_recipe(path, ["train.grad_accum=2", "precompute.layers=[0, 3]"])
     assert (recipe.train.micro_batch_size, recipe.train.lr, recipe.train.grad_accum) == (8, 3e-4, 2)
     assert recipe.precompute.layers == [0, 3]
+
+
+# A value other than the default for every head field, so that a test sees it kept.
+HEAD_VALUES = {"norms": "stripped", "feature_weight": 0.5, "feature_layers": [1, 2], "ttt_steps": 5,
+               "draft_vocab_size": 100, "fc_norm": True, "norm_output": True, "mtp_depths": 3, "mtp_share": True,
+               "mtp_input": "raw", "step_weights": [1.0, 0.5]}
+
+
+def _own_keys(kind: str) -> list[str]:
+    return [key for key in HEAD_CONFIGS[kind].model_fields if key != "kind"]
+
+
+def test_every_head_field_has_a_value_in_these_tests():
+    assert set(HEAD_VALUES) == {key for kind in HEAD_CONFIGS for key in _own_keys(kind)}
+
+
+@pytest.mark.parametrize("kind", sorted(HEAD_CONFIGS))
+def test_each_head_family_takes_its_own_keys(kind, tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump({"head": {"kind": kind, **{key: HEAD_VALUES[key] for key in _own_keys(kind)}}}))
+    head = load_recipe(path).head
+    assert isinstance(head, HEAD_CONFIGS[kind]) and head.kind == kind
+    assert {key: getattr(head, key) for key in _own_keys(kind)} == {key: HEAD_VALUES[key] for key in _own_keys(kind)}
+
+
+@pytest.mark.parametrize("kind", sorted(HEAD_CONFIGS))
+def test_a_key_of_another_head_family_is_refused_with_the_family_and_the_fix(kind, tmp_path):
+    foreign = {key for other in HEAD_CONFIGS for key in _own_keys(other)} - set(_own_keys(kind))
+    assert foreign
+    for key in sorted(foreign):
+        owners = [other for other in HEAD_CONFIGS if key in HEAD_CONFIGS[other].model_fields]
+        fix = f"set head.kind={owners[0]}" if len(owners) == 1 else f"set head.kind to {' or '.join(owners)}"
+        item = f"head.{key}={json.dumps(HEAD_VALUES[key])}"
+        with pytest.raises(RecipeError) as err:
+            load_recipe(None, [f"head.kind={kind}", item])
+        assert (f"unknown key 'head.{key}' (from --set {item}): a setting of {' and '.join(owners)} heads, and "
+                f"head.kind is {kind}: remove it, or {fix}") in str(err.value)
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump({"head": {"kind": kind, **{key: HEAD_VALUES[key] for key in foreign}}}))
+    with pytest.raises(RecipeError) as err:
+        load_recipe(path)
+    assert str(err.value).startswith(f"{path}: invalid recipe")
+    assert str(err.value).count(f"heads, and head.kind is {kind}: remove it") == len(foreign)
+
+
+def test_a_misspelt_head_key_gets_a_did_you_mean(tmp_path):
+    with pytest.raises(RecipeError, match=re.escape("unknown key 'head.ttt_step' (from --set head.ttt_step=2) "
+                                                    "(did you mean 'head.ttt_steps'?)")):
+        load_recipe(None, ["head.ttt_step=2"])
+    with pytest.raises(RecipeError, match=re.escape("(did you mean 'head.mtp_depths'?)")):
+        load_recipe(None, ["head.kind=mtp", "head.mtp_depth=2"])
+    path = tmp_path / "r.yaml"
+    path.write_text("head:\n  kind: eagle\n  feature_wieght: 0.2\n")
+    with pytest.raises(RecipeError, match=re.escape("unknown key 'head.feature_wieght' (did you mean "
+                                                    "'head.feature_weight'?)")):
+        load_recipe(path)
+    with pytest.raises(RecipeError, match=re.escape("unknown key 'head.mtp_depth' (from --set head.mtp_depth=2) (did "
+                                                    "you mean 'head.mtp_depths'? a setting of mtp heads, and "
+                                                    "head.kind is eagle3)")):
+        load_recipe(None, ["head.mtp_depth=2"])
+    with pytest.raises(RecipeError, match=re.escape("unknown key 'ttt_steps' (from --set ttt_steps=2) (did you mean "
+                                                    "'head.ttt_steps'?)")):
+        load_recipe(None, ["ttt_steps=2"])
+
+
+def test_set_overrides_switch_the_head_kind(tmp_path):
+    assert type(load_recipe(None).head) is HEAD_CONFIGS[DEFAULT_HEAD_KIND]
+    for items in (["head.kind=mtp", "head.mtp_depths=3"], ["head.mtp_depths=3", "head.kind=mtp"]):
+        head = load_recipe(None, items).head
+        assert (head.kind, head.mtp_depths, head.norms) == ("mtp", 3, "restored")
+    shared = tmp_path / "shared.yaml"
+    shared.write_text("head:\n  kind: eagle3\n  step_weights: [1, 1]\n")
+    head = load_recipe(shared, ["head.kind=mtp"]).head
+    assert (head.kind, head.step_weights, head.mtp_depths) == ("mtp", [1.0, 1.0], 2)
+    assert load_recipe(shared, ["head.kind=eagle", "head.feature_weight=0.3"]).head.feature_weight == 0.3
+    quickstart = next(p for p in RECIPES if p.name == "quickstart.yaml")
+    with pytest.raises(RecipeError) as err:
+        load_recipe(quickstart, ["head.kind=mtp"])
+    assert (f"{quickstart}: invalid recipe\n  unknown key 'head.ttt_steps': a setting of eagle3 heads, and "
+            "head.kind is mtp (from --set head.kind=mtp): remove it, or set head.kind=eagle3; --set 'head={kind: "
+            "mtp}' replaces the recipe's head section") in str(err.value)
+    head = load_recipe(quickstart, ["head={kind: mtp}", "head.mtp_depths=3"]).head
+    assert (head.kind, head.mtp_depths) == ("mtp", 3)
+    with pytest.raises(RecipeError, match=re.escape("head.kind: Input should be 'eagle', 'eagle3' or 'mtp' (got "
+                                                    "'dflash') (from --set head.kind=dflash)")):
+        load_recipe(None, ["head.kind=dflash"])
+
+
+# A resolved recipe's head section as written before each family had a section of its own: every field of every
+# family, the other families' at their defaults.
+FLAT_HEAD = {"kind": "eagle3", "norms": "restored", "feature_layers": "auto", "ttt_steps": 3,
+             "draft_vocab_size": 8192, "fc_norm": False, "norm_output": False, "mtp_depths": 2, "mtp_share": False,
+             "mtp_input": "normed", "step_weights": "auto", "feature_weight": 0.1}
+
+
+@pytest.mark.parametrize("kind", sorted(HEAD_CONFIGS))
+def test_a_resolved_recipe_with_a_flat_head_section_reads_back(kind, tmp_path):
+    own = {key: HEAD_VALUES[key] for key in _own_keys(kind)}
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump({"name": "old", "head": {**FLAT_HEAD, "kind": kind, **own}}, sort_keys=False))
+    head = load_recipe(path).head
+    assert type(head) is HEAD_CONFIGS[kind] and head.model_dump(mode="json") == {"kind": kind, **own}
+    assert flat_head(head) == {**FLAT_HEAD, "kind": kind, **own}
+    other = next(key for key in FLAT_HEAD if key not in own and key != "kind")
+    path.write_text(yaml.safe_dump({"head": {**FLAT_HEAD, "kind": kind, **own, other: HEAD_VALUES[other]}}))
+    with pytest.raises(RecipeError, match=rf"unknown key 'head.{other}': a setting of "):
+        load_recipe(path)  # a value the flat layout never wrote for another family

@@ -14,11 +14,12 @@ from conftest import make_tiny_llama, make_tokenizer
 from mtptrain.config import TargetConfig, load_recipe
 from mtptrain.dist import DistInfo
 from mtptrain.io import WriteRefusedError
-import mtptrain.target as target_module
+import mtptrain.target.source as target_source
 from mtptrain.target import (
-    _skeleton, frozen_parameters, identity_mismatch, load_frozen_target, load_identified_parts, load_target,
-    model_fingerprint, rank_devices, split_device_map,
+    frozen_parameters, identity_mismatch, load_frozen_target, load_identified_parts, load_target, model_fingerprint,
+    rank_devices, split_device_map,
 )
+from mtptrain.target.parts import meta_model
 
 # Llama-3.1-70B-Instruct's config.json, as Meta publishes it (the shapes the 70B recipe is sized for).
 LLAMA_31_70B = dict(
@@ -117,7 +118,7 @@ def test_embedded_target_loads_in_part_with_the_same_frozen_fingerprint():
 def test_split_device_map_covers_every_weight_in_contiguous_equal_runs(tmp_path, tied):
     directory = _save(tmp_path / "t", tied=tied)
     whole = load_target(TargetConfig(model=str(directory)))
-    skeleton = _skeleton(whole.config, torch.float32, TargetConfig())
+    skeleton = meta_model(whole.config, torch.float32, TargetConfig())
     mapping = split_device_map(skeleton, [torch.device("cuda", 0), torch.device("cuda", 1)])
     assert [mapping[f"model.layers.{i}"] for i in range(4)] == ["cuda:0", "cuda:0", "cuda:1", "cuda:1"]
     assert mapping["model.embed_tokens"] == "cuda:0" and mapping["model.norm"] == "cuda:1"
@@ -246,7 +247,7 @@ def test_a_cache_that_refuses_the_converted_gguf_names_its_directory_and_mtptrai
 
     if refusal == "read-only":
         monkeypatch.setattr(Path, "mkdir", read_only)
-    monkeypatch.setattr(target_module, "_convert_gguf", convert)
+    monkeypatch.setattr(target_source, "_convert_gguf", convert)
     cache = home / ".cache" / "mtptrain" / "targets"
     reason = f"{cache} is read-only. Make it writable" if refusal == "read-only" else \
         f"no space left on {cache}. Free space there"
@@ -254,5 +255,5 @@ def test_a_cache_that_refuses_the_converted_gguf_names_its_directory_and_mtptrai
             f"cannot write the safetensors copy of model.gguf (made once, kept in the cache): {reason}, or set "
             "MTPTRAIN_CACHE to a writable directory with room (the cache moves there). Nothing was left "
             "half-written.")):
-        target_module.converted_gguf_dir(gguf)
+        target_source.converted_gguf_dir(gguf)
     assert not cache.exists() or not any(cache.iterdir())

@@ -56,7 +56,7 @@ from mtptrain.errors import MtptrainError
 from mtptrain.io import atomic_write_json, fsync_dir
 from mtptrain.runtime.batch import Request, decode_stream
 from mtptrain.runtime.linears import fast_linears, product_for
-from mtptrain.runtime.runner import native_decoder
+from mtptrain.runtime.runner import runtime_for
 from mtptrain.target import identity_mismatch, load_target, tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
@@ -161,10 +161,11 @@ def sampler(sampling: Sampling, seed: int):
     return pick
 
 
-def regenerate_jobs(model, tokenizer, group: list[Job], recipe: Recipe, stops: set[int],
+def regenerate_jobs(source, tokenizer, group: list[Job], recipe: Recipe, stops: set[int],
                     finished: Callable[[Job], None] = lambda job: None) -> int:
-    """Answer every turn of a group of conversations, `regenerate.batch_size` rows at a time: a conversation's
-    next turn is asked as soon as its answer ends. `finished(job)` is called as each conversation ends.
+    """Answer every turn of a group of conversations, `regenerate.batch_size` rows at a time, on `source` (the
+    target's batched decoder, or its model: runtime/batch.py's `decode_stream`): a conversation's next turn is
+    asked as soon as its answer ends. `finished(job)` is called as each conversation ends.
     Returns the number of new tokens."""
     r, max_length = recipe.regenerate, recipe.data.max_length
     sampling = Sampling(r.temperature, r.top_k, r.top_p)
@@ -204,7 +205,7 @@ def regenerate_jobs(model, tokenizer, group: list[Job], recipe: Recipe, stops: s
         return ask(job, turn + 1)
 
     firsts = (request for request in (ask(job, 0) for job in group) if request is not None)
-    decode_stream(model, firsts, answered, r.batch_size, stops, pad_id, recipe.target.runtime)
+    decode_stream(source, firsts, answered, r.batch_size, stops, pad_id, recipe.target.runtime)
     return total
 
 
@@ -251,11 +252,11 @@ def run_regenerate(recipe: Recipe, show_progress: bool = True) -> dict:
     # The transformers fallback only (the native runtime has its own products): up to 8 rows the swap is faster on
     # CPU; wider decoding batches are compute-bound and keep torch's GEMM.
     product = product_for(recipe.regenerate.cpu_matmul, model)
-    native = native_decoder(model, recipe.target.runtime) is not None
-    with fast_linears(model, product=product, max_rows=8, enabled=not native):
+    source = runtime_for(model, recipe.target.runtime, batched=True)
+    with fast_linears(model, product=product, max_rows=8, enabled=source is model):
         for g in range(done, len(groups)):
             group = groups[g]
-            tokens_now += regenerate_jobs(model, tokenizer, group, recipe, stops, finished)
+            tokens_now += regenerate_jobs(source, tokenizer, group, recipe, stops, finished)
             lines = []
             for job in group:
                 if not job.messages:

@@ -21,8 +21,10 @@ from mtptrain.engine.verify import Sampling, choose
 class DraftModelProposer(ProposerBase):
     name = "draft-model"
 
-    def __init__(self, model, sampling: Sampling = Sampling(), seed: int = 0):
-        self.runner = open_runner(model)
+    def __init__(self, source, sampling: Sampling = Sampling(), seed: int = 0):
+        """`source`: the draft model's runtime decoder (`runtime.runner.load_decoder`, or a decoder's `truncated`
+        layers), built once for every proposer of a run, or the model itself (its decoder built here)."""
+        self.runner = open_runner(source)
         self.sampling = sampling
         self.generator = torch.Generator().manual_seed(seed)
         self.cached: list[int] = []  # the tokens whose keys and values the draft cache holds

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from mtptrain.config import TargetConfig
-from mtptrain.runtime.linears import fast_linears, product_for
+from mtptrain.runtime.linears import product_for, to_product_linears
 from mtptrain.engine.draft_model import truncated_target
 from mtptrain.engine.ssd import HeadParts
 from mtptrain.export.source import load_head_directory
@@ -39,7 +39,7 @@ def head_parts(directory: str, target: TargetConfig, identity: dict, device: str
 
 
 def _cpu_linears(model, config):
-    """On CPU, the short-input linear layers eval uses (runtime/linears.py), for the life of the worker; `config`:
-    the target's, whose shapes the product was measured on."""
-    fast_linears(model, product=product_for("auto", model, config)).__enter__()  # never exited: the process only drafts
+    """On CPU, the short-input linear layers eval uses (runtime/linears.py), for the life of the worker (it only
+    drafts); `config`: the target's, whose shapes the product was measured on."""
+    to_product_linears(model, product=product_for("auto", model, config))
     return model

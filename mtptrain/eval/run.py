@@ -8,82 +8,38 @@ prompts identical across methods. Per method configuration (method, K or tree bu
 (tokens per target forward, bonus included), acceptance per draft position (cumulative), draft and verify
 time per step, tokens/s and speedup against the baseline; at temperature 0 it also checks that every output
 equals the baseline's, token for token, and explains any divergence (a float near-tie is tolerated, anything
-else is a failure). Where the spread or other processes' load makes a speedup unreliable, it says so.
+else is a failure). Where the spread or other processes' load makes a speedup unreliable, it says so. The methods
+and their configurations are mtptrain/eval/methods.py's; the exactness checks, mtptrain/eval/exactness.py's.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
-import math
 import statistics
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 from tqdm import tqdm
 
 from mtptrain.data.chat import prompt_ids, stop_tokens
-from mtptrain.errors import MtptrainError
-from mtptrain.eval.drafters import draft_lm, head_parts
+from mtptrain.eval.exactness import Exactness, NearTie
+from mtptrain.eval.methods import Config, EvalError, build_configs
 from mtptrain.eval.prompts import check_lengths, load_prompts, request_ids, token_limit
 from mtptrain.eval.report import write_report
-from mtptrain.config import Recipe, TargetConfig
-from mtptrain.engine.draft_model import DraftModelProposer, truncated_target
+from mtptrain.config import Recipe
 from mtptrain.engine.generate import GenerationStats, generate
-from mtptrain.engine.ngram import NgramProposer
-from mtptrain.engine.ssd import SSDProposer, SSDSettings
-from mtptrain.engine.suffix_index import SuffixIndexProposer
 from mtptrain.engine.verify import Sampling
-from mtptrain.export.source import load_head_directory
-from mtptrain.heads import FrozenTarget
-from mtptrain.heads.checkpoint import head_directory
-from mtptrain.heads.spec import HeadSpec
 from mtptrain.io import atomic_write_json
 from mtptrain.machine import cpu_sample, describe_cpu, other_load
 from mtptrain.runtime.linears import fast_linears, product_for
-from mtptrain.runtime.runner import Runner, open_runner, runtime_description
-from mtptrain.target import load_target, load_tokenizer
+from mtptrain.runtime.runner import Runner, open_runner, runtime_description, runtime_for
+from mtptrain.target import load_target
 from mtptrain.tracking import init_run
 
 log = logging.getLogger(__name__)
-
-HEAD_METHODS = ("chain", "tree", "ssd")
-
-class EvalError(MtptrainError, ValueError):
-    pass
-
-
-@dataclass
-class Config:
-    """One measured configuration: a method with its draft length (or tree budget)."""
-
-    label: str
-    method: str  # baseline, ngram, suffix, chain, tree, draft
-    k: int = 0  # draft length; a tree's depth
-    budget: int | None = None  # tree nodes
-    make: Callable[[], object] | None = None  # a fresh proposer (None: the baseline)
-    uses_head: bool = False
-    threads: int | None = None  # the target's CPU threads while this runs (ssd: the drafter has the others)
-    keeps_proposer: bool = False  # one proposer for warm-up and measurement (ssd: a worker process each)
-
-
-@dataclass(frozen=True)
-class HeadInfo:
-    """The head the run drafts with: where it was loaded from, its spec, its size."""
-
-    path: Path
-    spec: HeadSpec
-    parameters: int
-
-    def record(self) -> dict:
-        """results.json's "head"."""
-        spec = self.spec
-        return {"path": str(self.path), "kind": spec.kind, "norms": spec.norms, "last_layer": spec.last_layer,
-                "feature_layers": list(spec.feature_layers), "parameters": self.parameters}
 
 
 @dataclass
@@ -96,10 +52,10 @@ class Tally:
     stats: GenerationStats = field(default_factory=GenerationStats)
     categories: dict = field(default_factory=dict)  # category -> [emitted, steps]
     ssd: dict | None = None  # ssd: the speculation cache's hits and misses over the first repeat
-    checked: int = 0
-    identical: int = 0
-    near_ties: list = field(default_factory=list)
-    failures: list = field(default_factory=list)
+    exactness: Exactness = field(init=False)
+
+    def __post_init__(self):
+        self.exactness = Exactness(self.config.label)
 
     def add_timing(self, tokens: int, seconds: float) -> None:
         """One generation of the current repeat."""
@@ -129,8 +85,7 @@ class Tally:
             "verified_tokens_per_step": round(s.verified / s.steps, 3) if s.steps else 0.0,
             "tau_by_category": {k: round(e / n, 4) for k, (e, n) in sorted(self.categories.items()) if n},
             **({"ssd": self.ssd} if self.ssd is not None else {}),
-            "exactness": {"checked": self.checked, "identical": self.identical,
-                          "near_ties": self.near_ties, "failures": self.failures},
+            "exactness": self.exactness.record(),
         }
 
 
@@ -148,148 +103,6 @@ def timing_summary(tokens: list[int], seconds: list[float], baseline_tps: list[f
             "speedup_max": round(max(speedups), 4), "speedup_spread": None if spread is None else round(spread, 4)}
 
 
-def build_configs(recipe: Recipe, target, sampling: Sampling) -> tuple[list[Config], HeadInfo | None, list[str], list]:
-    """The baseline and every (method, K / budget) of the recipe; the head's description; notes on skips;
-    the drafting modules (head, draft model) besides the target."""
-    ev = recipe.eval
-    configs, notes, head_info, modules = [Config("baseline", "baseline")], [], None, []
-    head = spec = None
-    if any(m in HEAD_METHODS for m in ev.methods):
-        head, head_info = _load_head(recipe, target)
-        spec = head_info.spec
-        modules.append(head)
-    seed = ev.seed + 7919  # the drafters' own stream, apart from the engine's
-    for method in ev.methods:
-        if method == "ngram":
-            for k in ev.k:
-                configs.append(Config(f"ngram K={k}", "ngram", k, make=lambda: NgramProposer(ev.ngram.min, ev.ngram.max)))
-        elif method == "suffix":
-            for k in ev.k:
-                configs.append(Config(f"suffix K={k}", "suffix", k, make=SuffixIndexProposer))
-        elif method == "chain":
-            limit = spec.family.chain_limit(spec)
-            ks = [k for k in ev.k if limit is None or k <= limit.tokens]
-            if len(ks) < len(ev.k):
-                notes.append(f"chain: {limit.why}; K > {limit.tokens} skipped")
-            make = lambda: spec.family.chain(head, spec, sampling, seed)  # noqa: E731
-            for k in ks:
-                configs.append(Config(f"chain K={k}", "chain", k, make=make, uses_head=True))
-        elif method == "tree":
-            if spec.family.no_tree:
-                notes.append(f"tree: {spec.family.no_tree}")
-                continue
-            for budget in ev.tree.budgets:
-                make = lambda b=budget: spec.family.tree(head, spec, ev.tree.branch, ev.tree.depth, b, sampling, seed)  # noqa: E731
-                configs.append(Config(f"tree N={budget}", "tree", ev.tree.depth, budget, make, uses_head=True))
-        elif method in ("ssd", "ssd-draft"):
-            configs.extend(_ssd_configs(method, recipe, target, spec, head_info, sampling, seed, notes))
-        elif method == "draft":
-            model = _draft_model(recipe, target)
-            modules.append(model)
-            for k in ev.k:
-                configs.append(Config(f"draft K={k}", "draft", k, make=lambda m=model: DraftModelProposer(m, sampling, seed)))
-    return configs, head_info, notes, modules
-
-
-def _ssd_configs(method, recipe, target, spec, head_info, sampling, seed, notes) -> list[Config]:
-    """SSD for each K: a drafter process per configuration (the head, or the draft model), kept for the run."""
-    ev = recipe.eval
-    device = ssd_device(ev.ssd.device, target.device)
-    if method == "ssd":
-        if spec.family.no_ssd:
-            notes.append(f"ssd: {spec.family.no_ssd}")
-            return []
-        make_drafter = functools.partial(head_parts, str(head_info.path), recipe.target, target.identity(), device)
-        layers = spec.family.draft_layers(spec)
-    else:
-        _check_draft_choice(ev)
-        if ev.draft.model is not None:
-            _check_draft_tokenizer(recipe, target)
-        make_drafter = functools.partial(draft_lm, recipe.target, ev.draft.model, ev.draft.layers, device)
-        layers = None
-    threads = max(1, torch.get_num_threads() - ev.ssd.threads) if target.device.type == "cpu" else None
-    configs = []
-    for k in ev.k:
-        settings = SSDSettings(k=k, budget=ev.ssd.budget, factor=ev.ssd.factor, fallback=ev.ssd.fallback,
-                               threads=ev.ssd.threads, sampling=sampling, seed=seed)
-        configs.append(Config(f"{method} K={k}", method, k, make=lambda s=settings: SSDProposer(
-            make_drafter, s, layers, target.device), uses_head=method == "ssd", threads=threads, keeps_proposer=True))
-    return configs
-
-
-def ssd_device(choice: str, target_device: torch.device) -> str:
-    """The SSD drafter's device: eval.ssd.device, or (auto) a GPU other than the target's when there is one."""
-    if choice != "auto":
-        return choice
-    if target_device.type != "cuda":
-        return "cpu"
-    count = torch.cuda.device_count()
-    index = target_device.index or 0
-    return f"cuda:{(index + 1) % count}" if count > 1 else f"cuda:{index}"
-
-
-def _load_head(recipe: Recipe, target) -> tuple[torch.nn.Module, HeadInfo]:
-    directory = head_directory(recipe)
-    if not (directory / "config.json").is_file():
-        raise EvalError(f"no trained head at {directory} (eval.methods has {', '.join(HEAD_METHODS)}, which draft with "
-                        "a head): run `mtptrain train` with this recipe first, point eval.head at a head "
-                        "directory, or drop chain/tree/ssd from mtptrain.eval.methods")
-    head, spec = load_head_directory(directory, FrozenTarget.of(target.model), target.identity())
-    head.to(dtype=next(target.model.parameters()).dtype)
-    return head, HeadInfo(directory, spec, sum(p.numel() for p in head.parameters()))
-
-
-def _draft_model(recipe: Recipe, target):
-    _check_draft_choice(recipe.eval)
-    ev = recipe.eval
-    if ev.draft.layers is not None:
-        return truncated_target(target.model, ev.draft.layers)
-    _check_draft_tokenizer(recipe, target)
-    cfg = recipe.target.model_copy(update={"model": ev.draft.model, "gguf_file": None, "revision": None})
-    return load_target(TargetConfig(**cfg.model_dump())).model
-
-
-def _check_draft_tokenizer(recipe: Recipe, target) -> None:
-    ev = recipe.eval
-    cfg = recipe.target.model_copy(update={"model": ev.draft.model, "gguf_file": None, "revision": None})
-    if load_tokenizer(cfg).get_vocab() != target.tokenizer.get_vocab():
-        raise EvalError(f"eval.draft.model {ev.draft.model} has another tokenizer than the target: a draft model must "
-                        "share the target's vocabulary token for token")
-
-
-def _check_draft_choice(ev) -> None:
-    if (ev.draft.model is None) == (ev.draft.layers is None):
-        raise EvalError("eval.methods has 'draft' or 'ssd-draft': set exactly one of eval.draft.model (a causal LM "
-                        "with the target's tokenizer) or eval.draft.layers (the target cut to its first N layers)")
-
-
-def logit_scale_and_gap(runner: Runner, context: list[int]) -> tuple[float, float]:
-    """The largest logit in magnitude of the baseline's next-token logits after `context` (the scale their
-    rounding errors follow), and the margin of the best over the second best, by the forward the baseline
-    decodes with."""
-    runner.reset()
-    logits = runner.forward(context, last_only=True)[-1].float()
-    top = logits.topk(2).values
-    return float(logits.abs().max()), float(top[0] - top[1])
-
-
-MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10}
-
-
-def near_tie_bound(ev, dtype: torch.dtype, scale: float) -> float:
-    """eval.near_tie, or in a half-precision dtype eval.near_tie_ulps rounding steps of the largest logit in
-    magnitude (`scale`) if more.
-
-    Two forwards of one context differ in their logits by errors carried from every layer's rounded states,
-    whose size follows the logits' overall scale, not the size of the two logits compared: measured on
-    SmolLM2-135M in bfloat16, a chain's verification and a one-token step ordered two logits of 3.75 either
-    way at a gap of 0.22 (15 steps of 3.75), where the largest logit was -36.25 (1 step of it is 0.25)."""
-    bits = MANTISSA_BITS.get(dtype)
-    if bits is None or scale == 0:
-        return ev.near_tie
-    return max(ev.near_tie, ev.near_tie_ulps * 2.0 ** (math.floor(math.log2(abs(scale))) - bits))
-
-
 def run_eval(recipe: Recipe, wandb: str | None = None, show_progress: bool = True) -> dict:
     ev = recipe.eval
     out_dir = Path(ev.output_dir)
@@ -303,7 +116,8 @@ def run_eval(recipe: Recipe, wandb: str | None = None, show_progress: bool = Tru
         log.warning(note)
     capture = head_info.spec.layers if head_info is not None else []
     runtime = recipe.target.runtime
-    plain, reading = open_runner(target.model, (), runtime), open_runner(target.model, capture, runtime)
+    source = runtime_for(target.model, runtime)  # the target's decoder, read once for both runners
+    plain, reading = open_runner(source, (), runtime), open_runner(source, capture, runtime)
     stops = stop_tokens(target.tokenizer, target.model)
     requests = [(p, t) for p in prompts for t in range(min(len(p.turns), ev.max_turns or len(p.turns)))]
     tallies = [Tally(c) for c in configs]
@@ -323,7 +137,7 @@ def run_eval(recipe: Recipe, wandb: str | None = None, show_progress: bool = Tru
         with fast_linears(*linears, product=product):
             _warm_up(configs, kept, plain, reading, prompt_ids(target.tokenizer, [{"role": "user", "content": "Hello!"}]),
                      ev, sampling, stops)
-            engine = _Engine(plain, reading, target, ev, sampling, stops, limit)
+            engine = _Engine(plain, reading, target, ev, sampling, stops, limit, NearTie(plain, ev))
             start = cpu_sample()
             answers = _measure(requests, tallies, kept, engine, show_progress)
             measured = start, cpu_sample()  # before the ssd workers are closed: their CPU is this run's own
@@ -372,6 +186,7 @@ class _Engine:
     sampling: Sampling
     stops: set
     limit: int  # tokens a request may hold (prompts.token_limit)
+    near_tie: NearTie  # judges the outputs that differ from their reference
 
     def run(self, config: Config, proposer, ids: list[int], seed: int):
         """One timed generation: (result, seconds)."""
@@ -433,10 +248,10 @@ def _request(tallies, i, proposer, engine: _Engine, ids, index, repeat, prompt, 
     if repeat == 0:
         tally.add(result.tokens, result.stats, prompt.category or "all")
         if i and engine.sampling.greedy:
-            _check_exact(tally, engine, ids, tallies[0].outputs[index], result.tokens, where)
-    elif engine.sampling.greedy and result.tokens != tally.outputs[index]:
-        _divergence(tally, engine, ids, tally.outputs[index], result.tokens, {"request": where, "repeat": repeat + 1},
-                    "its first repeat")
+            tally.exactness.against_baseline(engine.near_tie, ids, tallies[0].outputs[index], result.tokens, where)
+    elif engine.sampling.greedy:
+        tally.exactness.against_first_repeat(engine.near_tie, ids, tally.outputs[index], result.tokens, where,
+                                             repeat + 1)
 
 
 def _warm_up(configs, kept, plain, reading, ids, ev, sampling, stops) -> None:
@@ -460,35 +275,6 @@ def _threads(count: int | None):
         yield
     finally:
         torch.set_num_threads(previous)
-
-
-def _check_exact(tally: Tally, engine: _Engine, prompt: list[int], reference: list[int], tokens: list[int],
-                 where: str) -> None:
-    tally.checked += 1
-    if tokens == reference:
-        tally.identical += 1
-        return
-    _divergence(tally, engine, prompt, reference, tokens, {"request": where}, "the baseline")
-
-
-def _divergence(tally: Tally, engine: _Engine, prompt: list[int], expected: list[int], tokens: list[int],
-                entry: dict, against: str) -> None:
-    """Records where `tokens` leave `expected`: a near-tie when the baseline's top-2 gap there is below the
-    near-tie bound (near_tie_bound), a failure otherwise."""
-    first = next((i for i, (a, b) in enumerate(zip(expected, tokens)) if a != b), min(len(expected), len(tokens)))
-    scale, gap = logit_scale_and_gap(engine.plain, prompt + expected[:first])
-    bound = near_tie_bound(engine.ev, engine.plain.dtype, scale)
-    entry = {**entry, "position": first, "top2_gap": round(gap, 6), "bound": round(bound, 6)}
-    where = entry["request"] + (f" (repeat {entry['repeat']})" if "repeat" in entry else "")
-    if gap < bound:
-        tally.near_ties.append(entry)
-        log.warning("%s: %s differs from %s at token %d, a near-tie (top-2 gap %.2e < %.0e)",
-                    tally.config.label, where, against, first, gap, bound)
-    else:
-        tally.failures.append(entry)
-        log.error("EXACTNESS FAILURE: %s: %s differs from %s at token %d where the baseline's top-2 gap is "
-                  "%.3g (not a near-tie): this is a bug in the engine or the proposer", tally.config.label, where,
-                  against, first, gap)
 
 
 def _machine(target, runner: Runner, product: str, start, end) -> dict:
@@ -540,12 +326,6 @@ def best_configs(methods: list[dict]) -> dict:
         if m["method"] not in best or (m["speedup"] or 0) > (best[m["method"]]["speedup"] or 0):
             best[m["method"]] = m
     return {method: m["label"] for method, m in best.items()}
-
-
-def exactness_failures(results: dict) -> list[str]:
-    return [f"{m['label']} {f['request']} token {f['position']}"
-            + (f" (repeat {f['repeat']})" if "repeat" in f else "")
-            for m in results["methods"] for f in m["exactness"]["failures"]]
 
 
 def _log_wandb(recipe: Recipe, results: dict, out_dir: Path, requested: str | None) -> None:

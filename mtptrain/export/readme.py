@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mtptrain.eval.report import run_line
 from mtptrain.export.formats import Format, Written
 from mtptrain.export.source import HeadSource
+from mtptrain.report_lines import run_line
 
 
 def export_readme(form: Format, src: HeadSource, written: Written, sidecar: dict, measured: dict | None,

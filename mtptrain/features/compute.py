@@ -25,6 +25,7 @@ from mtptrain.features.store import FP8, READ_DTYPE, ShardRecord, quantize_rows,
 from mtptrain.heads.common import FrozenTarget
 from mtptrain.io import writing_to
 from mtptrain.runtime.batch import capture_states
+from mtptrain.runtime.runner import runtime_for
 from mtptrain.target import Target
 
 log = logging.getLogger(__name__)
@@ -33,15 +34,17 @@ log = logging.getLogger(__name__)
 TOP_CHUNK = 2048  # positions per LM-head product when taking the target's choices
 
 
-def forward_batch(target: Target, layers: list[int], batch: list[Sample],
-                  runtime: str = "auto") -> tuple[dict[int, torch.Tensor], torch.Tensor]:
-    """Captured hidden states [B, T, H] of a right-padded batch, from the target's runtime, and the target's
-    greedy next token [B, T] at every position, from the last layer's states (always captured)."""
+def forward_batch(target: Target, source, layers: list[int],
+                  batch: list[Sample]) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+    """Captured hidden states [B, T, H] of a right-padded batch, from `source` (the target's batched decoder, or
+    its model under transformers' forward: `runtime_for(target.model, runtime, batched=True)`, made once per
+    stage), and the target's greedy next token [B, T] at every position, from the last layer's states (always
+    captured)."""
     longest = max(len(s) for s in batch)
     ids = torch.zeros(len(batch), longest, dtype=torch.long)
     for row, sample in enumerate(batch):
         ids[row, : len(sample)] = torch.from_numpy(sample.input_ids)
-    states = capture_states(target.model, ids, layers, runtime)
+    states = capture_states(source, ids, layers)
     return states, target_choices(FrozenTarget.of(target.model), states[target.num_layers - 1])
 
 
@@ -175,13 +178,14 @@ def compute_shards(target: Target, shards: list[ShardPlan], layers: list[int], r
     progress = tqdm(total=sum(s.tokens for s in todo), unit="tok", unit_scale=True, desc="precompute",
                     disable=not show_progress)
     start = time.perf_counter()
+    source = runtime_for(target.model, recipe.target.runtime, batched=True)
     try:
         for shard in todo:
             batches = make_batches(shard.samples, cfg.batch_tokens, cfg.max_batch_size)
             buffer = _ShardBuffer.allocate(shard, layers, target.hidden_size, dtype, len(batches))
             first_row = 0
             for batch in batches:
-                outputs, top = forward_batch(target, layers, batch, recipe.target.runtime)
+                outputs, top = forward_batch(target, source, layers, batch)
                 writer.put((buffer, first_row, batch, {k: _to_host(v, dtype) for k, v in outputs.items()}, top.cpu()))
                 tokens = sum(len(s) for s in batch)
                 first_row += tokens

@@ -24,6 +24,7 @@ from mtptrain.data.samples import Sample
 from mtptrain.features.compute import forward_batch
 from mtptrain.features.plan import make_plan_id, plan_shards, resolve_layers
 from mtptrain.features.store import SCHEMA_VERSION, TARGET_TOP, as_stored
+from mtptrain.runtime.runner import runtime_for
 from mtptrain.target import Target
 
 ONLINE = "online"  # what a head trained online records as its feature store
@@ -61,7 +62,8 @@ class OnlineFeatures:
     directory = ONLINE
 
     def __init__(self, target: Target, samples: list[Sample], layers: list[int], dtype: str, runtime: str = "auto"):
-        self.target, self.samples, self.runtime = target, samples, runtime
+        self.target, self.samples = target, samples
+        self.source = runtime_for(target.model, runtime, batched=True)  # the target's batched decoder, built once
         self.layers = sorted(set(layers) | {target.num_layers - 1})  # the last layer gives the target's choices
         self.read = sorted(set(layers))
         self.dtype = dtype  # precompute.dtype: states are returned as a store of it would return them
@@ -87,7 +89,7 @@ class OnlineFeatures:
     def items(self, indices: list[int]) -> list[dict]:
         """Samples `indices` as a store returns them, their states computed in one padded forward pass."""
         batch = [self.samples[i] for i in indices]
-        states, top = forward_batch(self.target, self.layers, batch, self.runtime)
+        states, top = forward_batch(self.target, self.source, self.layers, batch)
         return [{"key": sample.key,
                  "input_ids": torch.from_numpy(sample.input_ids),
                  "loss_mask": torch.from_numpy(sample.loss_mask),

@@ -25,8 +25,9 @@ from mtptrain.features.store import (
     stored_bits, write_manifest,
 )
 from mtptrain.io import atomic_write_json, create_json_once, sha256_file
+from mtptrain.runtime.dtype import agree_on_dtype, ranks_must_agree
 from mtptrain.runtime.runner import runtime_record
-from mtptrain.target import Target, agree_on_runtime, load_target
+from mtptrain.target import Target, load_config, load_target, rank_devices
 from mtptrain.tracking import init_run
 
 log = logging.getLogger(__name__)
@@ -87,7 +88,9 @@ def _precompute(recipe: Recipe, dist: DistInfo, grouped: bool, show_progress: bo
     out_dir = Path(recipe.precompute.output_dir)
     with store_writes(out_dir):
         out_dir.mkdir(parents=True, exist_ok=True)
-    agree_on_runtime(recipe.target, dist)  # every rank computes its shards with rank 0's dtype and kernels
+    device = rank_devices(recipe.target, dist)[0]
+    if ranks_must_agree(device, dist):  # every rank computes its shards with rank 0's dtype and kernels
+        agree_on_dtype(load_config(recipe.target), device)
     target = load_target(recipe.target, dist)
     layers = resolve_layers(recipe.precompute.layers, target.num_layers)
     samples, stats = prepare_samples(recipe.data, target.tokenizer, show_progress=show_progress)
@@ -118,7 +121,7 @@ def _precompute(recipe: Recipe, dist: DistInfo, grouped: bool, show_progress: bo
             dump_recipe(recipe, out_dir / "recipe.yaml")
     log.info("plan: %d samples, %d tokens, layers %s, %d shards over %d rank(s)", len(samples),
              sum(len(s) for s in samples), layers, len(plan), dist.world_size)
-    runtime = _claim_runtime(out_dir, runtime_record(target.model, recipe.target.runtime, batched=True))
+    runtime = _claim_runtime(out_dir, runtime_record(target.model, recipe.target.runtime))
     _remove_stale_temporaries(out_dir, mine)
     result = compute_shards(target, mine, layers, recipe, out_dir, plan_id, dist.rank, show_progress)
     if grouped:

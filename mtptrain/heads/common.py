@@ -9,7 +9,7 @@ parameters or an optimizer.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -25,6 +25,7 @@ class FrozenTarget:
     config: object  # the target's transformers config
     layer_class: type  # the target's decoder layer (LlamaDecoderLayer, Qwen2DecoderLayer, ...)
     rotary_class: type
+    laid_out: dict = field(default_factory=dict, compare=False, repr=False)  # product -> the LM head laid out
 
     @classmethod
     def of(cls, model: nn.Module) -> "FrozenTarget":
@@ -41,6 +42,14 @@ class FrozenTarget:
     def embed_as(self, ids: torch.Tensor, like: nn.Module) -> torch.Tensor:
         """Token embeddings in the dtype of a head's own weights (a bf16 head over an fp32 target, say)."""
         return self.embed(ids).to(next(like.parameters()).dtype)
+
+    def lm_head_for(self, product) -> object:
+        """The frozen LM head's weight laid out for `product` (runtime/products.py), made once per product: the
+        drafting steps of every head that shares it (heads/fast.py) read this one copy."""
+        if product.name not in self.laid_out:
+            with torch.inference_mode(False), torch.no_grad():
+                self.laid_out[product.name] = product.lay_out(self.lm_head.weight)
+        return self.laid_out[product.name]
 
     def head_logits(self, states: torch.Tensor) -> torch.Tensor:
         """The frozen LM head applied to a head's (already normed) states."""

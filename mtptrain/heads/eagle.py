@@ -19,8 +19,6 @@ EagleFamily, below, is what the rest of the package asks of the family
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 
@@ -29,9 +27,7 @@ from mtptrain.heads.fast import HeadStepper
 from mtptrain.heads.family import EagleStyleFamily
 from mtptrain.heads.losses import Loss, feature_loss
 from mtptrain.heads.objective import distill_positions, target_mask
-
-if TYPE_CHECKING:
-    from mtptrain.heads.spec import HeadSpec
+from mtptrain.heads.settings import HeadSettings
 
 
 class EagleHead(nn.Module):
@@ -52,7 +48,7 @@ class EagleHead(nn.Module):
             return target_hidden
         return self.frozen.final_norm(target_hidden.to(self.frozen.lm_head.weight.dtype)).to(target_hidden.dtype)
 
-    def draft_input(self, hidden: dict[int, torch.Tensor], spec: HeadSpec) -> torch.Tensor:
+    def draft_input(self, hidden: dict[int, torch.Tensor], spec: HeadSettings) -> torch.Tensor:
         """What the head drafts from, out of the target's captured states (layer -> [n, H]): its last layer's,
         [1, n, H] in the head's feature space."""
         return self.features(as_head_input(hidden[spec.last_layer], self))
@@ -77,7 +73,8 @@ class EagleHead(nn.Module):
             x = block.proj(torch.cat([block.norm_embed(embeds), block.norm_hidden(feature)], dim=-1))
             return block.layer.input_layernorm(x), x
         return HeadStepper(block.layer, block.rotary, head_layer_config(self.frozen.config), inputs,
-                           lm_head=self.frozen.lm_head, logits_input=self.norm, shared_lm_head=True)
+                           lm_head=self.frozen.lm_head, logits_input=self.norm,
+                           lm_head_for=self.frozen.lm_head_for)
 
 
 class EagleFamily(EagleStyleFamily):
@@ -85,7 +82,10 @@ class EagleFamily(EagleStyleFamily):
     export_formats = ("eagle",)
 
     def settings(self, cfg, manifest):
-        return {}
+        return {"norms": cfg.norms}
+
+    def feature_weight(self, cfg):
+        return cfg.feature_weight
 
     def build(self, spec, frozen, vocab=None):
         return EagleHead(frozen, norms=spec.norms)

@@ -26,8 +26,6 @@ export formats.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable
 
 import torch
 from torch import nn
@@ -37,39 +35,9 @@ from mtptrain.heads.family import EagleStyleFamily, HeadSettingsError
 from mtptrain.heads.fast import HeadStepper
 from mtptrain.heads.losses import Loss
 from mtptrain.heads.objective import distill_positions, given
+from mtptrain.heads.settings import HeadSettings
+from mtptrain.heads.vocab import DraftVocab
 from mtptrain.runtime.model import rotate_half
-
-if TYPE_CHECKING:
-    from mtptrain.heads.spec import HeadSpec
-
-
-@dataclass
-class DraftVocab:
-    draft_to_target: torch.Tensor  # long [N]: target id of draft id i, ascending
-    target_to_draft: torch.Tensor  # long [V]: draft id of a target id, -1 where absent
-
-    @classmethod
-    def from_counts(cls, counts: Counter, size: int, target_vocab: int) -> "DraftVocab":
-        """The `size` most frequent tokens (ties broken by lower id); too few seen tokens are topped up by id."""
-        if not 0 < size <= target_vocab:
-            raise ValueError(f"draft vocabulary size {size} must be in 1..{target_vocab}")
-        ranked = sorted(counts, key=lambda t: (-counts[t], t))[:size]
-        chosen = set(ranked)
-        ranked += [t for t in range(target_vocab) if t not in chosen][: size - len(ranked)]
-        draft_to_target = torch.tensor(sorted(ranked), dtype=torch.long)
-        target_to_draft = torch.full((target_vocab,), -1, dtype=torch.long)
-        target_to_draft[draft_to_target] = torch.arange(size)
-        return cls(draft_to_target, target_to_draft)
-
-    @classmethod
-    def from_token_streams(cls, streams: Iterable, size: int, target_vocab: int) -> "DraftVocab":
-        counts: Counter = Counter()
-        for ids in streams:
-            counts.update(int(t) for t in ids)
-        return cls.from_counts(counts, size, target_vocab)
-
-    def __len__(self) -> int:
-        return len(self.draft_to_target)
 
 
 class Eagle3Head(nn.Module):
@@ -105,7 +73,7 @@ class Eagle3Head(nn.Module):
             layer_states = [norm(states) for norm, states in zip(self.fc_norm, layer_states, strict=True)]
         return self.fc(torch.cat(layer_states, dim=-1))
 
-    def draft_input(self, hidden: dict[int, torch.Tensor], spec: HeadSpec) -> torch.Tensor:
+    def draft_input(self, hidden: dict[int, torch.Tensor], spec: HeadSettings) -> torch.Tensor:
         """What the head drafts from, out of the target's captured states (layer -> [n, H]): its feature layers,
         fused [1, n, H]."""
         return self.fuse([as_head_input(hidden[layer], self) for layer in spec.feature_layers])
@@ -278,7 +246,6 @@ def ttt_mask(length: int, step: int, dtype: torch.dtype, device: torch.device) -
 class Eagle3Family(EagleStyleFamily):
     kind = "eagle3"
     export_formats = ("eagle3", "speculators")
-    eagle31_norms = True
 
     def settings(self, cfg, manifest):
         captured, last = manifest["layers"], manifest["last_layer"]

@@ -3,7 +3,8 @@ need to know about heads of that kind. A family lives in one module beside its h
 mtp.py) and is listed once in mtptrain/heads/spec.py: FAMILIES; the rest of the package asks the family of a
 head's spec (`spec.family`) and never compares kinds.
 
-    settings        its fields of the head's spec, from the recipe and the feature store
+    settings        its fields of the head's spec, from the recipe and the feature store; feature_weight: its
+                    objective's weight of the feature regression, from the recipe
     build           the head module; draft_vocab: the vocabulary it is built with, where it has its own
     objective       its training objective on one batch (the shared bookkeeping: heads/objective.py)
     draft_positions how many draft positions training scores
@@ -28,11 +29,11 @@ from mtptrain.errors import MtptrainError
 from mtptrain.heads.common import FrozenTarget
 from mtptrain.heads.losses import Loss
 from mtptrain.heads.objective import BatchResult
+from mtptrain.heads.settings import HeadSettings
+from mtptrain.heads.vocab import DraftVocab
 
 if TYPE_CHECKING:
     from mtptrain.engine.proposer import Proposer
-    from mtptrain.heads.eagle3 import DraftVocab
-    from mtptrain.heads.spec import HeadSpec
 
 
 class HeadSettingsError(MtptrainError, ValueError):
@@ -52,55 +53,60 @@ class HeadFamily(ABC):
     # Why the family has no tree drafter, or cannot draft for SSD (for eval's notes); None where it can.
     no_tree: ClassVar[str | None] = "it drafts chains only"
     no_ssd: ClassVar[str | None] = "its drafter cannot pre-draft from the target's states"
-    eagle31_norms: ClassVar[bool] = False  # whether head.fc_norm / head.norm_output apply (fused layers, TTT steps)
 
     @abstractmethod
     def settings(self, cfg: HeadConfig, manifest: dict) -> dict:
-        """The spec's fields this family sets, from the recipe's head section and the feature store's manifest
-        (the others keep HeadSpec's defaults)."""
+        """The spec's fields this family sets, from the recipe's head section (the family's class of it in
+        mtptrain.config.HEAD_CONFIGS) and the feature store's manifest (the others keep HeadSpec's defaults)."""
+
+    def feature_weight(self, cfg: HeadConfig) -> float:
+        """The weight `objective` gives a regression of the target's features next to distillation, from the
+        recipe's head section; 0 where the family has none."""
+        return 0.0
 
     @abstractmethod
-    def build(self, spec: HeadSpec, frozen: FrozenTarget, vocab: DraftVocab | None = None) -> nn.Module:
+    def build(self, spec: HeadSettings, frozen: FrozenTarget, vocab: DraftVocab | None = None) -> nn.Module:
         """A fresh head (`vocab`: the draft vocabulary, where the family has one; None when rebuilding a saved
         head, whose weights carry it)."""
 
-    def draft_vocab(self, spec: HeadSpec, streams: Iterable[Iterable[int]], target_vocab_size: int) -> DraftVocab | None:
+    def draft_vocab(self, spec: HeadSettings, streams: Iterable[Iterable[int]],
+                    target_vocab_size: int) -> DraftVocab | None:
         """The draft vocabulary a new head is built with, from the training data's token streams; None where the
         head drafts over the target's whole vocabulary."""
         return None
 
     @abstractmethod
-    def draft_positions(self, spec: HeadSpec) -> int:
+    def draft_positions(self, spec: HeadSettings) -> int:
         """Draft positions scored per token in training (steps, depths)."""
 
     @abstractmethod
-    def objective(self, head: nn.Module, batch: dict, spec: HeadSpec, weights: list[float], feature_weight: float,
+    def objective(self, head: nn.Module, batch: dict, spec: HeadSettings, weights: list[float], feature_weight: float,
                   chunk: int, loss: Loss = Loss()) -> BatchResult:
         """The loss of one padded batch (input_ids, loss_mask, hidden: layer -> states), and the statistics of
         every draft position; `loss` is what distillation minimises (heads/losses.py)."""
 
     @abstractmethod
-    def draft_layers(self, spec: HeadSpec) -> list[int]:
+    def draft_layers(self, spec: HeadSettings) -> list[int]:
         """The target layers whose states the drafter reads while drafting."""
 
     @abstractmethod
-    def chain(self, head: nn.Module, spec: HeadSpec, sampling: Sampling = Sampling(), seed: int = 0) -> Proposer:
+    def chain(self, head: nn.Module, spec: HeadSettings, sampling: Sampling = Sampling(), seed: int = 0) -> Proposer:
         """The engine's chain drafter for this head."""
 
-    def chain_limit(self, spec: HeadSpec) -> ChainLimit | None:
+    def chain_limit(self, spec: HeadSettings) -> ChainLimit | None:
         """The longest chain the head drafts, where it is bounded; None where it drafts any K."""
         return None
 
-    def tree(self, head: nn.Module, spec: HeadSpec, branch: int, depth: int, budget: int,
+    def tree(self, head: nn.Module, spec: HeadSettings, branch: int, depth: int, budget: int,
              sampling: Sampling = Sampling(), seed: int = 0) -> Proposer:
         """The engine's tree drafter for this head (only where `no_tree` is None)."""
         raise ValueError(f"{self.kind} heads draft no trees: {self.no_tree}")
 
-    def reads(self, spec: HeadSpec) -> str:
+    def reads(self, spec: HeadSettings) -> str:
         """What the head reads of the target, in words (export READMEs)."""
         return f"reads layer {spec.last_layer} (0-based), the target's last"
 
-    def facts(self, spec: HeadSpec) -> list[str]:
+    def facts(self, spec: HeadSettings) -> list[str]:
         """README lines on the family's own settings."""
         return []
 

@@ -1,11 +1,11 @@
 """A draft head's drafting steps on the runtime's kernels.
 
-Drafting calls a head once per draft token, for one new position. Through transformers' modules each call
-builds a mask, a rotary table and a cache update in Python around a dozen small products; here the head's
-single decoder layer runs as the target's layers do (`runtime.model.LayerKernels`): fused q/k/v and
-gate/up products (packed for oneDNN where this machine measured that faster), rotary tables built once,
-and a preallocated `KVCache` whose rollback is a length change. The head's modules are left as they are
-(the stepper holds a copy of the layer's weights), so a head being trained can be stepped for validation.
+Drafting calls a head once per draft token, for one new position. Through transformers' modules each call builds a
+mask, a rotary table and a cache update in Python around a dozen small products; here the head's single decoder
+layer runs as the target's layers do (`runtime.model.LayerKernels`): fused q/k/v and gate/up products (packed for
+oneDNN where this machine measured that faster), rotary tables built once, and a preallocated `KVCache` whose
+rollback is a length change. The head's modules are left as they are (the stepper holds the runtime's copy of the
+layer's weights, runtime/weights.py), so a head being trained can be stepped for validation.
 
 Results equal the head's own forward up to float rounding (`tests/heads/test_fast_step.py`).
 """
@@ -20,9 +20,10 @@ from torch import nn
 
 from mtptrain.runtime.cache import KVCache
 from mtptrain.runtime.attention import causal_mask, for_mask, row_attention
-from mtptrain.runtime.choice import PRODUCT, choose, usable_product
+from mtptrain.runtime.choice import choose
 from mtptrain.runtime.model import LayerKernels, RopeTables
-from mtptrain.runtime.weights import LAYOUT, laid_out_copy, layer_copy, layout_of
+from mtptrain.runtime.products import PRODUCTS, usable_product
+from mtptrain.runtime.weights import layer_weights
 
 INITIAL_CAPACITY = 512  # positions; the cache doubles when a generation outgrows it
 
@@ -36,14 +37,16 @@ class HeadStepper:
 
     def __init__(self, layer: nn.Module, rotary: nn.Module, config, inputs: Inputs,
                  output: Callable[[torch.Tensor], torch.Tensor] | None = None, *, lm_head: nn.Linear,
-                 logits_input: Callable[[torch.Tensor], torch.Tensor] | None = None, shared_lm_head: bool = False):
+                 logits_input: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 lm_head_for: Callable | None = None):
         weight = layer.post_attention_layernorm.weight
         self.device, self.dtype = weight.device, weight.dtype
         choice = choose(config, self.device, str(self.dtype).removeprefix("torch."))
         choice = dataclasses.replace(choice, product=usable_product(choice.product, self.dtype))
         self.choice = choice
-        self.layer = layer_copy(layer, layout_of(choice.product))
-        self.kernels = LayerKernels(config, PRODUCT[choice.product], row_attention(choice.attention_one),
+        product = PRODUCTS[choice.product]
+        self.layer = layer_weights(layer, choice.product)  # the runtime's copy: the modules stay as they are
+        self.kernels = LayerKernels(config, product, row_attention(choice.attention_one),
                                     row_attention(choice.attention_many))
         self.rope = RopeTables(rotary, self.dtype, self.device)
         self.inputs = inputs
@@ -52,15 +55,15 @@ class HeadStepper:
         self.cache = KVCache(1, 1, k.kv_heads, k.head_dim, INITIAL_CAPACITY, choice.cache_dtype, self.device)
         # The LM head `logits` multiplies, on the same product as the layer, in its layout: packed, a one-row
         # product over an 8,192-token draft vocabulary takes 69 us instead of 243 us (AMD EPYC, avx512_bf16),
-        # three times a chain step at K=3. A head's own LM head is laid out as it is now; the target's
-        # (shared_lm_head) is laid out once and kept on its module, where the runtime keeps it too.
+        # three times a chain step at K=3. A head's own LM head is laid out as it is now (a head being trained
+        # gets a new stepper after each change); the target's frozen one, shared, once (`lm_head_for`).
         self.logits_input = logits_input
         self.lm_head_dtype = lm_head.weight.dtype
-        layout = layout_of(choice.product)
-        if layout == "plain":
-            self.lm_head = lm_head.weight
+        if lm_head_for is not None:
+            self.lm_head = lm_head_for(product)
         else:
-            self.lm_head = laid_out_copy(lm_head, layout) if shared_lm_head else LAYOUT[layout](lm_head.weight)
+            with torch.inference_mode(False), torch.no_grad():
+                self.lm_head = product.lay_out(lm_head.weight)  # the plain products read the weight itself
 
     def logits(self, state: torch.Tensor) -> torch.Tensor:
         """Logits over the head's vocabulary from what a step returned: the head's own `logits`, up to float

@@ -96,7 +96,8 @@ class MTPFamily(HeadFamily):
               "outcome; use an eagle or eagle3 head, or ssd-draft")
 
     def settings(self, cfg, manifest):
-        return {"mtp_depths": cfg.mtp_depths, "mtp_share": cfg.mtp_share, "mtp_input": cfg.mtp_input}
+        return {"norms": cfg.norms, "mtp_depths": cfg.mtp_depths, "mtp_share": cfg.mtp_share,
+                "mtp_input": cfg.mtp_input}
 
     def build(self, spec, frozen, vocab=None):
         return MTPHead(frozen, depths=spec.mtp_depths, share=spec.mtp_share, norms=spec.norms,

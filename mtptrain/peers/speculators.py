@@ -40,8 +40,8 @@ from mtptrain.export.formats.eagle3 import eagle3_names, vocab_from_maps, vocab_
 from mtptrain.features.store import FeatureStore, load_manifest
 from mtptrain.heads import FrozenTarget
 from mtptrain.heads.checkpoint import save_head
-from mtptrain.heads.eagle3 import DraftVocab
 from mtptrain.heads.spec import HeadSpec
+from mtptrain.heads.vocab import DraftVocab
 from mtptrain.io import atomic_write_json
 from mtptrain.target import load_identified_parts
 

@@ -21,23 +21,25 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
-from mtptrain.runtime.cache import KVCache
 from mtptrain.runtime.attention import causal_mask
-from mtptrain.runtime.runner import native_decoder
-from mtptrain.target import LayerCapture
+from mtptrain.runtime.cache import NoCache
+from mtptrain.runtime.model import FastDecoder
+from mtptrain.runtime.runner import load_decoder
+from mtptrain.runtime.capture import LayerCapture
 
 
 @torch.inference_mode()
-def capture_states(model, ids: torch.Tensor, layers: list[int], runtime: str = "auto") -> dict[int, torch.Tensor]:
-    """States [B, T, H] after each decoder layer of `layers` for right-padded ids [B, T], on the native decoder
-    unless `runtime` (target.runtime) says transformers. Right padding needs no mask: under the causal mask a
-    real token never attends to the padding after it."""
-    decoder = native_decoder(model, runtime, batched=True)
-    ids = ids.to(model.get_input_embeddings().weight.device)
-    if decoder is not None:
+def capture_states(source, ids: torch.Tensor, layers: list[int]) -> dict[int, torch.Tensor]:
+    """States [B, T, H] after each decoder layer of `layers` for right-padded ids [B, T], on `source`: a batched
+    decoder (`load_decoder(model, batched=True)`, built once per stage) or a model, run by transformers' forward.
+    Right padding needs no mask: under the causal mask a real token never attends to the padding after it."""
+    if isinstance(source, FastDecoder):
+        ids = ids.to(source.device)
         positions = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
-        _, captured = decoder.forward(ids, positions, None, 0, None, tuple(layers), logits=False)
+        _, captured = source.forward(ids, positions, NoCache(), 0, None, tuple(layers), logits=False)
         return captured
+    model = source
+    ids = ids.to(model.get_input_embeddings().weight.device)
     capture = LayerCapture(model.get_decoder().layers, layers)
     try:
         model.get_decoder()(input_ids=ids, use_cache=False)  # the stack alone: no vocabulary-sized logits
@@ -62,23 +64,26 @@ Done = Callable[[Request], "Request | None"]  # a finished request -> the next o
 
 
 @torch.inference_mode()
-def decode_stream(model, requests: Iterable[Request], done: Done, rows: int, stops: set[int], pad_id: int,
+def decode_stream(source, requests: Iterable[Request], done: Done, rows: int, stops: set[int], pad_id: int,
                   runtime: str = "auto") -> None:
-    """Decode every request, up to `rows` at once. When one finishes, `done(request)` is called; the request it
-    returns (a conversation's next turn) is decoded next, before the rest of `requests`.
+    """Decode every request, up to `rows` at once, on `source`: a batched decoder (`load_decoder(model,
+    batched=True)`), or a model, on the batched decoder built for it where `runtime` allows. When one finishes,
+    `done(request)` is called; the request it returns (a conversation's next turn) is decoded next, before the rest
+    of `requests`.
 
-    On the native decoder a finished row is refilled at once (continuous batching): the next request takes its
-    row, keeps the cached prefix it shares with what the row held (a conversation's earlier turns, a system
-    prompt) and takes in the rest with the next step. Rows leave the batch only when nothing is left to decode. On
-    transformers' forward the requests run in waves of `rows` that each finish before the next starts."""
+    On the native decoder a finished row is refilled at once (continuous batching): the next request takes its row,
+    keeps the cached prefix it shares with what the row held (a conversation's earlier turns, a system prompt) and
+    takes in the rest with the next step. Rows leave the batch only when nothing is left to decode. On transformers'
+    forward the requests run in waves of `rows` that each finish before the next starts."""
     pending = iter(requests)
     first = list(itertools.islice(pending, rows))
     if not first:  # nothing to decode: the model is not even looked at
         return
-    decoder = native_decoder(model, runtime, batched=True)
+    decoder = source if isinstance(source, FastDecoder) else load_decoder(source, runtime, batched=True)
     if decoder is not None:
         _stream_native(decoder, first, pending, done, stops)
         return
+    model = source
     follow: deque[Request] = deque()
     wave = first
     while wave:
@@ -154,7 +159,7 @@ class _Row:
     index: int = -1  # the row's place in its band's cache
 
 
-class _Band(KVCache):
+class _Band:
     """The cache of the rows whose sequences fit in `limit` positions (and are longer than the band before's).
 
     A batch of rows of different lengths attends over a rectangle as long as its longest row, with the shorter
@@ -168,14 +173,16 @@ class _Band(KVCache):
     uninitialised memory may be NaN; what a row's earlier sequence left is finite)."""
 
     def __init__(self, limit: int, layers: int, kv_heads: int, head_dim: int, dtype, device):
-        super().__init__(layers, 0, kv_heads, head_dim, 0, dtype, device)
+        empty = (0, kv_heads, 0, head_dim)  # [rows, Hkv, positions, D], grown by `_grow`
+        self.keys = [torch.empty(empty, dtype=dtype, device=device) for _ in range(layers)]
+        self.values = [torch.empty(empty, dtype=dtype, device=device) for _ in range(layers)]
         self.limit = limit
         self.rows: list[_Row] = []
         self.slots = self.mask = None  # set by place()
 
     def _grow(self, rows: int, length: int) -> None:
         """Room for `rows` rows of `length` positions: more rows by ROWS_GROW, more positions by GROW."""
-        have_rows, capacity = self.keys[0].shape[0], self.capacity
+        have_rows, capacity = self.keys[0].shape[0], self.keys[0].shape[2]
         more_rows = max(0, -(-(rows - have_rows) // ROWS_GROW) * ROWS_GROW)
         more = max(0, -(-(length - capacity) // GROW) * GROW)
         if not more_rows and not more:
@@ -322,7 +329,7 @@ class _Slots:
         device = self.decoder.device
         step = _Step(bands, chunked, fused)
         logits, _ = self.decoder.forward(torch.tensor([ids], device=device), torch.tensor([positions], device=device),
-                                         step, step.end - 1, None, logits_for=len(order))
+                                         step, 0, None, logits_for=len(order))
         for row in order:
             row.held += row.chunk + [row.feed]
             row.chunk = []
@@ -330,21 +337,20 @@ class _Slots:
 
 
 class _Step:
-    """What the decoder's layers see as the cache of one batched step, whose tokens come as one sequence: first
-    one token of every row (the bands' rows in turn), then the prompt chunks of rows just given a request. The
-    chunks are written and attended first, row by row (causal, as a forward over the chunk alone), then each
-    band writes and attends its rows' tokens together. The products of every layer thus run over all the
-    step's tokens at once: a prompt's prefill costs what its tokens add to a wide product, rather than a forward
-    of its own (measured on an AMD EPYC: a 40-token prefill after 300 cached positions ran at 1,043 tok/s by
-    itself).
+    """The cache (runtime/cache.py's `Attends`) the decoder's layers see in one batched step, whose tokens come as one
+    sequence: first one token of every row (the bands' rows in turn), then the prompt chunks of rows just given a
+    request. The chunks are written and attended first, row by row (causal, as a forward over the chunk alone), then
+    each band writes and attends its rows' tokens together. The products of every layer thus run over all the step's
+    tokens at once: a prompt's prefill costs what its tokens add to a wide product, rather than a forward of its own
+    (measured on an AMD EPYC: a 40-token prefill after 300 cached positions ran at 1,043 tok/s by itself).
 
-    With the fused step kernel (`fused`, runtime/native_kernels.py) each band's tokens, its rows' tokens and
-    its chunks' alike, are written and attended by one call per layer, into one output for the whole step."""
+    With the fused step kernel (`fused`, runtime/native_kernels.py) each band's tokens, its rows' tokens and its
+    chunks' alike, are written and attended by one call per layer, into one output for the whole step."""
 
     def __init__(self, bands: list[_Band], chunked: list[_Row], fused=None):
         self.bands, self.chunked, self.fused = bands, chunked, fused
         self.bounds = list(itertools.accumulate([0] + [len(band.rows) for band in bands]))
-        self.end = max(len(row.held) + len(row.chunk) + 1 for band in bands for row in band.rows)
+        self.longest = max(len(row.held) + len(row.chunk) + 1 for band in bands for row in band.rows)
         if fused is not None:
             self.plans = self._plans()
 
@@ -364,8 +370,15 @@ class _Step:
             plans.append((columns[0], columns[1], columns[2]))
         return plans
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernels) -> torch.Tensor:
-        """q [1, H, N, D], k and v [1, Hkv, N, D] of the step's N tokens -> the attention's output [1, H, N, D]."""
+    masks_itself = True
+
+    def end(self, start: int, count: int) -> int:
+        return self.longest
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernels, start=0, mask=None,
+               causal=False, attention=None) -> torch.Tensor:
+        """q [1, H, N, D], k and v [1, Hkv, N, D] of the step's N tokens -> the attention's output [1, H, N, D]
+        (each row's part written and attended with the row's own mask: the decoder's are not used)."""
         if self.fused is not None:
             q3, k3, v3 = q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1)  # [N, heads, D] views
             out = torch.empty(q3.shape, dtype=q3.dtype, device=q3.device)

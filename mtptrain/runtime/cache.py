@@ -1,13 +1,46 @@
-"""Keys and values of every layer in tensors allocated once per generation.
+"""Where a forward's keys and values go and what its queries attend over.
 
-Rolling back to a prefix is a length change (nothing is copied or freed); keeping the accepted path of a
-verified tree moves only that path's entries next to the prefix, in place. The tensors grow (by doubling,
-one copy) only when a generation outruns the capacity it was reset with.
+`Attends` is the protocol the decoder's layers (runtime/model.py) write and attend through. Three caches follow it:
+`KVCache`, one sequence's keys and values (the engine's runners, a draft head's steps); `NoCache`, a forward over
+its tokens alone (precompute's batches); and a batched decoding step over rows of different lengths
+(runtime/batch.py), which brings its own masks and kernels.
+
+`KVCache` holds every layer in tensors allocated once per generation. Rolling back to a prefix is a length change
+(nothing is copied or freed); keeping the accepted path of a verified tree moves only that path's entries next to
+the prefix, in place. The tensors grow (by doubling, one copy) only when a generation outruns the capacity it was
+reset with.
 """
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
+
+
+class Attends(Protocol):
+    masks_itself: bool  # True: the cache writes and attends with its own masks; the decoder builds none
+
+    def end(self, start: int, count: int) -> int:
+        """The longest sequence's length once `count` new tokens are taken in after `start` cached positions."""
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernels, start: int,
+               mask: torch.Tensor | None, causal: bool, attention) -> torch.Tensor:
+        """The attention's output [B, H, T, D] for q [B, H, T, D] of T new tokens whose keys and values k, v
+        [B, Hkv, T, D] go to layer `layer` at [start, start + T), by `attention(q, keys, values, mask, causal)`
+        (or, for a cache that masks itself, its own kernels from `kernels`, runtime/model.py's LayerKernels)."""
+
+
+class NoCache:
+    """A forward over its tokens alone: the new keys are attended as computed and kept nowhere."""
+
+    masks_itself = False
+
+    def end(self, start: int, count: int) -> int:
+        return start + count
+
+    def attend(self, layer, q, k, v, kernels, start, mask, causal, attention) -> torch.Tensor:
+        return attention(q, k, v, mask, causal)
 
 
 class KVCache:
@@ -16,6 +49,17 @@ class KVCache:
         self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.length = 0  # positions filled, the same for every row of the batch
+
+    masks_itself = False
+
+    def end(self, start: int, count: int) -> int:
+        return start + count
+
+    def attend(self, layer, q, k, v, kernels, start, mask, causal, attention) -> torch.Tensor:
+        keys, values = self.write(layer, k, v, start)
+        if start == 0:  # nothing cached before: attend the new keys as computed, whatever the cache's dtype
+            keys, values = k, v
+        return attention(q, keys, values, mask, causal)
 
     @property
     def capacity(self) -> int:

@@ -7,8 +7,8 @@ Two choices depend on the CPU more than on anything else, so they are measured r
   bf16 product costs several times a float32 one;
 - the product for short inputs (the 1 to 9 rows of decoding and verification): torch's `F.linear`;
   `W @ x.T`, which on some BLAS builds keeps a product over a few rows near the cost of one row
-  (see mtptrain/runtime/linears.py); oneDNN with weights packed once in its own layout
-  (runtime/weights.py), which spares `F.linear`'s re-layout of the weight on every call; or the runtime's own
+  (see runtime/products.py); oneDNN with weights packed once in its own layout, which spares `F.linear`'s
+  re-layout of the weight on every call; or the runtime's own
   product ("native", csrc/blocked_linear.cpp) on weights laid out once in blocks it reads front to back,
   which gives each row the same result whatever rows it is computed with;
 - the product for batches of many rows (regenerate, precompute), timed apart over 128 rows: a product that
@@ -52,67 +52,26 @@ from typing import Iterator
 
 import torch
 import torch.distributed as torch_dist
-import torch.nn.functional as F
 
 from mtptrain.io import atomic_write_json, cache_root
 from mtptrain.machine import cpu_sample, describe_cpu, other_load
 from mtptrain.runtime.attention import (ATTENTION, F32_CACHE, attention_kernels, batch_attention, batch_mask,
                                         causal_mask, row_attention, usable)
-from mtptrain.runtime.native_kernels import blocked_linear_kernel
-from mtptrain.runtime.weights import LAYOUT, blocked_product, packed_product
+from mtptrain.runtime.products import PRODUCTS, Product, products, usable_product
 
 log = logging.getLogger(__name__)
 
 ROWS = (1, 4, 8)
 BATCH_PRODUCT_ROWS = 128  # rows of the batch product's timing (regenerate, precompute)
-SKINNY_ROWS = 32  # above this many rows (a prefill) every product is F.linear
 BATCH_ROWS = 32  # rows of the batched-decoding attention timing
 VERSION = 7  # of what is measured: a cached answer from another version is measured again
 MAX_OTHER_LOAD = 0.25  # cores other processes may keep busy during a measurement that is cached
 
 
-def products(dtype: torch.dtype) -> list[str]:
-    """The products this machine can run in `dtype`: oneDNN's packed one where torch has oneDNN, the runtime's
-    own ("native") where its kernels build with a product for `dtype` on this CPU."""
-    names = ["linear", "skinny"]
-    if torch.backends.mkldnn.is_available():
-        names.append("packed")
-    if blocked_linear_kernel(dtype) is not None:
-        names.append("native")
-    return names
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return F.linear(x, weight, bias)
-
-
-def skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ W.T computed as (W @ x.T).T for short inputs."""
-    rows = x.numel() // x.shape[-1]
-    if rows > SKINNY_ROWS:
-        return F.linear(x, weight, bias)
-    out = torch.matmul(weight, x.reshape(rows, x.shape[-1]).T).T
-    if bias is not None:
-        out = out + bias
-    return out.reshape(*x.shape[:-1], weight.shape[0])
-
-
-PRODUCT = {"linear": linear, "skinny": skinny, "packed": packed_product, "native": blocked_product}
-
-
-def usable_product(product: str, dtype: torch.dtype) -> str:
-    """`product`, or for "native" where its kernel has no product for `dtype` here (a measured choice is cached,
-    and the compiler may be gone since; or a dtype the choice did not measure it for) oneDNN's packed product
-    (F.linear without oneDNN)."""
-    if product == "native" and blocked_linear_kernel(dtype) is None:
-        return "packed" if torch.backends.mkldnn.is_available() else "linear"
-    return product
-
-
 @dataclass(frozen=True)
 class Choice:
     dtype: torch.dtype
-    product: str  # a key of PRODUCT
+    product: str  # a key of runtime/products.py's PRODUCTS
     attention_one: str  # a key of ATTENTION, for a single new token
     attention_many: str  # for several (both read the same cache: both in F32_CACHE or neither)
     source: str  # "measured", "cached", "cuda" or "set" (target.dtype named the dtype)
@@ -224,7 +183,7 @@ def _key(config) -> str:
                      "heads=%dx%dx%d" % _heads(config)])
 
 
-SECTIONS = {"products": PRODUCT, "products_batch": PRODUCT, "attention_one": (*ATTENTION, "fused"),
+SECTIONS = {"products": PRODUCTS, "products_batch": PRODUCTS, "attention_one": (*ATTENTION, "fused"),
             "attention_many": (*ATTENTION, "fused"), "attention_batch": (*ATTENTION, "fused")}
 # (cache file, key) -> (timings, source) this process settled on outside the cache: agreed with rank 0, or
 # measured under load
@@ -372,9 +331,9 @@ def _measure_kernels(config) -> dict:
     for name in ("float32", "bfloat16"):
         dtype = getattr(torch, name)
         timings[name] = {
-            "products": {p: _time_layer(shapes(config), dtype, PRODUCT[p]) for p in products(dtype)},
+            "products": {p: _time_layer(shapes(config), dtype, PRODUCTS[p]) for p in products(dtype)},
             # over many rows "skinny" is F.linear ("linear"); the weights multiply from cache, as compute bounds it
-            "products_batch": {p: _time_layer(shapes(config), dtype, PRODUCT[p], (BATCH_PRODUCT_ROWS,), False)
+            "products_batch": {p: _time_layer(shapes(config), dtype, PRODUCTS[p], (BATCH_PRODUCT_ROWS,), False)
                                for p in products(dtype) if p != "skinny"},
             "attention_one": {a: _time_attention(_heads(config), dtype, a, 1) for a in attention_kernels(dtype)},
             "attention_many": {a: _time_attention(_heads(config), dtype, a, 8) for a in attention_kernels(dtype)},
@@ -388,7 +347,7 @@ STREAM_BYTES = 256 << 20  # float32 weights cycled through per timing: far more 
 MAX_COPIES = 64  # a tiny model's layer is not copied thousands of times (its weights stay in cache anyway)
 
 
-def _time_layer(layer_shapes, dtype: torch.dtype, product, rows_timed: tuple[int, ...] = ROWS, stream: bool = True,
+def _time_layer(layer_shapes, dtype: torch.dtype, product: Product, rows_timed: tuple[int, ...] = ROWS, stream: bool = True,
                 repeats: int = 5) -> float:
     """Median ms of one layer's products over inputs of each of `rows_timed` rows. With `stream`, the weights
     are several copies of the layer, cycled through, so that they stream from memory as a whole model's do rather
@@ -400,9 +359,7 @@ def _time_layer(layer_shapes, dtype: torch.dtype, product, rows_timed: tuple[int
         layer_shapes = [(max(64, int(o * scale)), i) for o, i in layer_shapes]
         layer_bytes = 4 * sum(o * i for o, i in layer_shapes)
     copies = min(MAX_COPIES, max(1, -(-STREAM_BYTES // layer_bytes))) if stream else 1
-    layouts = {packed_product: LAYOUT["packed"], blocked_product: LAYOUT["native"]}
-    prepare = layouts.get(product, lambda w: w)
-    weights = [[prepare((torch.randn(o, i, generator=generator) * 0.02).to(dtype)) for o, i in layer_shapes]
+    weights = [[product.lay_out((torch.randn(o, i, generator=generator) * 0.02).to(dtype)) for o, i in layer_shapes]
                for _ in range(copies)]
     inputs = {rows: [torch.randn(rows, i, generator=generator).to(dtype) for _, i in layer_shapes]
               for rows in rows_timed}

@@ -1,27 +1,32 @@
 """The target's decoder as one plain forward: fused products, a preallocated KV cache, SDPA.
 
-`FastDecoder.of(model)` takes a transformers Llama-family model (Llama 2/3, SmolLM, Mistral, Qwen2 with its
-q/k/v biases, Qwen3 with its q/k norms) and runs the same computation in a few tensor operations per layer:
+`FastDecoder(model, choice, product)` reads the weights of a transformers Llama-family model (Llama 2/3,
+SmolLM, Mistral, Qwen2 with its q/k/v biases, Qwen3 with its q/k norms) into its own (runtime/weights.py) and
+runs the same computation in a few tensor operations per layer:
 
-- the q, k and v projections are one product, and so are the gate and up projections, with their weights
-  held once (fused in place, or packed for oneDNN where that is faster: runtime/weights.py);
-- keys and values go to a `KVCache` preallocated for the whole generation (`runtime/cache.py`);
+- the q, k and v projections are one product, and so are the gate and up projections (runtime/products.py);
+- keys and values go to a cache the decoder writes to and attends over through one protocol
+  (`runtime/cache.py`: `KVCache` for one sequence, a batched step's bands in runtime/batch.py);
 - rotary tables are computed once, by the model's own rotary module (every static rope scaling it knows);
 - short inputs use the products and attention kernels this machine runs fastest (`runtime/choice.py`).
 
-`FastDecoder.unsupported(model)` says why a model cannot run here (another architecture, a rope scaling that
+`unsupported(model)` says why a model cannot run here (another architecture, a rope scaling that
 changes with the length, an attention that is not plain softmax); the runner then keeps transformers.
 """
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mtptrain.runtime.attention import batch_mask, causal_mask, for_mask, usable
+from mtptrain.runtime.attention import batch_attention, batch_mask, causal_mask, for_mask, row_attention, usable
+from mtptrain.runtime.cache import Attends
 from mtptrain.runtime.native_kernels import layer_ops, step_attention_kernel
-from mtptrain.runtime.weights import STATE, layer_weights, layout_of, lm_head_weights
+from mtptrain.runtime.products import PRODUCTS
+from mtptrain.runtime.weights import layer_weights
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 STATIC_ROPE = (None, "default", "linear", "llama3", "yarn", "longrope")
@@ -41,10 +46,7 @@ def unsupported(model: nn.Module) -> str | None:
     if getattr(config, "attention_dropout", 0.0) or getattr(config, "pretraining_tp", 1) != 1:
         return "attention dropout or pretraining_tp"
     decoder = model.get_decoder()
-    # Weights the runtime never releases (runtime/weights.py packs and releases the projections).
-    kept = [decoder.embed_tokens.weight, decoder.norm.weight, model.get_output_embeddings().weight,
-            *(layer.input_layernorm.weight for layer in getattr(decoder, "layers", []))]
-    devices = {p.device for p in kept}
+    devices = {p.device for p in model.parameters()}
     if len(devices) != 1 or next(iter(devices)).type == "meta":
         return "the model is split over several devices or not loaded"
     if not all(hasattr(layer.self_attn, "q_proj") and hasattr(layer.mlp, "gate_proj") for layer in decoder.layers):
@@ -91,8 +93,8 @@ class LayerKernels:
             return self.attention_many
         return self.attention_batch if batched else self.attention_one
 
-    def run(self, layer, h: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache,
-            index: int, start: int, mask: torch.Tensor | None, causal: bool, attention,
+    def run(self, layer, h: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            cache: Attends, index: int, start: int, mask: torch.Tensor | None, causal: bool, attention,
             next_norm: torch.Tensor | None = None):
         """residual + attention(h) and then the MLP block, for h [B, T, in] (the attention's input, already
         normed), with keys and values written to layer `index` of the cache at [start, start + T). With
@@ -108,14 +110,7 @@ class LayerKernels:
             qk = F.rms_norm(qk, (self.head_dim,), None, self.eps) * layer.qk_norm
         qk = rope(qk, cos, sin)
         q, k = qk[:, :, : self.heads].transpose(1, 2), qk[:, :, self.heads :].transpose(1, 2)
-        attend = getattr(cache, "attend", None)
-        if attend is not None:  # a cache that writes and attends part by part (batched decoding: runtime/batch.py)
-            attended = attend(index, q, k, v, self)
-        else:
-            keys, values = (k, v) if cache is None else cache.write(index, k, v, start)
-            if start == 0:  # nothing cached before: attend the new keys as computed, whatever the cache's dtype
-                keys, values = k, v
-            attended = attention(q, keys, values, mask, causal)
+        attended = cache.attend(index, q, k, v, self, start, mask, causal, attention)
         attended = attended.transpose(1, 2).reshape(batch, count, q_size)
         x, h = add_rms_norm(residual, self.product(attended, layer.out, None), layer.norm_post, self.eps)
         mlp = self.product(silu_mul(self.product(h, layer.gate_up, None)), layer.down, None)
@@ -123,62 +118,66 @@ class LayerKernels:
 
 
 class FastDecoder:
-    """The decoder stack and LM head of one model; `forward` runs new tokens against a `KVCache`."""
+    """The decoder stack and LM head of one model on the runtime's own weights, read from the model once, in the
+    layout of `product` (a key of runtime/products.py's PRODUCTS) and with the attention kernels of `choice` (the
+    measured runtime/choice.py Choice); `forward` runs new tokens against a cache. The model's embedding, norms
+    and plain LM head are read where they lie (the heads read them too); a model cast or moved afterwards needs
+    a new decoder."""
 
-    def __init__(self, model: nn.Module, product, attention_one, attention_many, choice=None, attention_batch=None,
-                 layout: str | None = None):
+    def __init__(self, model: nn.Module, choice, product: str):
         why = unsupported(model)
         if why is not None:
             raise ValueError(f"the native runtime cannot run this model: {why}")
         config, decoder = model.config, model.get_decoder()
-        self.model = model
         self.config = config
-        self.kernels = LayerKernels(config, product, attention_one, attention_many, attention_batch)
-        self.choice = choice  # the measured runtime.choice.Choice the product came from, for reports
+        self.choice = choice
+        self.product = product
+        self.kernels = LayerKernels(config, PRODUCTS[product], row_attention(choice.attention_one),
+                                    row_attention(choice.attention_many), batch_attention(choice.attention_batch))
         self.eps = config.rms_norm_eps
         self.window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
-        self.embed = decoder.embed_tokens.weight
-        self._embed_at = (self.embed.data_ptr(), self.embed.dtype, self.embed.device)  # to notice a cast or move
-        self.norm = decoder.norm.weight
-        # the weights' layout (runtime/weights.py): the product's; by default, the measured choice's product's
-        self.layout = layout_of(getattr(choice, "product", "linear")) if layout is None else layout
-        self.lm_head = lm_head_weights(model, self.layout)
-        self.layers = [layer_weights(layer, self.layout) for layer in decoder.layers]
+        self.embed = decoder.embed_tokens.weight.detach()
+        self.norm = decoder.norm.weight.detach()
+        # Built outside inference mode, so that the model stays usable where autograd runs later (the modules'
+        # weights may be pointed at the fused tensors, and inference tensors cannot enter a recorded graph).
+        with torch.inference_mode(False), torch.no_grad():
+            self.lm_head = PRODUCTS[product].lay_out(model.get_output_embeddings().weight.detach())
+            self.layers = [layer_weights(layer, product, share=True) for layer in decoder.layers]
         self.rope = RopeTables(decoder.rotary_emb, self.dtype, self.device)
 
     @property
     def dtype(self) -> torch.dtype:
         return self.embed.dtype
 
-    def current(self) -> bool:
-        """The model still holds the weights this decoder runs (not moved, cast, replaced or restored since)."""
-        decoder = self.model.get_decoder()
-        weight = decoder.embed_tokens.weight
-        if (weight.data_ptr(), weight.dtype, weight.device) != self._embed_at:
-            return False
-        if self.layout != "plain" and self.lm_head is not lm_head_weights(self.model, self.layout):
-            return False
-        return all(layer.__dict__.get(STATE) is mine for layer, mine in zip(decoder.layers, self.layers))
+    def truncated(self, layers: int) -> "FastDecoder":
+        """This decoder cut to its first `layers` layers, sharing every tensor (a draft model that costs no memory:
+        engine/draft_model.py)."""
+        total = len(self.layers)
+        if not 1 <= layers < total:
+            raise ValueError(f"a truncated target keeps 1..{total - 1} of its {total} layers, not {layers}")
+        cut = copy.copy(self)
+        cut.layers = self.layers[:layers]
+        return cut
 
     @property
     def cache_dtype(self) -> torch.dtype:
         """The KV cache's dtype: float32 where the measured attention kernel reads a float32 cache."""
-        return self.choice.cache_dtype if self.choice is not None else self.dtype
+        return self.choice.cache_dtype
 
     @property
     def batch_cache_dtype(self) -> torch.dtype:
         """The KV cache's dtype of batched decoding (runtime/batch.py): what the batch attention kernel reads."""
-        return self.choice.batch_cache_dtype if self.choice is not None else self.dtype
+        return self.choice.batch_cache_dtype
 
     def batch_mask(self, seen: torch.Tensor) -> torch.Tensor:
         """The mask [B, 1, 1, S] (True = seen) of a batched step, in the form its attention kernel reads fastest."""
-        return batch_mask(seen, self.choice.attention_batch if self.choice is not None else None, self.dtype)
+        return batch_mask(seen, self.choice.attention_batch, self.dtype)
 
     @property
     def step_kernel(self):
         """The fused kernel that writes and attends a length band's part of a batched step in one call
         (`native_kernels.step_attention_kernel`) where the measured batch kernel is the fused one, else None."""
-        if self.choice is None or usable(self.choice.attention_batch) != "fused":
+        if usable(self.choice.attention_batch) != "fused":
             return None
         return step_attention_kernel()
 
@@ -198,22 +197,22 @@ class FastDecoder:
     def num_layers(self) -> int:
         return len(self.layers)
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache, start: int, mask: torch.Tensor | None,
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: Attends, start: int,
+                mask: torch.Tensor | None,
                 capture: tuple[int, ...] = (), last_only: bool = False, logits: bool = True,
                 logits_for: int | None = None) -> tuple[torch.Tensor | None, dict]:
         """Logits [B, T, V] (or [B, 1, V] with `last_only`, [B, logits_for, V] with `logits_for`: the first tokens'
         only; None without `logits`) for ids [B, T] at `positions` [B, T], whose keys and values are written to
-        the cache at [start, start + T) (no cache: a forward over these tokens alone); `mask` [B, 1, T, start + T]
+        the cache at [start, start + T) (`NoCache`: a forward over these tokens alone); `mask` [B, 1, T, start + T]
         (True = seen) or None for plain causal attention over everything cached. Also the states after each
-        layer of `capture`. A cache with an `attend` method (a step of batched decoding, runtime/batch.py) writes
-        and attends the tokens itself, with its own masks and kernels; its `end` is the longest row's length
-        after the step."""
+        layer of `capture`. A cache that masks itself (a step of batched decoding, runtime/batch.py) writes and
+        attends the tokens with its own masks and kernels."""
         batch, count = ids.shape
         x = F.embedding(ids, self.embed)
         cos, sin = self.rope(positions)
         cos, sin = cos[:, :, None], sin[:, :, None]  # [B, T, 1, D]: broadcast over heads
-        parted = hasattr(cache, "attend")
-        end = cache.end if parted else start + count
+        parted = cache.masks_itself
+        end = cache.end(start, count)
         if self.window is not None and end > self.window:
             raise ValueError(f"context of {end} tokens is longer than the model's sliding window ({self.window}): "
                              "the fast decoder keeps full attention only")

@@ -13,7 +13,7 @@
 - `layer_ops()` (csrc/layer_ops.cpp): a decoder layer's elementwise steps (residual sum and RMSNorm, silu
   times up, the rotary embedding), one pass each.
 - `blocked_linear_kernel(dtype)` (csrc/blocked_linear.cpp): a linear layer's product from its weight laid
-  out in blocks of 32 output features (runtime/weights.py), at the memory's speed for a few rows and near the
+  out in blocks of 32 output features (runtime/products.py), at the memory's speed for a few rows and near the
   CPU's peak for hundreds; each row's result is the same whatever rows it is computed with.
 
 The first call builds them (about 45 s on 2 cores, one INFO line says so and where), later processes load them
@@ -247,7 +247,7 @@ def blocked_linear_kernel(dtype: torch.dtype) -> Callable[..., torch.Tensor] | N
     extension does not build or has no product for `dtype` on this CPU (bfloat16 needs avx512_bf16, float32
     AVX-512 or AVX2 with FMA).
 
-    blocks is W [out_features, in] in the blocked layout of `weights.blocked`, x [..., in] of any number of
+    blocks is W [out_features, in] in the blocked layout of `products.blocked`, x [..., in] of any number of
     rows, bias [out_features] or None. Each output element is one float32 sum over the inputs in order, rounded
     once to x's dtype: a row's result does not depend on the other rows computed with it."""
     module = extension()

@@ -1,8 +1,9 @@
 """The target with its KV cache, as the engine drives it: forward over new tokens, roll back to a prefix,
 keep a tree's accepted path, and the states of chosen layers for drafters that read them.
 
-`open_runner(model, capture)` gives the fast decoder (`runtime/model.py`) when the model's architecture is
-one it runs, and transformers' own forward otherwise; it logs once per model which path runs and why.
+`load_decoder(model)` reads a model into the runtime's decoder (`runtime/model.py`) when its architecture is
+one the runtime runs; `open_runner(decoder or model, capture)` runs it, or transformers' own forward where the
+runtime does not run the model (logged once, with the reason).
 Both runners follow the same interface and capture the same states: the output of decoder layer i (0-based),
 the last one before the final norm, as the feature store holds them.
 """
@@ -10,23 +11,21 @@ the last one before the final norm, as the feature store holds them.
 from __future__ import annotations
 
 import logging
-import weakref
 from typing import Protocol
 
 import torch
+from torch import nn
 
 from mtptrain.runtime.cache import KVCache
-from mtptrain.runtime.attention import batch_attention, row_attention
-from mtptrain.runtime.choice import PRODUCT, choose, usable_product
+from mtptrain.runtime.choice import Choice, choose
 from mtptrain.runtime.model import FastDecoder, unsupported
-from mtptrain.runtime.weights import layout_of
+from mtptrain.runtime.products import usable_product
 from mtptrain.runtime.transformers_runner import TransformersRunner
 
 log = logging.getLogger(__name__)
 
-# model -> {batched: its decoder, or why it has none}
-_DECODERS: "weakref.WeakKeyDictionary[torch.nn.Module, dict[bool, FastDecoder | str]]" = weakref.WeakKeyDictionary()
 INITIAL_CAPACITY = 1024
+_REPORTED: set[str] = set()  # what was logged of which forward runs a target: each line once per process
 
 
 class Runner(Protocol):
@@ -53,75 +52,69 @@ class Runner(Protocol):
     def close(self) -> None: ...
 
 
-def fast_decoder(model: torch.nn.Module, batched: bool = False) -> FastDecoder | None:
-    """The model's fast decoder, built once (its weights fused in place); None when the model needs
-    transformers, logged the first time. `batched`: the decoder of many rows at once (regenerate, precompute),
-    whose products are the measured batch product. The model holds one layout of its weights, so a batched and
-    a batch-1 decoder whose products want different layouts take turns: each lays the weights out again when it
-    next runs after the other (a fraction of a second for a small model)."""
-    decoders = _DECODERS.get(model)
-    first = decoders is None
-    if first:
-        decoders = _DECODERS[model] = {}
-    known = decoders.get(batched)
-    if isinstance(known, FastDecoder) and not known.current():  # the model was cast, moved or restored since
-        known = None
-    if known is None:
-        why = unsupported(model)
-        if why is None:
-            device = model.get_input_embeddings().weight.device
-            dtype = model.get_input_embeddings().weight.dtype
-            choice = choose(model.config, device)  # the machine's own pick: reported as measured when it is this
-            if choice.dtype != dtype:
-                choice = choose(model.config, device, str(dtype).removeprefix("torch."))
-            known = build_decoder(model, choice,
-                                  usable_product(choice.product_batch if batched else choice.product, dtype))
-            if first:
-                log.info("target runs on mtptrain's runtime: %s", choice.describe())
-        else:
-            known = why
-            if first:
-                log.info("target runs on transformers' forward: %s", why)
-        decoders[batched] = known
-    return known if isinstance(known, FastDecoder) else None
+def decoder_choice(model: nn.Module) -> Choice:
+    """The measured kernels `model` runs with in its own dtype: the machine's pick where the model is in the
+    dtype the machine chose (reported as measured), each kernel replaced by what runs where it does not build
+    here (`Choice.runnable`)."""
+    weight = model.get_input_embeddings().weight
+    choice = choose(model.config, weight.device)
+    if choice.dtype != weight.dtype:
+        choice = choose(model.config, weight.device, str(weight.dtype).removeprefix("torch."))
+    return choice
 
 
-def build_decoder(model: torch.nn.Module, choice, product: str) -> FastDecoder:
-    """A fast decoder of `model` on `product` (a key of PRODUCT, its weights laid out for it) and the attention
-    kernels of `choice`. Fused and laid-out weights replace the model's own: built outside inference mode, so that
-    the model stays usable where autograd runs later (inference tensors cannot enter a recorded graph)."""
-    with torch.inference_mode(False), torch.no_grad():
-        return FastDecoder(model, PRODUCT[product], row_attention(choice.attention_one),
-                           row_attention(choice.attention_many), choice, batch_attention(choice.attention_batch),
-                           layout=layout_of(product))
-
-
-def native_decoder(model: torch.nn.Module, runtime: str = "auto", batched: bool = False) -> FastDecoder | None:
-    """The fast decoder for target.runtime auto or native (None for auto on a model it does not run), or None for
-    transformers; `batched` as for `fast_decoder`."""
+def load_decoder(model: nn.Module, runtime: str = "auto", batched: bool = False) -> FastDecoder | None:
+    """The runtime's decoder of `model` (its weights read into the runtime's own, runtime/weights.py), for
+    target.runtime auto or native; None for transformers, or for auto on a model the runtime does not run (the
+    reason logged once). `batched`: the decoder of many rows at once (regenerate, precompute), whose products are
+    the measured batch product. Each call reads the weights again: build one per stage and pass it on."""
     if runtime not in ("auto", "native", "transformers"):
         raise ValueError(f"target.runtime must be auto, native or transformers, not {runtime!r}")
-    decoder = fast_decoder(model, batched) if runtime != "transformers" else None
-    if decoder is None and runtime == "native":
-        raise ValueError(f"target.runtime=native cannot run this model ({unsupported(model)}): "
-                         "set target.runtime=auto or transformers")
-    return decoder
+    if runtime == "transformers":
+        return None
+    why = unsupported(model)
+    if why is not None:
+        if runtime == "native":
+            raise ValueError(f"target.runtime=native cannot run this model ({why}): "
+                             "set target.runtime=auto or transformers")
+        _report(f"target runs on transformers' forward: {why}")
+        return None
+    choice = decoder_choice(model)
+    _report(f"target runs on mtptrain's runtime: {choice.describe()}")
+    product = usable_product(choice.product_batch if batched else choice.product, choice.dtype)
+    return FastDecoder(model, choice, product)
 
 
-def open_runner(model: torch.nn.Module, capture=(), runtime: str = "auto"):
-    """A runner for the engine: the fast decoder where target.runtime allows it, else transformers."""
-    decoder = native_decoder(model, runtime)
-    return TransformersRunner(model, capture) if decoder is None else FastRunner(decoder, capture)
+def _report(line: str) -> None:
+    if line not in _REPORTED:
+        _REPORTED.add(line)
+        log.info(line)
 
 
-def runtime_record(model: torch.nn.Module, runtime: str = "auto", batched: bool = False) -> dict:
-    """What runs `model` (as `native_decoder` picks it), as a store, a checkpoint or a head records it: the
+def runtime_for(model: nn.Module, runtime: str = "auto", batched: bool = False) -> FastDecoder | nn.Module:
+    """What runs `model` in a stage: its runtime decoder (built now) or, where transformers' forward runs it,
+    the model itself; the functions that take a runner's source (`open_runner`, runtime/batch.py) take either."""
+    return load_decoder(model, runtime, batched) or model
+
+
+def open_runner(source: FastDecoder | nn.Module, capture=(), runtime: str = "auto") -> "Runner":
+    """A runner for the engine: on a decoder (`load_decoder`, shared by the runners of one stage), or on a model,
+    the runtime's decoder built for it where target.runtime allows, else transformers' forward."""
+    if not isinstance(source, FastDecoder):
+        source = runtime_for(source, runtime)
+    return FastRunner(source, capture) if isinstance(source, FastDecoder) else TransformersRunner(source, capture)
+
+
+def runtime_record(model: nn.Module, runtime: str = "auto") -> dict:
+    """What runs `model` (as `load_decoder` picks it), as a store, a checkpoint or a head records it: the
     runtime's dtype and kernels, or transformers' forward and its attention."""
-    decoder = native_decoder(model, runtime, batched)
-    if decoder is None:
+    why = unsupported(model)
+    if runtime not in ("auto", "native", "transformers") or (runtime == "native" and why is not None):
+        load_decoder(model, runtime)  # refuses, naming why
+    if runtime == "transformers" or why is not None:
         dtype = str(model.get_input_embeddings().weight.dtype).removeprefix("torch.")
         return {"runtime": "transformers", "dtype": dtype, "attention": model.config._attn_implementation}
-    return {"runtime": "native", **decoder.choice.record()}
+    return {"runtime": "native", **decoder_choice(model).record()}
 
 
 def runtime_description(runner) -> str:
@@ -138,7 +131,6 @@ class FastRunner:
 
     def __init__(self, decoder: FastDecoder, capture=()):
         self.decoder = decoder
-        self.model = decoder.model
         self.capture = tuple(capture)
         self.hidden: dict[int, torch.Tensor] = {}  # layer -> [n, H] for the tokens of the latest forward
         self.cache: KVCache | None = None
@@ -160,11 +152,7 @@ class FastRunner:
         self.hidden = {}
 
     def reset(self) -> None:
-        """A new generation: the cache emptied (its tensors kept), the decoder rebuilt if the model's weights
-        changed since (a cast, or transformers' forward restoring packed layers)."""
-        if not self.decoder.current():
-            self.decoder = fast_decoder(self.model)
-            self.cache = None
+        """A new generation: the cache emptied (its tensors kept)."""
         if self.cache is None:
             d = self.decoder
             self.cache = KVCache(d.num_layers, 1, d.kv_heads, d.head_dim, INITIAL_CAPACITY, d.cache_dtype, d.device)

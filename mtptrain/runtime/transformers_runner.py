@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from mtptrain.target import LayerCapture
+from mtptrain.runtime.capture import LayerCapture
 
 
 class TransformersRunner:

@@ -31,10 +31,11 @@ TREE_BRANCH = 2
 
 
 @torch.no_grad()
-def drafting_metrics(model, head, spec, prompts: list[list[int]], cfg: EngineEvalConfig, stops: set[int]) -> dict:
-    """tau and per-position acceptance of the head's chain (and small tree) over `prompts`, greedy."""
+def drafting_metrics(source, head, spec, prompts: list[list[int]], cfg: EngineEvalConfig, stops: set[int]) -> dict:
+    """tau and per-position acceptance of the head's chain (and small tree) over `prompts`, greedy, with the
+    target on `source` (its runtime decoder, kept between validations, or its model: `open_runner`)."""
     was_training = head.training
-    runner = open_runner(model, capture=spec.layers)
+    runner = open_runner(source, capture=spec.layers)
     drafters = {"chain": lambda: spec.family.chain(head, spec)}
     if cfg.tree_budget and spec.family.no_tree is None:
         drafters["tree"] = lambda: spec.family.tree(head, spec, TREE_BRANCH, cfg.k, cfg.tree_budget)

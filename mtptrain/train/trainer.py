@@ -41,7 +41,7 @@ import torch.distributed as torch_dist
 from torch import nn
 from tqdm import tqdm
 
-from mtptrain.config import Recipe, TrainConfig, dump_recipe
+from mtptrain.config import Recipe, TrainConfig, dump_recipe, flat_head
 from mtptrain.dist import DistInfo, destroy_process_group, pick_device, slurm_rendezvous
 from mtptrain.errors import MtptrainError
 from mtptrain.export.run import export_head
@@ -50,17 +50,18 @@ from mtptrain.features.online import ONLINE, OnlineFeatures, prepare_online
 from mtptrain.features.store import FeatureStore, load_manifest
 from mtptrain.heads import FrozenTarget
 from mtptrain.heads.checkpoint import save_head
-from mtptrain.heads.eagle3 import DraftVocab
 from mtptrain.heads.losses import Loss
 from mtptrain.heads.objective import step_weights
 from mtptrain.heads.spec import HeadSpec
+from mtptrain.heads.vocab import DraftVocab
 from mtptrain.data.chat import stop_tokens
 from mtptrain.io import atomic_write_json
 from mtptrain.runtime.choice import choose
-from mtptrain.runtime.runner import runtime_record
+from mtptrain.runtime.dtype import agree_on_dtype, ranks_must_agree
+from mtptrain.runtime.runner import runtime_for, runtime_record
 from mtptrain.target import (
-    ARCHITECTURE_FIELDS, Target, agree_on_runtime, checkpoint_fingerprint, compared_fields, load_frozen_target,
-    load_target,
+    ARCHITECTURE_FIELDS, Target, checkpoint_fingerprint, compared_fields, load_config, load_frozen_target, load_target,
+    rank_devices,
 )
 from mtptrain.train.checkpoints import commit, latest_tag, load, restore_rng, rng_state, tag_for, verify
 from mtptrain.train.checkpoints import RunMismatch  # noqa: F401 (verify raises it; callers catch it here)
@@ -157,11 +158,12 @@ def trained_parameters(head: nn.Module, cfg: TrainConfig) -> list:
 
 def run_fingerprint(recipe: Recipe, manifest: dict, world_size: int) -> str:
     """What a checkpoint must share with the run resuming it (not logging or checkpoint cadence; W&B settings
-    live in the recipe's tracking section, which is not part of it)."""
+    live in the recipe's tracking section, which is not part of it). The head section enters in the flat layout
+    (mtptrain.config.flat_head), the one the fingerprints of checkpoints already written were taken of."""
     train = recipe.train.model_dump(exclude={"output_dir", "log_every", "eval_every", "checkpoint_every",
                                               "num_workers", "head_dtype", "head_snapshots", "target_check",
                                               "engine_eval"})
-    blob = json.dumps({"head": recipe.head.model_dump(mode="json"), "train": train, "store": manifest["plan_id"],
+    blob = json.dumps({"head": flat_head(recipe.head), "train": train, "store": manifest["plan_id"],
                        "world_size": world_size}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -191,7 +193,9 @@ def run_train(recipe: Recipe, wandb: str | None = None, show_progress: bool = Tr
         # DeepSpeed caches its process groups for the life of the process, so the group stays up
         # across runs in one process and is torn down at exit (ranks abort if it is left open).
         atexit.register(destroy_process_group)
-    agree_on_runtime(recipe.target, dist)  # every rank runs the target's parts with rank 0's dtype and kernels
+    target_device = rank_devices(recipe.target, dist)[0]
+    if ranks_must_agree(target_device, dist):  # every rank runs the target's parts with rank 0's dtype and kernels
+        agree_on_dtype(load_config(recipe.target), target_device)
     return Trainer(recipe, dist, device, wandb or recipe.tracking.wandb, show_progress and dist.is_main).run()
 
 
@@ -254,6 +258,7 @@ class Trainer:
             self.val_store = FeatureStore(self.cfg.features, "validation", target=self.target, layers=layers,
                                           verify="size")
         self.weights = step_weights(recipe.head.step_weights, self.spec.draft_positions)
+        self.feature_weight = self.spec.family.feature_weight(recipe.head)
         self.loss = Loss(self.cfg.loss, self.cfg.loss_eta)
         self.steps = steps_for(len(self.train_store), self.cfg.micro_batch_size, dist.world_size,
                                self.cfg.grad_accum, self.cfg.epochs, self.cfg.max_steps)
@@ -263,7 +268,7 @@ class Trainer:
         self.precision = pick_precision(self.cfg.precision, device, self.target.config)
         log.info("training precision: %s%s", self.precision, " (auto)" if self.cfg.precision == "auto" else "")
         # What computed the features the head learns from, recorded with it: the store's, or here the target's own.
-        self.features_runtime = runtime_record(self.target.model, recipe.target.runtime, batched=True) \
+        self.features_runtime = runtime_record(self.target.model, recipe.target.runtime) \
             if self.cfg.online else manifest.get("runtime")
         self.stop_file = self.run_dir / STOP_FILE
         # The store's check above compared the frozen parts of a partly loaded target; the features, and so the
@@ -274,6 +279,7 @@ class Trainer:
         count = min(engine_eval.prompts, len(self.val_store)) if dist.is_main else 0
         self.prompts = [p for p in (self.val_store.prompt_ids(i) for i in range(count)) if p]
         self.stops = stop_tokens(self.target.tokenizer, self.target.model) if self.prompts else set()
+        self.engine_source = None
         self.best = BestHead(self.run_dir)
 
     # ------------------------------------------------------------------ set-up
@@ -356,8 +362,7 @@ class Trainer:
                 batch = _to_device(batch, self.device, dtype)
                 with autocast(self.precision, self.device):
                     result = self.spec.family.objective(head, batch, self.spec, self.weights,
-                                                        self.recipe.head.feature_weight, self.cfg.loss_chunk,
-                                                        self.loss)
+                                                        self.feature_weight, self.cfg.loss_chunk, self.loss)
                 unhealthy += 0.0 if torch.isfinite(result.loss) else 1.0
                 engine.backward(result.loss)
                 engine.step()
@@ -431,13 +436,15 @@ class Trainer:
             return {}
         with autocast(self.precision, self.device):
             window = score_store(head, self.spec, self.val_store, self.cfg.micro_batch_size, self.weights,
-                                 self.recipe.head.feature_weight, self.cfg.loss_chunk, self.device, dtype, self.dist,
+                                 self.feature_weight, self.cfg.loss_chunk, self.device, dtype, self.dist,
                                  self.loss)
         return {k.replace("train/", "val/"): v for k, v in window.reduce(self.dist, self.device).items()}
 
     def _draft(self, head, step: int) -> dict:
         """The head drafting in the engine on the held-out prompts; the best so far kept (train/drafting.py)."""
-        measured = drafting_metrics(self.target.model, head, self.spec, self.prompts, self.cfg.engine_eval,
+        if self.engine_source is None:  # the target's decoder, read once and kept for every validation
+            self.engine_source = runtime_for(self.target.model)
+        measured = drafting_metrics(self.engine_source, head, self.spec, self.prompts, self.cfg.engine_eval,
                                     self.stops)
         self.best.offer(step, measured, lambda directory, extra: self._save(directory, head, step, extra))
         return measured

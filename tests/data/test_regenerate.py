@@ -156,7 +156,7 @@ def test_a_bfloat16_model_decodes_in_batches_over_a_float32_cache(varied_target_
     model = AutoModelForCausalLM.from_pretrained(varied_target_dir, dtype=torch.bfloat16).eval()
     requests = [Request(p, 10) for p in prompts]
     decode_stream(model, requests, lambda request: None, 2, set(), tok.pad_token_id)
-    assert runner.fast_decoder(model, batched=True).choice.batch_cache_dtype == torch.float32
+    assert runner.load_decoder(model, batched=True).choice.batch_cache_dtype == torch.float32
     assert all(len(r.tokens) == 10 for r in requests)
 
 

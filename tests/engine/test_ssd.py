@@ -214,7 +214,7 @@ def head_parts():
     from mtptrain.engine.ssd import HeadParts
     from mtptrain.heads import FrozenTarget
     from mtptrain.heads.spec import HeadSpec
-    from mtptrain.heads.eagle3 import DraftVocab
+    from mtptrain.heads.vocab import DraftVocab
 
     spec = HeadSpec("eagle3", last_layer=3, feature_layers=[0, 1, 2], ttt_steps=2, draft_vocab_size=40)
     model = varied_model()

@@ -200,25 +200,3 @@ def test_eval_errors_name_the_missing_piece(tiny_target_dir, other_target_dir, e
                                                 "eval.methods=[medusa]"))
     assert unknown.exit_code == 2 and "eval.methods" in unknown.output
 
-
-def test_the_ssd_drafter_goes_to_a_second_gpu_only_when_there_is_one():
-    from mtptrain.eval.run import ssd_device
-
-    assert ssd_device("auto", torch.device("cpu")) == "cpu"
-    assert ssd_device("cuda:3", torch.device("cpu")) == "cuda:3"
-    expected = "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
-    assert ssd_device("auto", torch.device("cuda:0")) == expected
-
-
-def test_the_half_precision_near_tie_bound_follows_the_largest_logit():
-    """In bfloat16 the bound is eval.near_tie_ulps rounding steps of the largest logit in magnitude (the scale of
-    the logits' errors), whatever the size of the two logits compared; in float32 it is eval.near_tie."""
-    from mtptrain.config import EvalConfig
-    from mtptrain.eval.run import near_tie_bound
-
-    ev = EvalConfig()
-    assert near_tie_bound(ev, torch.float32, 36.25) == ev.near_tie
-    assert near_tie_bound(ev, torch.bfloat16, 36.25) == 4 * 0.25  # one step of a logit in [32, 64) is 2**-2
-    assert near_tie_bound(ev, torch.bfloat16, -36.25) == 1.0
-    assert near_tie_bound(ev, torch.bfloat16, 3.75) == 4 * 2.0 ** -6
-    assert near_tie_bound(ev, torch.bfloat16, 0.0) == ev.near_tie

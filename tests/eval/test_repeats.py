@@ -9,9 +9,11 @@ import pytest
 from typer.testing import CliRunner
 
 import mtptrain.eval.run as run_module
-from mtptrain.eval.report import markdown, methods_table, run_line
+from mtptrain.eval.report import markdown, methods_table
+from mtptrain.report_lines import run_line
 from mtptrain.eval.report import format_results
-from mtptrain.eval.run import exactness_failures, flag_unreliable, run_order, timing_summary
+from mtptrain.eval.exactness import exactness_failures
+from mtptrain.eval.run import flag_unreliable, run_order, timing_summary
 from mtptrain.cli import app
 from mtptrain.engine.generate import GenerationStats
 

@@ -11,7 +11,7 @@ from conftest import make_tiny_llama, make_tokenizer
 from mtptrain.heads import FrozenTarget
 from mtptrain.heads.checkpoint import save_head
 from mtptrain.heads.spec import HeadSpec
-from mtptrain.heads.eagle3 import DraftVocab
+from mtptrain.heads.vocab import DraftVocab
 
 EAGLE3 = HeadSpec("eagle3", last_layer=5, feature_layers=[1, 2, 4], ttt_steps=2, draft_vocab_size=64)
 EAGLE31 = HeadSpec("eagle3", last_layer=5, feature_layers=[1, 2, 4], ttt_steps=2, draft_vocab_size=64, fc_norm=True,

@@ -25,8 +25,8 @@ from mtptrain.heads import FrozenTarget
 from mtptrain.export.source import load_head_directory
 from mtptrain.heads.checkpoint import config_digest, save_head
 from mtptrain.heads.spec import HeadSpec
-from mtptrain.heads.eagle3 import DraftVocab
-from mtptrain.target import LayerCapture
+from mtptrain.heads.vocab import DraftVocab
+from mtptrain.runtime.capture import LayerCapture
 
 from export_helpers import (EAGLE3, EAGLE31, SPECS, eval_args, identity, save_trained_like_head, target_dir,  # noqa: F401
                             target_model, write_prompts)

@@ -19,7 +19,7 @@ from mtptrain.export.run import export_head
 from mtptrain.heads import FrozenTarget
 from mtptrain.export.source import load_head_directory
 from mtptrain.heads.spec import HeadSpec
-from mtptrain.target import LayerCapture
+from mtptrain.runtime.capture import LayerCapture
 
 from export_helpers import identity, save_trained_like_head, target_dir, target_model  # noqa: F401
 

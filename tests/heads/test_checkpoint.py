@@ -8,10 +8,11 @@ import torch
 from conftest import make_tiny_llama
 from safetensors.torch import load_file, save_file
 
+from mtptrain.config import FLAT_HEAD_DEFAULTS, HEAD_CONFIGS, Eagle3HeadConfig, flat_head, load_recipe, validate_recipe
 from mtptrain.heads import FrozenTarget
 from mtptrain.heads.checkpoint import PRETRAINED_HEAD, HeadCheckpointError, load_head, read_head, save_head
 from mtptrain.heads.spec import HeadSpec
-from mtptrain.heads.eagle3 import DraftVocab
+from mtptrain.heads.vocab import DraftVocab
 
 IDENTITY = {"name": "tiny", "fingerprint": "aaa", "tokenizer_fingerprint": "ttt"}
 
@@ -91,3 +92,44 @@ def test_the_shipped_head_records_the_digests_of_its_files(caplog):
     with caplog.at_level(logging.WARNING):
         config, state = read_head(PRETRAINED_HEAD)
     assert set(config["sha256"]) == {"config", "weights"} and state and not caplog.records
+
+
+def test_the_shipped_head_reads_back_as_its_recorded_recipe_trains_it():
+    config, _ = read_head(PRETRAINED_HEAD)  # its digests verified
+    recorded = config["train"]["recipe"]["head"]  # the flat layout: every family's fields
+    section = validate_recipe({"head": recorded}).head
+    assert isinstance(section, Eagle3HeadConfig) and (section.ttt_steps, section.fc_norm) == (4, True)
+    assert flat_head(section) == recorded
+    manifest = {"layers": config["features"]["layers"], "last_layer": config["head"]["last_layer"],
+                "target": config["target"]}
+    assert HeadSpec.of(section, manifest) == HeadSpec(**config["head"])
+
+
+@pytest.mark.real_model
+def test_the_shipped_head_loads_on_its_target():
+    from mtptrain.config import TargetConfig
+    from mtptrain.target import load_target
+
+    target = load_target(TargetConfig())
+    head, spec = load_head(PRETRAINED_HEAD, FrozenTarget.of(target.model), target.identity())
+    assert spec == HeadSpec(**json.loads((PRETRAINED_HEAD / "config.json").read_text())["head"])
+    assert spec.kind == "eagle3" and len(head.fc_norm) == len(spec.feature_layers) == 3
+
+
+@pytest.mark.parametrize("kind", sorted(HEAD_CONFIGS))
+def test_a_head_recording_a_flat_recipe_loads_and_its_recipe_reads_back(kind, tmp_path):
+    """A head whose config records the resolved recipe with the flat head section (every family's fields)."""
+    own = {"eagle": {"norms": "stripped"}, "eagle3": {"ttt_steps": 2, "draft_vocab_size": 50},
+           "mtp": {"mtp_depths": 3, "mtp_input": "raw"}}[kind]
+    flat = {**FLAT_HEAD_DEFAULTS, "kind": kind, **own}
+    recipe = {**load_recipe(None).model_dump(mode="json"), "head": flat}
+    manifest = {"layers": [0, 1, 2, 3], "last_layer": 3, "target": {"vocab_size": 400}}
+    spec = HeadSpec.of(HEAD_CONFIGS[kind](**own), manifest)
+    frozen = FrozenTarget.of(make_tiny_llama(400))
+    vocab = DraftVocab.from_counts(Counter({i: 400 - i for i in range(0, 400, 3)}), 50, 400)
+    save_head(tmp_path, spec.family.build(spec, frozen, vocab if spec.draft_vocab_size else None), spec, IDENTITY,
+              {"train": {"steps": 1, "recipe": recipe}})
+    config, _ = read_head(tmp_path)
+    assert config["train"]["recipe"]["head"] == flat and load_head(tmp_path, frozen, IDENTITY)[1] == spec
+    section = validate_recipe(config["train"]["recipe"]).head
+    assert section == HEAD_CONFIGS[kind](**own) and HeadSpec.of(section, manifest) == spec

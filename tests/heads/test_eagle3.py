@@ -6,7 +6,8 @@ from conftest import make_tiny_llama
 from transformers import DynamicCache
 
 from mtptrain.heads import FrozenTarget
-from mtptrain.heads.eagle3 import DraftVocab, Eagle3Head, ttt_mask
+from mtptrain.heads.eagle3 import Eagle3Head, ttt_mask
+from mtptrain.heads.vocab import DraftVocab
 
 
 @pytest.fixture(scope="module")
@@ -133,12 +134,11 @@ def test_eagle31_norms_normalise_each_fused_layer_and_carry_the_normed_output(fr
 
 
 def test_eagle31_settings_belong_to_eagle3_heads():
-    from mtptrain.config import HeadConfig
-    from mtptrain.heads.family import HeadSettingsError
+    from mtptrain.config import Eagle3HeadConfig, RecipeError, load_recipe
     from mtptrain.heads.spec import HeadSpec
 
     manifest = {"layers": [1, 2, 3], "last_layer": 3, "target": {"vocab_size": 400}}
-    spec = HeadSpec.of(HeadConfig(kind="eagle3", fc_norm=True, norm_output=True), manifest)
+    spec = HeadSpec.of(Eagle3HeadConfig(fc_norm=True, norm_output=True), manifest)
     assert spec.fc_norm and spec.norm_output and spec.feature_layers == (1, 2)
-    with pytest.raises(HeadSettingsError, match="eagle3 heads"):
-        HeadSpec.of(HeadConfig(kind="eagle", fc_norm=True), manifest)
+    with pytest.raises(RecipeError, match="eagle3 heads"):
+        load_recipe(None, ["head.kind=eagle", "head.fc_norm=true"])

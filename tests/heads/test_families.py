@@ -7,13 +7,13 @@ import json
 import re
 from dataclasses import asdict
 from pathlib import Path
-from typing import get_args
+from typing import Literal, get_args
 
 import pytest
 import torch
 from conftest import make_tiny_llama
 
-from mtptrain.config import HeadConfig, HeadKind
+from mtptrain.config import HEAD_CONFIGS, HeadConfig, HeadKind, Recipe, _section_classes
 from mtptrain.engine.generate import generate
 from mtptrain.runtime.runner import open_runner
 from mtptrain.export.formats import FORMATS
@@ -21,17 +21,22 @@ from mtptrain.heads import FrozenTarget
 from mtptrain.heads.checkpoint import load_head, save_head
 from mtptrain.heads.objective import step_weights
 from mtptrain.heads.spec import FAMILIES, HeadSpec, UnknownHeadKind, family_of
-from mtptrain.target import LayerCapture
+from mtptrain.runtime.capture import LayerCapture
 
 ROOT = Path(__file__).resolve().parents[2]
 IDENTITY = {"name": "tiny", "fingerprint": "aaa", "tokenizer_fingerprint": "ttt"}
 MANIFEST = {"layers": [0, 1, 2, 3], "last_layer": 3, "target": {"vocab_size": 400}}
+OWN_SETTINGS = {"eagle3": {"ttt_steps": 2, "draft_vocab_size": 200}}
 
 
 def test_every_kind_a_recipe_names_has_a_family_and_no_family_is_out_of_reach():
     assert set(get_args(HeadKind)) == set(FAMILIES)
     assert HeadConfig.model_fields["kind"].annotation == HeadKind
     assert all(family.kind == kind for kind, family in FAMILIES.items())
+    assert set(HEAD_CONFIGS) == set(FAMILIES)
+    assert all(issubclass(section, HeadConfig) and section.model_fields["kind"].annotation == Literal[kind]
+               for kind, section in HEAD_CONFIGS.items())
+    assert _section_classes(Recipe.model_fields["head"].annotation) == HEAD_CONFIGS  # the recipe chooses by kind
 
 
 def test_an_unknown_kind_is_refused_with_the_known_ones():
@@ -52,7 +57,7 @@ def _states(model, ids: torch.Tensor, layers: list[int]) -> dict[int, torch.Tens
 def test_each_family_builds_a_head_that_trains_drafts_exactly_and_loads_back(kind, tmp_path):
     model = make_tiny_llama(400, seed=3, initializer_range=0.2)
     frozen = FrozenTarget.of(model)
-    spec = HeadSpec.of(HeadConfig(kind=kind, ttt_steps=2, draft_vocab_size=200), MANIFEST)
+    spec = HeadSpec.of(HEAD_CONFIGS[kind](**OWN_SETTINGS.get(kind, {})), MANIFEST)
     family = spec.family
     assert spec.kind == kind and family is FAMILIES[kind]
     ids = torch.randint(0, 400, (2, 12), generator=torch.Generator().manual_seed(0))

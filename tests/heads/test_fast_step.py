@@ -51,7 +51,7 @@ def test_steps_equal_the_heads_forward_through_prefill_steps_rollback_and_a_tree
     dtype = torch.float32 if laid_out else torch.float64
     head = _head(kind, dtype)
     stepper = head.stepper()
-    assert stepper.layer.layout == (product if laid_out else "plain")
+    assert stepper.choice.product == product
     assert (stepper.lm_head is not head_lm_head(head).weight) == laid_out  # laid out: its own copy
     generator = torch.Generator().manual_seed(1)
     hidden = head.frozen.config.hidden_size

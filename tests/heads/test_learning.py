@@ -9,8 +9,9 @@ import torch
 from conftest import make_tiny_llama
 
 from mtptrain.heads import EagleHead, FrozenTarget, MTPHead
-from mtptrain.heads.eagle3 import DraftVocab, Eagle3Head
+from mtptrain.heads.eagle3 import Eagle3Head
 from mtptrain.heads.losses import distill_loss
+from mtptrain.heads.vocab import DraftVocab
 
 
 def _data(model, n=24, length=24, seed=0):

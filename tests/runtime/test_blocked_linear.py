@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from mtptrain.runtime.attention import causal_mask, fused_row, plain_attention, sdpa_attention
 from mtptrain.runtime.native_kernels import blocked_linear_kernel
-from mtptrain.runtime.weights import blocked, blocked_product, unblocked
+from mtptrain.runtime.products import blocked, blocked_product, unblocked
 
 DTYPES = [torch.float32, torch.bfloat16]
 

@@ -14,7 +14,8 @@ import pytest
 import torch
 import transformers
 
-from mtptrain.runtime import attention, choice, native_kernels
+from mtptrain.runtime import attention, choice, native_kernels, products
+from mtptrain.runtime.products import PRODUCTS
 
 REPO = Path(__file__).resolve().parents[2]
 CPU = torch.device("cpu")
@@ -58,7 +59,7 @@ def test_a_cache_entry_that_does_not_validate_is_measured_again_with_one_warning
     with caplog.at_level(logging.WARNING, logger="mtptrain.runtime.choice"):
         picked = choice.choose(_config(), CPU)
     assert picked.source == "measured"
-    assert picked.product in choice.PRODUCT and picked.attention_one in (*attention.ATTENTION, "fused")
+    assert picked.product in PRODUCTS and picked.attention_one in (*attention.ATTENTION, "fused")
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and str(cache) in warnings[0].getMessage()
     assert json.loads(cache.read_text())[_key()]["timings"] == picked.timings  # replaced by the new measurement
@@ -91,7 +92,7 @@ def test_a_measurement_under_load_is_used_by_its_process_and_never_cached(cache,
 
 def test_the_report_names_the_kernels_that_run_where_the_native_ones_do_not_build(cache, monkeypatch):
     cache.write_text(json.dumps({_key(): {"timings": _timings({"native": 0.1, "linear": 1.0}, "fused")}}))
-    monkeypatch.setattr(choice, "blocked_linear_kernel", lambda dtype: None)
+    monkeypatch.setattr(products, "blocked_linear_kernel", lambda dtype: None)
     monkeypatch.setattr(attention, "decode_attention_kernel", lambda: None)
     picked = choice.choose(_config(), CPU)
     assert picked.product in ("packed", "linear") and picked.product_batch in ("packed", "linear")

@@ -24,7 +24,7 @@ def test_fast_linears_match_the_stock_layers_and_are_restored(product):
         long = layer(x)  # 15 rows > 8: the stock path
     assert torch.allclose(short, stock[:1], atol=1e-6)
     assert torch.equal(long, stock)
-    assert "forward" not in vars(layer)
+    assert type(layer) is torch.nn.Linear and not hasattr(layer, "laid_out")  # the same module, plain again
     with fast_linears(layer, product=product, enabled=False) as patched:
         assert patched == 0
     with fast_linears(layer, product="linear") as patched:
@@ -38,3 +38,29 @@ def test_speculative_output_is_unchanged_with_fast_linears(product):
     reference = generate(open_runner(model, runtime="transformers"), prompt, 30).tokens
     with fast_linears(model, product=product):
         assert generate(open_runner(model, runtime="transformers"), prompt, 30, NgramProposer(), k=4).tokens == reference
+
+
+@pytest.mark.parametrize("product", PRODUCTS)
+def test_inside_the_block_every_reference_to_a_layer_multiplies_with_the_product(product, monkeypatch):
+    """The module itself is turned (not a copy swapped into its parent), so a reference held outside the module
+    tree (a head's FrozenTarget holds the target's LM head that way) runs the product too, never F.linear, for
+    short inputs; F.linear is back after the block."""
+    from mtptrain.runtime.linears import ProductLinear
+    from mtptrain.runtime.products import PRODUCTS as KNOWN
+
+    layer = torch.nn.Linear(16, 8)
+    held = {"lm_head": layer}
+    x = torch.randn(2, 16)
+
+    def refused(*args, **kwargs):
+        raise AssertionError("F.linear ran inside the block")
+    with fast_linears(torch.nn.Sequential(layer), product=product, max_rows=8) as patched:
+        assert patched == 1 and isinstance(held["lm_head"], ProductLinear) and layer.laid_out is None
+        with monkeypatch.context() as patch:
+            patch.setattr(torch.nn.functional, "linear", refused)
+            out = held["lm_head"](x)
+        assert layer.laid_out is not None and torch.equal(out, KNOWN[product](x, layer.laid_out, layer.bias))
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.nn.functional, "linear", refused)
+        with pytest.raises(AssertionError, match="F.linear ran"):
+            held["lm_head"](x)

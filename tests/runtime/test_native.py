@@ -9,7 +9,7 @@ import torch
 
 from mtptrain.engine.generate import generate
 from mtptrain.engine.tree import DraftTree
-from mtptrain.runtime.runner import fast_decoder, open_runner
+from mtptrain.runtime.runner import load_decoder, open_runner
 
 TOL = 1e-4
 
@@ -51,7 +51,7 @@ ARCHITECTURES = ["llama", "llama3-rope", "mistral", "qwen2", "qwen3"]
 @pytest.mark.parametrize("kind", ARCHITECTURES)
 def test_logits_and_captured_states_match_transformers(kind):
     model = _model(kind)
-    assert fast_decoder(model) is not None
+    assert load_decoder(model) is not None
     capture = [0, 2]
     native, reference = open_runner(model, capture), open_runner(model, capture, runtime="transformers")
     assert (native.runtime, reference.runtime) == ("native", "transformers")
@@ -104,22 +104,23 @@ def test_fused_weights_are_shared_not_copied(monkeypatch):
         torch.float32, "linear", "plain", "sdpa", "set"))
     model = _model("qwen2")
     before = sum(p.numel() for p in model.parameters())
-    decoder = fast_decoder(model)
+    decoder = load_decoder(model)
     attn, mlp, fused = model.model.layers[1].self_attn, model.model.layers[1].mlp, decoder.layers[1]
     assert attn.q_proj.weight.data_ptr() == fused.qkv.data_ptr()
     assert attn.v_proj.weight.untyped_storage().data_ptr() == fused.qkv.untyped_storage().data_ptr()
     assert attn.k_proj.bias.untyped_storage().data_ptr() == fused.qkv_bias.untyped_storage().data_ptr()
     assert mlp.up_proj.weight.untyped_storage().data_ptr() == fused.gate_up.untyped_storage().data_ptr()
     assert sum(p.numel() for p in model.parameters()) == before
-    assert fast_decoder(model) is decoder  # built once per model
+    assert load_decoder(model).layers[1].qkv.data_ptr() == fused.qkv.data_ptr()  # a second decoder: the same memory
 
 
-def test_a_cast_model_gets_a_new_decoder():
+def test_a_cast_model_gets_a_new_decoder_and_the_old_one_keeps_its_own_weights():
     model = _model("llama")
-    first = fast_decoder(model)
+    first = load_decoder(model)
     model.to(torch.float64)
-    second = fast_decoder(model)
+    second = load_decoder(model)
     assert second is not first and second.dtype == torch.float64
+    assert first.dtype == torch.float32 and first.layers[0].qkv.dtype == torch.float32
     prompt = list(range(5, 25))
     native, reference = open_runner(model), open_runner(model, runtime="transformers")
     native.reset(), reference.reset()
@@ -275,12 +276,12 @@ def test_a_verified_tree_gives_each_node_what_one_token_steps_along_its_path_giv
 def test_a_cached_native_choice_without_its_kernel_runs_torchs_product(native_kernels, monkeypatch):
     """A machine's measured choice is cached; if the runtime's kernels no longer build there (the compiler gone),
     the decoder multiplies with oneDNN's packed product, or F.linear, instead of the native one."""
-    from mtptrain.runtime import choice
+    from mtptrain.runtime import products
 
-    monkeypatch.setattr(choice, "blocked_linear_kernel", lambda dtype: None)
+    monkeypatch.setattr(products, "blocked_linear_kernel", lambda dtype: None)
     model = _model("llama")
     native, reference = open_runner(model), open_runner(model, runtime="transformers")
-    assert native.decoder.layout == ("packed" if torch.backends.mkldnn.is_available() else "plain")
+    assert native.decoder.product == ("packed" if torch.backends.mkldnn.is_available() else "linear")
     prompt = list(range(3, 30))
     native.reset(), reference.reset()
     assert _close(native.forward(prompt), reference.forward(prompt))
@@ -289,9 +290,9 @@ def test_a_cached_native_choice_without_its_kernel_runs_torchs_product(native_ke
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")
 def test_batches_run_packed_weights_beside_a_native_batch_one_decoder(native_kernels):
     """Where the measured batch product is another than the batch-1 one, a batched decoder (regenerate,
-    precompute) lays the weights out for it, and each decoder lays them out again when it runs after the other."""
+    precompute) holds its weights in the layout of its product and the batch-1 decoder in its own: the two run
+    in turn on one model, each on its own weights."""
     from mtptrain.runtime.batch import capture_states
-    from mtptrain.runtime.runner import native_decoder
 
     model = _model("llama")
     ids = torch.randint(0, 96, (3, 20), generator=torch.Generator().manual_seed(4))
@@ -300,38 +301,34 @@ def test_batches_run_packed_weights_beside_a_native_batch_one_decoder(native_ker
     reference.forward(ids[0].tolist())
     expected = reference.hidden[1]
     one = open_runner(model, (1,))
-    assert one.decoder.layout == "native"
+    batched = load_decoder(model, batched=True)
+    assert one.decoder.product == "native" and batched.product == "packed"
     for _ in range(2):
-        batched = native_decoder(model, batched=True)
-        assert batched.layout == "packed" and batched.current() and not one.decoder.current()
-        assert _close(capture_states(model, ids, [1])[1][0], expected)
-        one.reset()  # rebuilt on the blocked weights
-        assert one.decoder.layout == "native" and one.decoder.current()
+        assert _close(capture_states(batched, ids, [1])[1][0], expected)
+        one.reset()
         one.forward(ids[0].tolist())
         assert _close(one.hidden[1], expected)
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
-def test_packed_weights_replace_the_plain_ones_and_come_back_exactly(packed, kind):
+def test_packed_weights_are_the_runtimes_own_and_the_model_is_left_as_it_was(packed, kind):
     model = _model(kind)
     prompt = list(range(10, 42))
     with torch.no_grad():
         before = model(torch.tensor([prompt])).logits[0]
     plain = {name: p.detach().clone() for name, p in model.named_parameters()}
     native = open_runner(model)
-    assert native.decoder.layout == "packed"
-    released = [n for n, p in model.named_parameters() if p.device.type == "meta"]
-    assert len(released) == 7 * model.config.num_hidden_layers  # q, k, v, o, gate, up, down of every layer
+    assert native.decoder.product == "packed"
+    assert not any(p.device.type == "meta" for p in model.parameters())
     native.reset()
     assert _close(native.forward(prompt), before)
-    with torch.no_grad():  # transformers' forward restores every layer's plain weights first, bit for bit
+    with torch.no_grad():  # transformers' forward runs the model's own weights, bit for bit as before
         assert torch.equal(model(torch.tensor([prompt])).logits[0], before)
     for name, p in model.named_parameters():
         assert p.device.type == "cpu" and torch.equal(p, plain[name]), name
-    native.reset()  # and the runtime packs again
+    native.reset()  # and the runtime still runs its own
     assert _close(native.forward(prompt), before)
-    assert native.decoder.layout == "packed" and any(p.device.type == "meta" for p in model.parameters())
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")
@@ -340,13 +337,17 @@ def test_a_truncated_draft_model_shares_the_packed_layers(packed):
 
     model = _model("llama")
     main = open_runner(model)
-    draft = open_runner(truncated_target(model, 2))
-    assert draft.runtime == "native" and draft.decoder.layers == main.decoder.layers[:2]
+    draft = open_runner(main.decoder.truncated(2))
+    assert draft.runtime == "native" and all(a is b for a, b in zip(draft.decoder.layers, main.decoder.layers))
+    assert len(draft.decoder.layers) == 2 and len(main.decoder.layers) == 3
+    reference = open_runner(truncated_target(model, 2), runtime="transformers")
     prompt = list(range(5, 30))
-    for runner in (main, draft, main):
+    for runner in (main, draft, reference):
         runner.reset()
-        runner.forward(prompt)
-    assert main.decoder.current() and draft.decoder.current()  # no restore, no repack between them
+    main.forward(prompt)
+    assert _close(draft.forward(prompt), reference.forward(prompt))
+    with pytest.raises(ValueError, match="keeps 1..2 of its 3 layers"):
+        main.decoder.truncated(3)
 
 
 def test_a_target_the_runtime_does_not_run_loads_in_float32_and_decodes_on_transformers(tmp_path):

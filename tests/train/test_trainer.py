@@ -12,8 +12,10 @@ import torch
 from safetensors.torch import load_file
 from train_helpers import REPO, clean_env, train_cmd, train_recipe
 
+from mtptrain.config import validate_recipe
 from mtptrain.features.store import FeatureStoreError
-from mtptrain.train.trainer import TrainingDiverged, run_train
+from mtptrain.heads.checkpoint import PRETRAINED_HEAD
+from mtptrain.train.trainer import TrainingDiverged, run_fingerprint, run_train
 
 VOCAB = 400
 
@@ -396,3 +398,11 @@ def test_a_frozen_draft_lm_head_keeps_the_targets_rows(tiny_target_dir, tiny_sto
         head = load_file(run / "head" / "model.safetensors")
         kept = torch.equal(head["lm_head.weight"], rows[head["draft_to_target"]])
         assert kept == (mode == "frozen"), mode
+
+
+def test_a_recipe_keeps_the_run_fingerprint_its_checkpoints_recorded():
+    """A checkpoint is resumed only under its run's fingerprint, which holds the head section in the flat layout
+    (every family's fields): the reference run's recipe, as its shipped head records it, has the one it was
+    trained under."""
+    recorded = json.loads((PRETRAINED_HEAD / "config.json").read_text())["train"]["recipe"]
+    assert run_fingerprint(validate_recipe(recorded), {"plan_id": "p"}, 1) == "e12b9b170af684d1"

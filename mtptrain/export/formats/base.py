@@ -4,21 +4,35 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from mtptrain.config import ExportConfig
 from mtptrain.export.sidecar import ExportError
-from mtptrain.heads.spec import FAMILIES
-
-if TYPE_CHECKING:
-    from mtptrain.export.source import HeadSource
+from mtptrain.heads.spec import FAMILIES, HeadSpec
 
 # A Llama decoder layer's tensors (no biases, no q/k norms): the layer every EAGLE format's draft is built of.
 LLAMA_LAYER = ("input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
                "self_attn.v_proj.weight", "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
                "mlp.down_proj.weight", "post_attention_layernorm.weight")
+
+
+class HeadToExport(Protocol):
+    """What a format reads of the head it writes and of its target (mtptrain/export/source.py: HeadSource)."""
+
+    spec: HeadSpec
+    state: dict[str, torch.Tensor]  # the head's weights, our names
+    target_config: dict  # the target's transformers config, as a dict
+
+    @property
+    def float_dtype(self) -> torch.dtype: ...
+
+    def served_target(self) -> str: ...
+
+    def target_config_json(self) -> dict: ...
+
+    def target_tensor(self, *names: str) -> torch.Tensor: ...
 
 
 @dataclass
@@ -37,11 +51,11 @@ class Format(ABC):
         """The head families this format holds: each family lists the formats that hold it."""
         return tuple(kind for kind, family in FAMILIES.items() if self.name in family.export_formats)
 
-    def check(self, src: HeadSource, cfg: ExportConfig) -> None:
+    def check(self, src: HeadToExport, cfg: ExportConfig) -> None:
         """Raise ExportError when the format cannot express this head (its family is checked by `format_for`)."""
 
     @abstractmethod
-    def write(self, src: HeadSource, cfg: ExportConfig) -> Written:
+    def write(self, src: HeadToExport, cfg: ExportConfig) -> Written:
         """The export's tensors (engine names) and config."""
 
     @abstractmethod
@@ -53,7 +67,7 @@ class Format(ABC):
         """(engine, command) pairs that serve the export."""
 
 
-def draft_llama_config(src: HeadSource) -> dict:
+def draft_llama_config(src: HeadToExport) -> dict:
     """A one-layer Llama config with the target's attention, MLP, rope and vocabulary settings.
 
     Rope is written both ways: transformers 5 reads rope_parameters, older engines rope_theta / rope_scaling.
@@ -91,7 +105,7 @@ def draft_llama_config(src: HeadSource) -> dict:
     }
 
 
-def check_llama_layer(src: HeadSource, prefix: str, expected: tuple[str, ...], fmt: str) -> None:
+def check_llama_layer(src: HeadToExport, prefix: str, expected: tuple[str, ...], fmt: str) -> None:
     """The head's decoder layer must hold exactly a Llama layer's tensors: anything else would be dropped."""
     have = {k[len(prefix):] for k in src.state if k.startswith(prefix)}
     extra, missing = sorted(have - set(expected)), sorted(set(expected) - have)

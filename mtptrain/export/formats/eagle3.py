@@ -10,17 +10,13 @@ it adds 1 only when the first id is 1 (and takes the ids as they are otherwise).
 from __future__ import annotations
 
 from dataclasses import asdict
-from typing import TYPE_CHECKING
 
 import torch
 
 from mtptrain.config import ExportConfig
-from mtptrain.export.formats.base import (LLAMA_LAYER, Format, Written, check_llama_layer, draft_llama_config,
-                                          inverse, renamed)
+from mtptrain.export.formats.base import (LLAMA_LAYER, Format, HeadToExport, Written, check_llama_layer,
+                                          draft_llama_config, inverse, renamed)
 from mtptrain.export.sidecar import ExportError
-
-if TYPE_CHECKING:
-    from mtptrain.export.source import HeadSource
 
 SPECULATORS_VERSION = "0.9.0"  # the speculators release whose schema the speculators export follows
 FUSED_LAYERS = 3  # SGLang builds fc over 3 * hidden; vLLM assumes 3 unless an eagle_config says otherwise
@@ -35,7 +31,7 @@ def eagle3_names(layer_prefix: str, fc_norms: int = 0) -> dict[str, str]:
     return names
 
 
-def vocab_maps(src: HeadSource) -> dict[str, torch.Tensor]:
+def vocab_maps(src: HeadToExport) -> dict[str, torch.Tensor]:
     return vocab_maps_of(src.state["draft_to_target"], src.state["target_to_draft"])
 
 
@@ -52,7 +48,7 @@ def vocab_from_maps(d2t: torch.Tensor, vocab_size: int) -> dict[str, torch.Tenso
     return {"draft_to_target": draft_to_target, "target_to_draft": target_to_draft}
 
 
-def vllm_layer_ids(src: HeadSource) -> list[int]:
+def vllm_layer_ids(src: HeadToExport) -> list[int]:
     """The ids vLLM and speculators read for the head's feature layers, after checking engines can capture them."""
     layers = list(src.spec.feature_layers)
     n = src.target_config["num_hidden_layers"]
@@ -117,7 +113,7 @@ class Eagle3(Format):
         check_llama_layer(src, "layer.", LLAMA_LAYER, self.name)
         vllm_layer_ids(src)
 
-    def write(self, src: HeadSource, cfg: ExportConfig) -> Written:
+    def write(self, src: HeadToExport, cfg: ExportConfig) -> Written:
         vllm_ids = vllm_layer_ids(src)
         sglang_ids = sglang_layer_ids(list(src.spec.feature_layers), cfg.sglang_ids)
         head = asdict(src.spec)
@@ -172,7 +168,7 @@ class Speculators(Eagle3):
         check_llama_layer(src, "layer.", LLAMA_LAYER, self.name)
         vllm_layer_ids(src)  # no SGLang ids here
 
-    def write(self, src: HeadSource, cfg: ExportConfig) -> Written:
+    def write(self, src: HeadToExport, cfg: ExportConfig) -> Written:
         vllm_ids = vllm_layer_ids(src)
         verifier = cfg.verifier or src.served_target()
         head = asdict(src.spec)

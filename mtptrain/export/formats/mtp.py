@@ -10,13 +10,8 @@ by mtptrain, but no engine serves it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from mtptrain.export.formats.base import Format, Written, inverse, renamed
+from mtptrain.export.formats.base import Format, HeadToExport, Written, inverse, renamed
 from mtptrain.export.sidecar import ExportError
-
-if TYPE_CHECKING:
-    from mtptrain.export.source import HeadSource
 
 SERVED_MODEL_TYPES = ("deepseek_v3", "deepseek_v32")  # what vLLM's and SGLang's MTP drafters accept
 FIXED = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight", "embed_tokens.weight",
@@ -50,7 +45,7 @@ class DeepSeekMTP(Format):
                               "hand an MTP layer the target's final-normed states. Train with head.mtp_input=normed "
                               "(the default) to export as deepseek-mtp.")
 
-    def modules(self, src: HeadSource) -> int:
+    def modules(self, src: HeadToExport) -> int:
         return 1 if src.spec.mtp_share else src.spec.mtp_depths
 
     def write(self, src, cfg):

@@ -1,7 +1,7 @@
 // A linear layer's product x @ W.T (+ bias) over any number of rows, from the weight laid out once in blocks
 // that the product reads front to back: decoding's 1 row, verification's 2 to 16 and a batch's hundreds alike.
 //
-// Layout (runtime/weights.py makes it, `blocked`): W [O, K] becomes blocks [G, KP, 32, P], G = ceil(O / 32)
+// Layout (runtime/products.py makes it, `blocked`): W [O, K] becomes blocks [G, KP, 32, P], G = ceil(O / 32)
 // groups of 32 output features, P = 2 for bfloat16 (pairs of inputs, as vdpbf16ps takes them) and 1 for
 // float32, KP = ceil(K / P); blocks[g, p, i, e] = W[32 g + i, P p + e], zero past O and K. A group's weights
 // are one contiguous run, and each step of the inner loop reads the next 128 bytes of it.
@@ -245,7 +245,7 @@ torch::Tensor blocked_linear(const torch::Tensor& x, const torch::Tensor& blocks
 
 void bind_blocked_linear(pybind11::module& m) {
   m.def("blocked_linear", &blocked_linear, pybind11::call_guard<pybind11::gil_scoped_release>(),
-        "x @ W.T + bias from W laid out in blocks of 32 output features (runtime/weights.py: blocked)",
+        "x @ W.T + bias from W laid out in blocks of 32 output features (runtime/products.py: blocked)",
         pybind11::arg("x"), pybind11::arg("blocks"), pybind11::arg("bias"), pybind11::arg("out_features"));
   m.def("blocked_supports", [](bool bfloat16) { return supports(bfloat16 ? at::kBFloat16 : at::kFloat); },
         "whether this build has the blocked product for bfloat16 (True) or float32 (False)", pybind11::arg("bfloat16"));

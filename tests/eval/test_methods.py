@@ -1,0 +1,67 @@
+"""Eval's methods: one registered object per name a recipe accepts, the refusal of an unknown name, the
+configurations a recipe's methods build, and the settings each method refuses."""
+
+import re
+from typing import get_args
+
+import pytest
+import torch
+
+from mtptrain.config import EvalConfig, EvalMethodName, RecipeError, TargetConfig, load_recipe
+from mtptrain.eval.methods import METHODS, EvalError, build_configs, method_of, ssd_device
+from mtptrain.engine.verify import Sampling
+from mtptrain.target import load_target
+
+
+def test_every_method_a_recipe_names_is_registered_and_no_method_is_out_of_reach():
+    assert set(get_args(EvalMethodName)) == set(METHODS)
+    assert EvalConfig.model_fields["methods"].annotation == list[EvalMethodName]
+    assert all(method.name == name for name, method in METHODS.items())
+
+
+def test_an_unknown_method_is_refused_with_the_known_ones():
+    known = "ngram, suffix, chain, tree, draft, ssd, ssd-draft"
+    with pytest.raises(EvalError, match=f"unknown eval method 'medusa': the known methods are {known}"):
+        method_of("medusa")
+    with pytest.raises(RecipeError, match=r"eval\.methods\.0"):
+        load_recipe(None, ["eval.methods=[medusa]"])
+
+
+def recipe(target_dir, *overrides):
+    return load_recipe(None, [f"target.model={target_dir}", "eval.k=[1,3]", *overrides])
+
+
+def test_each_method_builds_a_configuration_per_k_after_the_baseline(tiny_target_dir):
+    target = load_target(TargetConfig(model=str(tiny_target_dir)))
+    configs, head_info, notes, modules = build_configs(
+        recipe(tiny_target_dir, "eval.methods=[ngram,suffix,draft]", "eval.draft.layers=2"), target, Sampling())
+    assert [c.label for c in configs] == ["baseline", "ngram K=1", "ngram K=3", "suffix K=1", "suffix K=3",
+                                          "draft K=1", "draft K=3"]
+    assert [c.method for c in configs] == ["baseline"] + [m for m in ("ngram", "suffix", "draft") for _ in range(2)]
+    # the draft model runs on the runtime's decoder (built once for its proposers): no linear layer to swap
+    assert head_info is None and notes == [] and modules == []
+    assert not any(c.uses_head or c.keeps_proposer for c in configs)
+    assert configs[0].make is None
+    assert [type(c.make()).__name__ for c in configs[1:]] == [
+        "NgramProposer", "NgramProposer", "SuffixIndexProposer", "SuffixIndexProposer", "DraftModelProposer",
+        "DraftModelProposer"]
+
+
+def test_methods_refuse_what_they_cannot_draft_with(tiny_target_dir, tmp_path):
+    target = load_target(TargetConfig(model=str(tiny_target_dir)))
+    missing = recipe(tiny_target_dir, "eval.methods=[ngram,tree]", f"eval.head={tmp_path / 'nowhere'}")
+    with pytest.raises(EvalError, match=re.escape(
+            f"no trained head at {tmp_path / 'nowhere'} (eval.methods has chain, tree, ssd, which draft with a head): "
+            "run `mtptrain train` with this recipe first, point eval.head at a head directory, or drop chain/tree/ssd "
+            "from mtptrain.eval.methods")):
+        build_configs(missing, target, Sampling())
+    for method in ("draft", "ssd-draft"):
+        with pytest.raises(EvalError, match="set exactly one of eval.draft.model .* or eval.draft.layers"):
+            build_configs(recipe(tiny_target_dir, f"eval.methods=[{method}]"), target, Sampling())
+
+
+def test_the_ssd_drafter_goes_to_a_second_gpu_only_when_there_is_one():
+    assert ssd_device("auto", torch.device("cpu")) == "cpu"
+    assert ssd_device("cuda:3", torch.device("cpu")) == "cuda:3"
+    expected = "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
+    assert ssd_device("auto", torch.device("cuda:0")) == expected
