@@ -1,27 +1,317 @@
-"""Every benchmark script, the kernels' cross-target check and the hostile tries still import and parse their
-arguments: they run by hand, not in CI, so a renamed function they use would otherwise break them unnoticed."""
+"""Every benchmark runs for real at a tiny size, in a subprocess as a user runs it, on the suite's tiny random
+targets (tests/conftest.py), and prints what it measures: its table's rows, ratios that are positive and finite,
+its baseline row, the exactness counts where it checks them, the files it writes. No speed is asserted: a
+benchmark's targets are its own. The kernels' cross-target check and the hostile tries still parse their
+arguments."""
 
+import json
+import math
+import os
+import re
 import runpy
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from conftest import write_sharegpt
 
 ROOT = Path(__file__).parent.parent
 BENCHMARKS = sorted((ROOT / "benchmarks").glob("*.py"))
-
-
-def test_the_benchmarks_are_found():
-    assert len(BENCHMARKS) >= 10
-
-
 SCRIPTS = [ROOT / "scripts" / "check_kernel_targets.py", ROOT / "scripts" / "hostile_tries.py"]
+# In-process training tests leave a loopback rendezvous in this process's environment: not for the child.
+RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+NUM = r"[\d,]+(?:\.\d+)?"  # a printed number: 12,345.6
 
 
-@pytest.mark.parametrize("script", BENCHMARKS + SCRIPTS, ids=lambda p: p.name)
-def test_a_benchmark_imports_and_prints_its_help(script, monkeypatch, capsys):
+def run_benchmark(name: str, *args) -> str:
+    """What benchmarks/<name> prints to stdout when run with `args` from the repository's root; it must succeed."""
+    env = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS and not k.startswith("SLURM_")}
+    done = subprocess.run([sys.executable, f"benchmarks/{name}", *map(str, args)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"{name} failed:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
+    return done.stdout
+
+
+def number(text: str) -> float:
+    """A printed number, ratio or share ("12,345.6", "1.23x", "x1.23", "45%"): positive or zero, and finite."""
+    value = float(text.replace(",", "").strip("x%"))
+    assert math.isfinite(value) and value >= 0, text
+    return value
+
+
+def positive(text: str) -> float:
+    value = number(text)
+    assert value > 0, text
+    return value
+
+
+def table(out: str, row: str) -> dict[str, dict]:
+    """The lines of `out` that match the regular expression `row`, by their group `name`."""
+    found = {m["name"]: m.groupdict() for m in re.finditer(row, out, re.M)}
+    assert found, f"no line matches {row!r} in:\n{out}"
+    return found
+
+
+def test_every_benchmark_has_its_run_here():
+    """A new benchmark gets its test of a real run, named after it: otherwise it rots unnoticed."""
+    assert len(BENCHMARKS) >= 10
+    assert [p.name for p in BENCHMARKS if f"test_{p.stem}" not in globals()] == []
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_a_script_imports_and_prints_its_help(script, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", [str(script), "--help"])
     with pytest.raises(SystemExit) as done:
         runpy.run_path(str(script), run_name="__main__")
     assert done.value.code == 0
     assert "usage:" in capsys.readouterr().out
+
+
+@pytest.fixture(scope="module")
+def tiny_head(tiny_target_dir, tmp_path_factory) -> Path:
+    """A random EAGLE-3 head of the tiny target: drafting runs, whatever it accepts."""
+    from mtptrain.config import TargetConfig
+    from mtptrain.heads import FrozenTarget
+    from mtptrain.heads.checkpoint import save_head
+    from mtptrain.heads.spec import HeadSpec
+    from mtptrain.target import load_target
+
+    spec = HeadSpec("eagle3", last_layer=3, feature_layers=[0, 1, 2], ttt_steps=2, draft_vocab_size=64)
+    target = load_target(TargetConfig(model=str(tiny_target_dir)))
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("bench-head") / "head"
+    save_head(out, spec.family.build(spec, FrozenTarget.of(target.model)), spec, target.identity())
+    return out
+
+
+@pytest.fixture(scope="module")
+def head_recipe(varied_target_dir, tmp_path_factory) -> Path:
+    """The recipe file of the head-quality benchmarks' stages: the varied target (its answers are text to train
+    and score on), one feature layer, two TTT steps, one eval prompt of one turn."""
+    from mtptrain.config import dump_recipe, load_recipe
+
+    tmp = tmp_path_factory.mktemp("bench-recipe")
+    prompts = tmp / "prompts.jsonl"
+    prompts.write_text(json.dumps({"id": "q0", "turns": ["the word is hot and you see", "say it again"]}) + "\n")
+    recipe = load_recipe(None, [
+        "name=bench", f"target.model={varied_target_dir}", "target.dtype=float32",
+        f"data.source={write_sharegpt(tmp / 'chats.json', 40)}", "data.max_length=160",
+        "data.validation_fraction=0.1", f"precompute.output_dir={tmp / 'features'}", "precompute.layers=[0]",
+        "precompute.dtype=float32", "head.kind=eagle3", "head.ttt_steps=2", "head.draft_vocab_size=64",
+        f"train.features={tmp / 'features'}", f"train.output_dir={tmp / 'train'}", "train.micro_batch_size=4",
+        "train.precision=fp32", "train.num_workers=0", "train.engine_eval.prompts=0", "tracking.wandb=disabled",
+        f"eval.prompts={prompts}", "eval.max_turns=1", "eval.max_new_tokens=8", "eval.methods=[chain]",
+        "eval.k=[2]", "eval.repeats=1"])
+    dump_recipe(recipe, tmp / "recipe.yaml")
+    return tmp / "recipe.yaml"
+
+
+def test_precompute_throughput(tiny_target_dir, tmp_path):
+    out = run_benchmark("precompute_throughput.py", "--rounds", 1, "--set", f"target.model={tiny_target_dir}",
+                        "--set", f"data.source={write_sharegpt(tmp_path / 'c.json', 20)}",
+                        "--set", "data.max_length=160", "--set", "precompute.batch_tokens=512")
+    head = re.search(rf"target (\S+), 20 samples, ({NUM}) tokens, (\d+) batches, layers \[([\d, ]+)\]", out)
+    assert head and head[1] == tiny_target_dir.name and positive(head[2]) and positive(head[3])
+    bare = re.search(rf"bare forward +({NUM}) tok/s +\(passes: ([^)]*)\)", out)
+    full = re.search(rf"precompute +({NUM}) tok/s +\(passes: ({NUM});", out)
+    assert bare and full and [positive(p) for p in bare[2].split(", ")]
+    assert len(bare[2].split(", ")) == 2  # before and after the one precompute pass
+    measured = positive(re.search(r"ratio +(\S+) +\(target >= 0.9\)", out)[1])
+    assert measured == pytest.approx(positive(full[1]) / positive(bare[1]), rel=0.01)
+    layers = len(head[4].split(","))
+    written = re.search(rf"bytes per token +({NUM}) +minimum ({NUM}) \({layers} layers x 64 x 2 B\): (x\S+)", out)
+    assert written and number(written[2]) == layers * 64 * 2 and positive(written[3]) >= 1
+    assert positive(written[1]) >= number(written[2])
+
+
+@pytest.mark.multiprocess
+def test_train_throughput(tiny_target_dir, tiny_store):
+    """Before and after (fp32 against the machine's precision) and the 1 -> 2 process scaling under torchrun."""
+    out = run_benchmark("train_throughput.py", "--features", tiny_store, "--steps", 2, "--rounds", 1,
+                        "--set", f"target.model={tiny_target_dir}", "--set", "head.draft_vocab_size=64")
+    assert re.search(rf"round 1, before \(precision fp32, {re.escape(str(tiny_store))}\): {NUM} tokens/s", out)
+    assert re.search(rf"round 1, after \(precision auto, {re.escape(str(tiny_store))}\): {NUM} tokens/s", out)
+    before = re.search(rf"^before +({NUM}) tokens/s$", out, re.M)
+    after = re.search(rf"^after +({NUM}) tokens/s +(x\S+)$", out, re.M)
+    assert before and after and positive(after[2]) == pytest.approx(positive(after[1]) / positive(before[1]),
+                                                                     rel=0.02, abs=0.01)
+    one = re.search(rf"^1 process +({NUM}) tokens/s +data wait +({NUM}%)$", out, re.M)
+    two = re.search(rf"^2 processes +({NUM}) tokens/s per process, ({NUM}) in all +data wait +({NUM}%)$", out, re.M)
+    assert one and two and number(one[2]) <= 100 and number(two[3]) <= 100
+    assert positive(two[2]) == pytest.approx(2 * positive(two[1]), abs=2)
+    scaling = positive(re.search(r"^scaling 1 -> 2 +(\S+) +\(1.0 = perfect\)$", out, re.M)[1])
+    assert scaling == pytest.approx(positive(two[1]) / positive(one[1]), rel=0.01, abs=0.002)
+
+
+def test_engine_speed(tiny_target_dir, tiny_head):
+    """Every method on the same prompts; the engine's own methods decode exactly what the runtime's AR does."""
+    out = run_benchmark("engine_speed.py", "--model", tiny_target_dir, "--head", tiny_head, "--prompts", 2,
+                        "--new-tokens", 8, "--repeats", 1, "--k", 2, "--dtype", "float32", "--forward-rounds", 1)
+    methods = table(out, r"^(?P<name>[\w.-]+(?: [\w=.-]+)?) +(?P<tokens>\d+) +(?P<tps>[\d.]+) +(?P<ratio>[\d.]+x) "
+                         r"+(?P<spread>\d+%) +(?P<tau>[\d.]+|-)  (?P<same>\d+)/2$")
+    assert list(methods) == ["runtime AR", "transformers AR", "hf-generate", "ngram K=2", "hf-prompt-lookup K=2",
+                             "suffix K=2", "chain K=2", "tree N=8"]
+    base = methods["runtime AR"]
+    assert positive(base["ratio"]) == 1.0 and base["tau"] == "1.00" and int(base["same"]) == 2
+    for name, m in methods.items():
+        positive(m["tps"]), positive(m["ratio"])
+        if name in ("ngram K=2", "suffix K=2", "chain K=2", "tree N=8"):  # verified drafts: exact by construction
+            assert m["same"] == "2" and m["tokens"] == base["tokens"] and number(m["tau"]) >= 1, name
+        elif m["same"] != "2":  # a peer's output that differs is explained by a near-tie
+            assert re.search(rf"^  {re.escape(name)}: differs from runtime AR at token \d+, top-2 gap", out, re.M)
+    assert "llama.cpp: reads the embedded GGUF, not measured with --model" in out
+    machine = re.search(rf"cpu copy bandwidth ({NUM}) GB/s .* runtime AR ({NUM}) ms/token", out)
+    assert machine and positive(machine[1]) and positive(machine[2])
+    costs = table(out, r"^(?P<name>runtime|transformers) +(?P<cells>(?:[\d.]+ \([\d.]+\) *){5})$")
+    assert list(costs) == ["runtime", "transformers"]
+    for cost in costs.values():
+        cells = re.findall(r"([\d.]+) \(([\d.]+)\)", cost["cells"])
+        assert cells[0][1] == "1.00" and all(positive(ms) and positive(rel) for ms, rel in cells)
+
+
+def test_stage_speed(varied_target_dir, tmp_path):
+    """Both stages on the runtime and on the former path; in float32 the regenerated answers are the same."""
+    out = run_benchmark("stage_speed.py", "--conversations", 6, "--regenerate-conversations", 6, "--rounds", 1,
+                        "--set", f"target.model={varied_target_dir}", "--set", "target.dtype=float32",
+                        "--set", f"data.source={write_sharegpt(tmp_path / 'c.json', 6)}", "--set",
+                        "data.max_length=160", "--set", "regenerate.max_new_tokens=16")
+    assert re.search(rf"round 1, before: regenerate {NUM} tok/s, precompute {NUM} tok/s", out)
+    assert re.search(rf"round 1, after: regenerate {NUM} tok/s, precompute {NUM} tok/s", out)
+    stages = table(out, r"^(?P<name>regenerate|precompute) +(?P<before>\d+) +(?P<after>\d+) +(?P<ratio>[\d.]+x)$")
+    assert list(stages) == ["regenerate", "precompute"]
+    for stage in stages.values():
+        assert positive(stage["before"]) and positive(stage["after"]) and positive(stage["ratio"])
+    same = re.search(r"regenerated answers identical before/after: (\d+)/(\d+) \(after computes in float32\)", out)
+    assert same and int(same[2]) >= 6 and same[1] == same[2]
+
+
+def test_decode_attention():
+    out = run_benchmark("decode_attention.py", "--rows", 4, "--rounds", 1, "--steps", 1)
+    assert re.search(rf"kernel loaded in {NUM} s", out)
+    memory = re.search(rf"memory: copy ({NUM}) GB/s \(read \+ written\), read ({NUM}) GB/s", out)
+    assert memory and positive(memory[1]) and positive(memory[2])
+    for dtype in ("bfloat16", "float32"):
+        assert re.search(rf"^{dtype}: 4 rows, lengths 60..384 \(mean \d+\), bands \[[\d, ]+\]; live K/V per step "
+                         r"\d+ MB", out, re.M), dtype
+    runs = re.findall(r"^(plain|kernel|kernel-one) +([\d.]+) +[\d.]+-[\d.]+ +([\d.]+) +([\d.]+x)$", out, re.M)
+    assert [r[0] for r in runs] == ["plain", "kernel", "kernel-one"] * 2  # per dtype
+    for name, ms, _, times in runs:
+        assert positive(ms) and (positive(times) == 1.0 if name == "plain" else positive(times))
+
+
+def test_batch_step(tiny_target_dir):
+    out = run_benchmark("batch_step.py", "--model", tiny_target_dir, "--rows", 6, "--chunks", 20, "--steps", 2)
+    assert re.search(r"^6 rows of 60-384 positions, chunks \[20\]; bands \[(\(\d+, \d+\)(, )?)+\]$", out, re.M)
+    settings = table(out, r"^(?P<name>torch|layer-ops|kernels) +(?P<ms>[\d.]+) +[\d.]+-[\d.]+ +(?P<ratio>[\d.]+x)$")
+    assert list(settings) == ["torch", "layer-ops", "kernels"]
+    assert positive(settings["torch"]["ratio"]) == 1.0
+    assert all(positive(s["ms"]) and positive(s["ratio"]) for s in settings.values())
+
+
+def test_products(tiny_target_dir):
+    out = run_benchmark("products.py", "--model", tiny_target_dir, "--rows", "1,4", "--repeats", 1)
+    assert f"17 products of the target {tiny_target_dir} (4 layers and the LM head)" in out
+    names = re.search(r"^ rows((?: +\w+)+)$", out, re.M)[1].split()
+    assert names[0] == "linear" and set(names) <= {"linear", "packed", "native"}
+    passes = table(out, r"^ +(?P<name>[14]) (?P<cells>.* GB/s.*)$")
+    assert list(passes) == ["1", "4"]
+    for row in passes.values():
+        cells = re.findall(r"([\d.]+) ms +([\d.]+) GB/s(?: ([\d.]+x))?", row["cells"])
+        assert len(cells) == len(names) and all(positive(ms) for ms, _, _ in cells)
+        if "packed" in names:  # the ratios are against oneDNN's packed product
+            assert [positive(r) for _, _, r in cells][names.index("packed")] == 1.0
+    steps = table(out, r"^ +(?P<name>[148]) (?P<cells>(?: +[\d.]+ ms)+)$")
+    assert list(steps) == ["1", "4", "8"]
+    assert all(len(re.findall(r"[\d.]+ ms", s["cells"])) == len(names) for s in steps.values())
+
+
+def test_ssd(tiny_target_dir, tiny_head):
+    """Autoregressive, speculative and speculative speculative decoding with the draft model, all equal to ar-2;
+    then the sweeps with the head (each SSD worker is a process of its own: one for each of the three)."""
+    out = run_benchmark("ssd.py", "--model", tiny_target_dir, "--head", tiny_head, "--prompts", 2, "--new-tokens", 8,
+                        "--k", 2, "--drafters", "draft", "--draft-layers", 2, "--sweep-drafters", "head", "--budget", 4,
+                        "--budgets", 4, "--factors", 0.5)
+    assert "drafters: head = head, draft = first 2 of 4 layers" in out
+    methods = table(out, r"^(?P<name>ar-\d|sd-\d \w+|ssd \w+) +(?P<tps>[\d.]+) +(?P<ratio>[\d.]+) +(?P<tau>[\d.]+) "
+                         r"+(?P<draft>[\d.]+) +(?P<verify>[\d.]+) +(?P<same>\d+)/2$")
+    assert list(methods) == ["ar-2", "ar-1", "sd-2 draft", "sd-1 draft", "ssd draft"]
+    assert positive(methods["ar-2"]["ratio"]) == 1.0
+    for name, m in methods.items():
+        assert m["same"] == "2" and positive(m["tps"]) and positive(m["ratio"]) and number(m["tau"]) >= 1, name
+        assert positive(m["verify"]) and (number(m["draft"]) == 0 if name.startswith("ar-") else positive(m["draft"]))
+    cache = r"hit rate (?P<rate>[\d.]+) \((?P<by_j>[^)]*)\), (?P<guesses>\d+) guesses, (?P<cut>\d+) rounds cut short"
+    hits = re.search(rf"^ssd draft: {cache}$", out, re.M)
+    assert hits
+    by_j = [tuple(map(int, x)) for x in re.findall(r"j=\d+:(\d+)/(\d+)", hits["by_j"])]
+    assert by_j and all(h <= n for h, n in by_j)
+    assert number(hits["rate"]) == pytest.approx(sum(h for h, _ in by_j) / sum(n for _, n in by_j), abs=0.005)
+    # the sweeps spend every round's budget before the next draft: no round is cut short
+    swept = re.search(rf"^  budget +4: {cache}; tau (?P<tau>[\d.]+)$", out, re.M)
+    assert swept and int(swept["cut"]) == 0 and int(swept["guesses"]) > 0 and number(swept["tau"]) >= 1
+    factor = re.search(rf"^  C 0.5 *: {cache}; acceptance at position 1 (?P<accepted>[\d.]+), tau (?P<tau>[\d.]+)$",
+                       out, re.M)
+    assert factor and int(factor["cut"]) == 0 and number(factor["accepted"]) <= 1 and number(factor["tau"]) >= 1
+
+
+@pytest.fixture(scope="module")
+def ablation(head_recipe, tmp_path_factory) -> tuple[Path, str]:
+    """One arm of the ablations, trained two steps and evaluated, scored by head_agreement.py on that eval's
+    answers: its output directory and what it printed."""
+    out = tmp_path_factory.mktemp("ablations")
+    printed = run_benchmark("ablations.py", "--recipe", head_recipe, "--out", out, "--arms", "eagle3", "--k", "[2]",
+                            "--prompts", 1, "--turns", 1, "--tokens", 8, "--no-curve", "--agreement-eval",
+                            out / "eagle3" / "eval", "--set", "train.max_steps=2")
+    return out, printed
+
+
+def test_ablations(ablation):
+    out, printed = ablation
+    report = json.loads((out / "ablations.json").read_text())
+    (arm,) = report["arms"]
+    assert arm["arm"] == "eagle3" and arm["steps"] == 2 and arm["tokens"] > 0 and report["curve"] == []
+    assert len(arm["val_acc"]) == 2 and all(0 <= a <= 1 for a in arm["val_acc"])
+    (chain,) = arm["chains"]
+    assert chain["label"] == "chain K=2" and chain["tau"] >= 1 and positive(str(chain["speedup"]))
+    results = json.loads((out / "eagle3" / "eval" / "results.json").read_text())
+    assert results["methods"][1]["exactness"] == {"checked": 1, "identical": 1, "near_ties": [], "failures": []}
+    row = rf"\| eagle3 \| 2 \| {arm['tokens']:,} \| [\d. /]+ \| [\d. /]+ \| [\d. /]+ \| chain K=2 \| [\d.]+ \| 1.00x \|"
+    assert re.search(row, (out / "ablations.md").read_text())
+    assert re.search(row, printed)
+
+
+def test_head_agreement(ablation, head_recipe):
+    """The ablation's head scored teacher-forced on the store's validation split and on its eval's answers."""
+    from mtptrain.config import load_recipe
+
+    out, printed = ablation
+    head = out / "eagle3" / "train" / "head"
+    scores = json.loads((out / "eagle3" / "agreement.json").read_text())
+    assert list(scores) == ["held-out ShareGPT (training's validation split)", "MT-bench: the eval's baseline answers"]
+    assert all(len(acc) == 2 and all(0 <= a <= 1 for a in acc) for acc in scores.values())
+    manifest = json.loads((Path(load_recipe(head_recipe).train.features) / "manifest.json").read_text())
+    text = (out / "eval-answers" / "agreement.md").read_text()
+    assert f"Teacher-forced top-1 agreement of {head} with the target, per draft position" in text
+    for (name, acc), count in zip(scores.items(), (manifest["totals"]["validation"]["samples"], 1)):
+        assert f"| {name} | {count} | {' / '.join(f'{a:.3f}' for a in acc)} |" in text
+    assert re.search(r"^- chain K=2: [\d.]+ / [\d.]+$", text, re.M)
+    assert text.strip() in printed
+    assert json.loads((out / "ablations.json").read_text())["arms"][0]["agreement"] == scores
+
+
+def test_peer_speculators(head_recipe, tmp_path):
+    """speculators' trainer (its own environment, scripts/setup_interop.sh, which the benchmark runs) and ours on
+    the same store, both heads evaluated."""
+    out = tmp_path / "peer"
+    printed = run_benchmark("peer_speculators.py", "--recipe", head_recipe, "--out", out, "--prompts", 1,
+                            "--k", "[2]", "--total-seq-len", 256)
+    theirs = json.loads((out / "speculators-head" / "config.json").read_text())
+    assert theirs["imported"] and theirs["head"]["kind"] == "eagle3"
+    for name in ("mtptrain", "speculators"):
+        results = json.loads((out / f"eval-{name}" / "results.json").read_text())
+        assert results["methods"][1]["exactness"] == {"checked": 1, "identical": 1, "near_ties": [], "failures": []}
+        assert re.search(rf"^\| {name} \| chain K=2 \| [\d.]+ \| [\d.]+x \| [\d.]+ / [\d.]+ \|$", printed, re.M)
+    tokens = re.search(rf"training tokens: mtptrain ({NUM}); speculators 1 x ({NUM})", printed)
+    assert tokens and positive(tokens[1]) and positive(tokens[2])
