@@ -103,8 +103,7 @@ class Product:
     """One way to multiply: `lay_out(weight)` once, then `product(x, laid_out, bias)` per call."""
     name: str
     multiply: Callable  # (x [..., in], laid-out weight, bias or None) -> [..., out]
-    lay_out: Callable = lambda weight: weight  # plain [out, in] -> the form `multiply` reads
-    laid_out: bool = False  # the laid-out weight is a new tensor (not the plain one)
+    lay_out: Callable = lambda weight: weight  # plain [out, in] -> the form `multiply` reads (a copy, or itself)
 
     def __call__(self, x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
         return self.multiply(x, weight, bias)
@@ -113,8 +112,8 @@ class Product:
 PRODUCTS = {product.name: product for product in (
     Product("linear", _linear),
     Product("skinny", _skinny),
-    Product("packed", packed_product, _pack, laid_out=True),
-    Product("native", blocked_product, blocked, laid_out=True),
+    Product("packed", packed_product, _pack),
+    Product("native", blocked_product, blocked),
 )}
 
 PACKABLE = (torch.float32, torch.bfloat16, torch.float16)  # the dtypes oneDNN packs
