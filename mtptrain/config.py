@@ -132,6 +132,11 @@ class _Truncation(_Section):
 
 
 class RegenerateConfig(_Truncation):
+    engine: Literal["auto", "runtime", "vllm"] = Field(
+        "auto", description="What decodes: runtime (mtptrain's batched runtime, continuous batching in length "
+        "bands), vllm (vLLM from its own environment, scripts/setup_vllm.sh: continuous batching, one engine per "
+        "vllm.data_parallel_size of vllm.tensor_parallel_size GPUs each), auto = the runtime on CPU (measured "
+        "twice as fast as vLLM's CPU build, docs/benchmarks.md), vLLM on GPUs where its environment is found.")
     max_new_tokens: Int = Field(512, ge=1, description="Longest regenerated answer, in tokens.")
     max_turns: Int | None = Field(
         None, ge=1, description="Assistant turns regenerated per conversation (None = every turn that fits in "
@@ -443,6 +448,11 @@ class EvalConfig(_Truncation):
         "speculative decoding: the eagle/eagle3 head drafts in its own process, or on its own GPU, and pre-drafts "
         "for the likely verification outcomes while the target verifies), ssd-draft (the same with the draft "
         "model).")
+    engines: list[Literal["embedded", "vllm"]] = Field(
+        ["embedded"], min_length=1, description="Where the requests are generated: embedded (mtptrain's engine, "
+        "every method) and/or vllm (the serving engine, from its own environment: its baseline and the head's "
+        "chain at each K, exported as vllm.format; scripts/setup_vllm.sh builds it). Rows of both engines are "
+        "measured interleaved, in the same repeats; each engine's speedups are against its own baseline.")
     k: DistinctPositive = Field([1, 2, 3, 4, 5], description="Draft lengths K swept for chain-style methods.")
     head: str | None = Field(None, description="Trained head directory (default: <train.output_dir>/head; on the "
                              "embedded default, the head shipped in pretrained/ until one is trained).")
@@ -471,6 +481,42 @@ class EvalConfig(_Truncation):
         "oneDNN with packed weights, native = mtptrain's own product on blocked weights, stock = torch's path, "
         "auto = what this machine measured fastest for the target's shapes (mtptrain/runtime/linears.py).")
     output_dir: str = Field("runs/quickstart/eval", description="Where results.json, report.md and plots go.")
+
+    @field_validator("engines")
+    @classmethod
+    def _engines_once(cls, value: list[str]) -> list[str]:
+        return list(dict.fromkeys(value))
+
+
+class VllmConfig(_Section):
+    """vLLM, the serving engine, run from its own environment (scripts/setup_vllm.sh) by `eval.engines: [..., vllm]`
+    and `regenerate.engine: vllm` (mtptrain/serving/)."""
+    python: str = Field("auto", description="The python of vLLM's environment; auto = MTPTRAIN_VLLM_PYTHON, else "
+                        ".venv-vllm/bin/python in the working directory or beside the mtptrain package.")
+    format: Literal["eagle3", "speculators"] = Field(
+        "eagle3", description="The export vLLM loads the head from (eval): eagle3 (a draft directory beside the "
+        "target) or speculators (one directory naming its verifier).")
+    export: str | None = Field(
+        None, description="eval: an export directory (eagle3 or speculators, made by `mtptrain export` for this "
+        "target) that vLLM drafts with, instead of exporting eval's head: checks that export against the head.")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto", description="vLLM's compute dtype; auto = bfloat16 on CPU (its CPU kernels' dtype), the checkpoint's "
+        "own on GPUs.")
+    in_process: bool = Field(True, description="vLLM's engine core in the worker's own process (offline "
+                             "inference) rather than in a process of its own, as `vllm serve` runs it: the same "
+                             "tokens and acceptance, less inter-process time per step.")
+    memory_utilization: Float | None = Field(
+        None, gt=0, le=1, description="vLLM's gpu_memory_utilization: the share of a GPU's memory it takes (on "
+        "CPU, of host memory, before kv_cache_gib); None = 0.9 on GPUs, 0.2 on CPU.")
+    kv_cache_gib: Float | None = Field(
+        None, gt=0, description="KV cache size in GiB (vLLM's kv_cache_memory_bytes); None = 0.5 for eval's batch-1 "
+        "engines (several run side by side), vLLM's own choice for regenerate.")
+    tensor_parallel_size: Int = Field(1, ge=1, description="GPUs one engine spans (targets that need several).")
+    data_parallel_size: Int = Field(1, ge=1, description="regenerate: engines of tensor_parallel_size GPUs each "
+                                    "(vLLM's data-parallel mode), sharing the conversations.")
+    enforce_eager: bool | None = Field(None, description="No CUDA graphs or compilation; None = true on CPU, false "
+                                       "on GPUs.")
+    seed: Int = Field(0, description="vLLM's engine seed.")
 
 
 class ExportConfig(_Section):
@@ -568,6 +614,7 @@ class Recipe(_Section):
     train: TrainConfig = TrainConfig()
     eval: EvalConfig = EvalConfig()
     export: ExportConfig = ExportConfig()
+    vllm: VllmConfig = VllmConfig()
     slurm: SlurmConfig = SlurmConfig()
 
 

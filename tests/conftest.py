@@ -57,13 +57,15 @@ def make_tokenizer(template: str = CHATML):
     return tok
 
 
-def make_tiny_llama(vocab_size: int, seed: int = 0, layers: int = 4, initializer_range: float = 0.02):
+def make_tiny_llama(vocab_size: int, seed: int = 0, layers: int = 4, initializer_range: float = 0.02,
+                    hidden_size: int = 64, heads: int = 4):
     """initializer_range 0.02 decodes to one repeated token; 0.2 gives varied text (decoding tests need that)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads // 2,
+                         max_position_embeddings=1024,
                          tie_word_embeddings=True, bos_token_id=1, eos_token_id=3, pad_token_id=0,
                          initializer_range=initializer_range)
     return LlamaForCausalLM(config).eval()
@@ -110,6 +112,16 @@ def varied_target_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("tiny-llama-varied")
     tok = make_tokenizer()
     make_tiny_llama(len(tok), layers=2, initializer_range=0.2).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def served_target_dir(tmp_path_factory) -> Path:
+    """A tiny target vLLM's CPU build serves: heads of 64 (its CPU attention has no kernel for 16), varied answers."""
+    out = tmp_path_factory.mktemp("tiny-llama-served")
+    tok = make_tokenizer()
+    make_tiny_llama(len(tok), layers=5, initializer_range=0.2, hidden_size=128, heads=2).save_pretrained(out)
     tok.save_pretrained(out)
     return out
 

@@ -315,3 +315,50 @@ def test_peer_speculators(head_recipe, tmp_path):
         assert re.search(rf"^\| {name} \| chain K=2 \| [\d.]+ \| [\d.]+x \| [\d.]+ / [\d.]+ \|$", printed, re.M)
     tokens = re.search(rf"training tokens: mtptrain ({NUM}); speculators 1 x ({NUM})", printed)
     assert tokens and positive(tokens[1]) and positive(tokens[2])
+
+
+@pytest.fixture(scope="module")
+def served_head(served_target_dir, tmp_path_factory) -> Path:
+    """A random EAGLE-3 head of the tiny target vLLM serves (tests/conftest.py), exported as vLLM reads it."""
+    from mtptrain.config import TargetConfig
+    from mtptrain.heads import FrozenTarget
+    from mtptrain.heads.checkpoint import save_head
+    from mtptrain.heads.spec import HeadSpec
+    from mtptrain.target import load_target
+
+    # feature layers from 1, as eagle3 exports want them (SGLang's numbering is ambiguous otherwise)
+    spec = HeadSpec("eagle3", last_layer=4, feature_layers=[1, 2, 3], ttt_steps=2, draft_vocab_size=64)
+    target = load_target(TargetConfig(model=str(served_target_dir), dtype="float32"))
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("served-head") / "head"
+    save_head(out, spec.family.build(spec, FrozenTarget.of(target.model)), spec, target.identity())
+    return out
+
+
+@pytest.mark.vllm
+def test_vllm_side_by_side(served_target_dir, served_head, tmp_path):
+    """Both engines on the tiny target in float32: the tables, the serving check's line, the regeneration rates."""
+    done = subprocess.run(["bash", "scripts/setup_vllm.sh"], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"turns": [t]}) + "\n" for t in ("the word is hot and you", "say it")))
+    out = run_benchmark("vllm_side_by_side.py", "--model", served_target_dir, "--head", served_head, "--prompts", prompts,
+                        "--questions", 2, "--turns", 1, "--new-tokens", 8, "--k", 2, "--dtypes", "float32",
+                        "--regenerate-conversations", 4, "--regenerate-tokens", 8, "--rows", 2,
+                        "--regenerate-dtype", "float32", "--out", tmp_path / "out",
+                        "--set", f"data.source={write_sharegpt(tmp_path / 'c.json', 4)}", "--set", "data.max_length=200")
+    rows = table(out, rf"^(?P<name>(?:vllm )?(?:baseline|chain K=2)) +(?P<tau>{NUM}) +(?P<per_request>{NUM}|-) "
+                      rf"+(?P<tps>{NUM}) +(?P<speedup>{NUM}x)  (?P<exact>\d+/\d+|-) ")
+    assert list(rows) == ["baseline", "chain K=2", "vllm baseline", "vllm chain K=2"]
+    for row in rows.values():
+        positive(row["tps"]), positive(row["speedup"])
+    assert rows["baseline"]["speedup"] == rows["vllm baseline"]["speedup"] == "1.00x"
+    assert rows["chain K=2"]["exact"] == rows["vllm chain K=2"]["exact"] == "2/2"
+    assert re.search(r"baselines identical across engines: 2/2; acceptance gap per position", out)
+    assert re.search(rf"batch-1 decoding in float32: runtime {NUM} tok/s, vLLM {NUM} tok/s", out)
+    engines = table(out, rf"^(?P<name>vllm|runtime) +(?P<tps>{NUM}) +(?P<ratio>{NUM}x)$")
+    assert positive(engines["vllm"]["ratio"]) == 1.0 and positive(engines["runtime"]["tps"])
+    same = re.search(r"regenerated answers identical across engines: (\d+)/(\d+)", out)
+    assert same and int(same[2]) >= 3
+    record = json.loads((tmp_path / "out" / "side_by_side.json").read_text())
+    assert record["evals"][0]["dtype"] == "float32" and record["regenerate"]["compared"] == int(same[2])

@@ -38,6 +38,7 @@ import logging
 import os
 import time
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -57,7 +58,10 @@ from mtptrain.io import atomic_write_json, fsync_dir
 from mtptrain.runtime.batch import Request, decode_stream
 from mtptrain.runtime.linears import fast_linears, product_for
 from mtptrain.runtime.runner import runtime_for
-from mtptrain.target import identity_mismatch, load_target, tokenizer_fingerprint
+from mtptrain.serving.vllm_engine import (VllmError, VllmWorker, data_parallel_devices, engine_args, on_gpu,
+                                          stream_requests, vllm_python)
+from mtptrain.target import (identity_mismatch, load_identified_parts, load_target, resolve_local_dir,
+                             tokenizer_fingerprint)
 
 log = logging.getLogger(__name__)
 HOW = ("version", "batch_size")  # settings that change how the work is cut, not what is asked of the target
@@ -90,10 +94,33 @@ DATA_KEYS = ("source", "format", "dataset_split", "dataset_config", "messages_co
              "max_length")
 
 
-def settings_of(recipe: Recipe) -> dict:
-    """What the output depends on. cpu_matmul is left out: it changes float rounding, not the method."""
-    return {"version": STATE_VERSION, **{k: getattr(recipe.data, k) for k in DATA_KEYS},
-            **{k: v for k, v in recipe.regenerate.model_dump(mode="json").items() if k != "cpu_matmul"}}
+def settings_of(recipe: Recipe, engine: str = "runtime") -> dict:
+    """What the output depends on, `engine` the one that decodes (regenerate.engine resolved): the engines'
+    kernels break near-ties apart and draw from other streams. cpu_matmul is left out: it changes float rounding,
+    not the method."""
+    settings = {"version": STATE_VERSION, **{k: getattr(recipe.data, k) for k in DATA_KEYS},
+                **{k: v for k, v in recipe.regenerate.model_dump(mode="json").items()
+                   if k not in ("cpu_matmul", "engine")}, "engine": engine}
+    if engine == "vllm":
+        settings["vllm_dtype"] = recipe.vllm.dtype
+    return settings
+
+
+def pick_engine(recipe: Recipe) -> str:
+    """regenerate.engine, with auto resolved: the runtime on CPU, where it decodes about twice as fast as vLLM's
+    CPU build (docs/benchmarks.md); vLLM on GPUs where its environment is found (the runtime otherwise)."""
+    choice = recipe.regenerate.engine
+    if choice != "auto":
+        return choice
+    if not on_gpu():
+        return "runtime"
+    try:
+        vllm_python(recipe.vllm.python)
+    except VllmError as missing:
+        log.info("regenerate.engine auto: vLLM's environment is missing (%s); decoding on the runtime",
+                 str(missing).split(":")[0])
+        return "runtime"
+    return "vllm"
 
 
 def read_jobs(recipe: Recipe, tokenizer, stats: RowStats) -> list[tuple[Job, int]]:
@@ -164,8 +191,8 @@ def sampler(sampling: Sampling, seed: int):
 def regenerate_jobs(source, tokenizer, group: list[Job], recipe: Recipe, stops: set[int],
                     finished: Callable[[Job], None] = lambda job: None) -> int:
     """Answer every turn of a group of conversations, `regenerate.batch_size` rows at a time, on `source` (the
-    target's batched decoder, or its model: runtime/batch.py's `decode_stream`): a conversation's next turn is
-    asked as soon as its answer ends. `finished(job)` is called as each conversation ends.
+    target's batched decoder, or its model: runtime/batch.py's `decode_stream`; or a list of vLLM workers, each
+    keeping that many rows): a conversation's next turn is asked as soon as its answer ends. `finished(job)` is called as each conversation ends.
     Returns the number of new tokens."""
     r, max_length = recipe.regenerate, recipe.data.max_length
     sampling = Sampling(r.temperature, r.top_k, r.top_p)
@@ -180,8 +207,8 @@ def regenerate_jobs(source, tokenizer, group: list[Job], recipe: Recipe, stops: 
             prompt = prompt_ids(tokenizer, asked, limit=max_length)  # a huge question: only enough to see it is over
             room = max_length - len(prompt) - 1  # the end-of-turn token after the answer
             if room >= r.min_answer_tokens:
-                pick = sampler(sampling, turn_seed(r.seed, job.id, turn))
-                request = Request(prompt, min(r.max_new_tokens, room), pick)
+                seed = turn_seed(r.seed, job.id, turn)
+                request = Request(prompt, min(r.max_new_tokens, room), sampler(sampling, seed), seed)
                 asking[id(request)] = (job, turn)
                 return request
             job.stopped = "context full"
@@ -205,7 +232,10 @@ def regenerate_jobs(source, tokenizer, group: list[Job], recipe: Recipe, stops: 
         return ask(job, turn + 1)
 
     firsts = (request for request in (ask(job, 0) for job in group) if request is not None)
-    decode_stream(source, firsts, answered, r.batch_size, stops, pad_id, recipe.target.runtime)
+    if isinstance(source, list):  # vLLM's workers (mtptrain/serving/vllm_engine.py)
+        stream_requests(source, firsts, answered, r.batch_size, stops, r.temperature, r.top_k, r.top_p)
+    else:
+        decode_stream(source, firsts, answered, r.batch_size, stops, pad_id, recipe.target.runtime)
     return total
 
 
@@ -217,10 +247,15 @@ def run_regenerate(recipe: Recipe, show_progress: bool = True) -> dict:
         raise RegenerateError("regenerate runs as one process (all ranks would append to the same file): start "
                               "it without torchrun / srun -n N")
     output = Path(recipe.data.regenerated)
-    target = load_target(recipe.target)
+    engine = pick_engine(recipe)
+    if engine == "vllm":  # vLLM holds the weights: here only the parts that identify the target
+        target, identity = load_identified_parts(recipe.target)
+    else:
+        target = load_target(recipe.target)
+        identity = target.identity()
     tokenizer, model = target.tokenizer, target.model
-    settings = settings_of(recipe)
-    state = _resume_state(output, settings, target.identity())
+    settings = settings_of(recipe, engine)
+    state = _resume_state(output, settings, identity)
     if state["complete"] and state["settings"] != settings:
         log.info("regenerate: %s is complete (written with %s); nothing to do", output,
                  ", ".join(f"{k}={state['settings'].get(k)!r}" for k in HOW))
@@ -240,7 +275,7 @@ def run_regenerate(recipe: Recipe, show_progress: bool = True) -> dict:
                               "data.regenerated path")
     _truncate(output, state["bytes"])
     state["plan"], state["complete"] = digests, done == len(groups)
-    stops = stop_tokens(tokenizer, model)
+    stops = stop_tokens(tokenizer, model) | generation_stops(recipe.target)
     counts = state["counts"]
     conversations_done = sum(len(g) for g in groups[:done])
     progress = tqdm(total=len(jobs), initial=conversations_done, desc="regenerating", unit=" conv",
@@ -251,9 +286,7 @@ def run_regenerate(recipe: Recipe, show_progress: bool = True) -> dict:
         progress.update(1)
     # The transformers fallback only (the native runtime has its own products): up to 8 rows the swap is faster on
     # CPU; wider decoding batches are compute-bound and keep torch's GEMM.
-    product = product_for(recipe.regenerate.cpu_matmul, model)
-    source = runtime_for(model, recipe.target.runtime, batched=True)
-    with fast_linears(model, product=product, max_rows=8, enabled=source is model):
+    with _decoding(recipe, engine, model, output) as source:
         for g in range(done, len(groups)):
             group = groups[g]
             tokens_now += regenerate_jobs(source, tokenizer, group, recipe, stops, finished)
@@ -284,6 +317,47 @@ def run_regenerate(recipe: Recipe, show_progress: bool = True) -> dict:
     return summary
 
 
+@contextmanager
+def _decoding(recipe: Recipe, engine: str, model, output: Path):
+    """What decodes, for the whole run: the runtime's batched decoder (or the model, under the transformers
+    fallback), or vLLM's workers, one per data-parallel engine, each logging beside the output."""
+    if engine == "vllm":
+        cfg = recipe.vllm
+        source_dir = resolve_local_dir(recipe.target)[0]
+        workers = []
+        try:
+            for i, devices in enumerate(data_parallel_devices(cfg)):
+                workers.append(VllmWorker(cfg, output.with_name(f"{output.name}.vllm-{i}.log"), devices))
+            for worker in workers:  # they load at once
+                worker.open_begin(engine_args(cfg, source_dir, recipe.data.max_length,
+                                              max_num_seqs=recipe.regenerate.batch_size, prefix_caching=True))
+            for worker in workers:
+                worker.open_end()
+            yield workers
+        finally:
+            for worker in workers:
+                worker.close()
+        return
+    # The transformers fallback only (the native runtime has its own products): up to 8 rows the swap is faster on
+    # CPU; wider decoding batches are compute-bound and keep torch's GEMM.
+    product = product_for(recipe.regenerate.cpu_matmul, model)
+    source = runtime_for(model, recipe.target.runtime, batched=True)
+    with fast_linears(model, product=product, max_rows=8, enabled=source is model):
+        yield source
+
+
+def generation_stops(cfg) -> set[int]:
+    """The end-of-turn ids of the target's generation_config.json, for a target whose model was not loaded whole
+    (its config is then transformers' default)."""
+    from transformers import GenerationConfig  # lazy: transformers takes ~1 s to import, which a resume need not pay
+
+    try:
+        configured = GenerationConfig.from_pretrained(resolve_local_dir(cfg)[0]).eos_token_id
+    except OSError:  # no generation_config.json: the tokenizer's EOS stands
+        return set()
+    return set(configured if isinstance(configured, list) else [configured] if configured is not None else [])
+
+
 def _reason(job: Job) -> str:
     return "prompt over-long" if job.stopped == "context full" else (job.stopped or "no answer")
 
@@ -302,7 +376,7 @@ def _resume_state(output: Path, settings: dict, identity: dict) -> dict:
         state = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise RegenerateError(f"{path} is not valid JSON ({exc}); delete it and {output} to start over") from None
-    before = state.get("settings", {})
+    before = {"engine": "runtime", **state.get("settings", {})}  # written before regenerate.engine: the runtime
     changed = [k for k in sorted(set(settings) | set(before)) if settings.get(k) != before.get(k)]
     kept = state.get("complete") and set(changed) <= set(HOW)  # finished: however its work was cut, it stands
     if changed and not kept:

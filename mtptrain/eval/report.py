@@ -87,8 +87,8 @@ def tau_vs_k_figure(results: dict):
     trees = [m for m in methods if m["method"] == "tree"]
     fig, axes = plt.subplots(1, 3 if trees else 2, figsize=(15 if trees else 10, 4))
     left, right = axes[0], axes[1]
-    for method in dict.fromkeys(m["method"] for m in methods if m["method"] not in ("baseline", "tree")):
-        rows = [m for m in methods if m["method"] == method]
+    for method in dict.fromkeys(_key(m) for m in methods if m["method"] not in ("baseline", "tree")):
+        rows = [m for m in methods if _key(m) == method]
         left.plot([m["k"] for m in rows], [m["tau"] for m in rows], marker="o", label=method)
         right.plot([m["k"] for m in rows], [m["speedup"] for m in rows], marker="o", label=method)
     left.set(xlabel="draft length K", ylabel="tau (tokens per target forward)", title="tau vs K")
@@ -107,6 +107,16 @@ def tau_vs_k_figure(results: dict):
             _legend_outside(ax)
     right.axhline(1.0, color="grey", lw=0.8)
     return fig
+
+
+def _key(m: dict) -> str:
+    """A row's method with its engine where that is not the embedded one (as eval/run.py's method_key)."""
+    engine = m.get("engine", "embedded")
+    return m["method"] if engine == "embedded" else f"{engine} {m['method']}"
+
+
+def _ms(value) -> str:
+    return "-" if value is None else f"{value:.1f}"
 
 
 def _legend_outside(ax) -> None:
@@ -160,8 +170,8 @@ def timing_lines(results: dict) -> list[str]:
 def methods_table(results: dict) -> list[str]:
     """The per-configuration table of an eval run, as markdown lines."""
     lines = ["| method | tau | tokens/s | speedup | speedup spread | draft ms/step | verify ms/step | "
-             f"verified tokens/step | exact | acceptance per position ({ACCEPTANCE_KIND}) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             f"verified tokens/step | exact | acceptance per position ({ACCEPTANCE_KIND}) | tau, acceptance "
+             "per request |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for m in results["methods"]:
         ex = m["exactness"]
         exact = (f"**{len(ex['failures'])} failures**" if ex["failures"] else
@@ -169,10 +179,16 @@ def methods_table(results: dict) -> list[str]:
         if ex["near_ties"]:
             exact += f", {len(ex['near_ties'])} near-ties"
         lines.append(f"| {m['label']} | {m['tau']:.2f} | {m['tokens_per_second']:.1f} | {m['speedup']:.2f}x | "
-                     f"{spread_cell(m, markdown=True)} | {m['draft_ms_per_step']:.1f} | {m['verify_ms_per_step']:.1f} | "
-                     f"{m['verified_tokens_per_step']:.1f} | {exact} | "
-                     f"{' '.join(f'{a:.2f}' for a in m['acceptance'])} |")
+                     f"{spread_cell(m, markdown=True)} | {_ms(m['draft_ms_per_step'])} | "
+                     f"{_ms(m['verify_ms_per_step'])} | {m['verified_tokens_per_step']:.1f} | {exact} | "
+                     f"{' '.join(f'{a:.2f}' for a in m['acceptance'])} | {_per_request(m)} |")
     return lines
+
+
+def _per_request(m: dict) -> str:
+    if "tau_per_request" not in m:
+        return "-"
+    return f"{m['tau_per_request']:.2f}: " + " ".join(f"{a:.2f}" for a in m["acceptance_per_request"])
 
 
 def ssd_hits_by_j(ssd: dict) -> str:
@@ -203,11 +219,39 @@ def markdown(results: dict) -> str:
         m = by_label[label]
         spread = f", spread {spread_cell(m, markdown=True)}" if m.get("speedup_spread") is not None else ""
         lines.append(f"- {method}: **{label}**, tau {m['tau']:.2f}, {m['speedup']:.2f}x{spread}")
-    lines += _ssd_section(results) + _divergence_section(results) + _category_section(results)
+    lines += (_serving_section(results) + _ssd_section(results) + _divergence_section(results)
+              + _category_section(results))
     for note in results["notes"]:
         lines += ["", f"Note: {note}"]
     lines += ["", "![acceptance](acceptance.png)", "", "![speedup](speedup.png)", "", "![tau vs K](tau_vs_k.png)", ""]
     return "\n".join(lines)
+
+
+def serving_line(results: dict) -> str | None:
+    """Which vLLM measured the vllm rows, and how often its baseline wrote the embedded baseline's answers."""
+    serving = results.get("serving")
+    if not serving:
+        return None
+    line = (f"vllm rows: vLLM {serving['vllm']} (torch {serving['torch']}) on {serving['device']} in "
+            f"{serving['dtype']}, {serving['threads']} threads, engine core "
+            f"{'in the worker process' if serving.get('in_process') else 'in its own process'}"
+            + (f", head read from {serving['format']}" if serving.get("format") else ""))
+    if "baselines_compared" in serving:
+        line += (f"; its baseline wrote {serving['baselines_identical']}/{serving['baselines_compared']} answers "
+                 "identical to the embedded baseline's")
+    return line
+
+
+def _serving_section(results: dict) -> list[str]:
+    line = serving_line(results)
+    if line is None:
+        return []
+    return ["", "## The serving engine", "", line + ".", "",
+            "Its rows come from vLLM's own counters (vllm:spec_decode_num_drafts, "
+            "vllm:spec_decode_num_accepted_tokens_per_pos) read around each request, which runs alone (batch 1); "
+            "each request is timed inside vLLM's process. tau and the acceptance columns are pooled over all "
+            "steps of all requests (what vLLM's and SGLang's metrics report); the last column averages them per "
+            "request (what SpecForge reports). Its speedups are against its own baseline."]
 
 
 def _ssd_section(results: dict) -> list[str]:
@@ -278,6 +322,12 @@ def format_results(results: dict) -> str:
     if any(m["exactness"]["near_ties"] for m in results["methods"]):
         lines.append("* some outputs diverge from the baseline at float near-ties (see report.md)")
     lines += timing_lines(results) + [f"CPU: {cpu_text(results['machine'])}"]
+    if serving_line(results):
+        lines.append(serving_line(results))
+    per_request = [m for m in results["methods"] if "tau_per_request" in m]
+    if per_request:
+        lines.append("tau averaged per request: " + ", ".join(f"{m['label']} {m['tau_per_request']:.2f}"
+                                                               for m in per_request))
     lines += [f"! {warning}" for warning in results.get("warnings", [])]
     for m in results["methods"]:
         if "ssd" in m:

@@ -29,6 +29,7 @@ from mtptrain.eval.exactness import Exactness, NearTie
 from mtptrain.eval.methods import Config, EvalError, build_configs
 from mtptrain.eval.prompts import check_lengths, load_prompts, request_ids, token_limit
 from mtptrain.eval.report import write_report
+from mtptrain.eval.serving import agreement, vllm_configs
 from mtptrain.config import Recipe
 from mtptrain.engine.generate import GenerationStats, generate
 from mtptrain.engine.verify import Sampling
@@ -52,6 +53,8 @@ class Tally:
     stats: GenerationStats = field(default_factory=GenerationStats)
     categories: dict = field(default_factory=dict)  # category -> [emitted, steps]
     ssd: dict | None = None  # ssd: the speculation cache's hits and misses over the first repeat
+    reference: int = 0  # the index of its engine's baseline: its outputs and speedups are checked against that
+    requests: list[GenerationStats] = field(default_factory=list)  # the first repeat's, per request
     exactness: Exactness = field(init=False)
 
     def __post_init__(self):
@@ -67,6 +70,7 @@ class Tally:
         self.tokens += len(tokens)
         self.outputs.append(tokens)
         self.stats.merge(stats)
+        self.requests.append(stats)
         emitted, steps = self.categories.get(category, (0, 0))
         self.categories[category] = (emitted + stats.emitted, steps + stats.steps)
 
@@ -74,19 +78,35 @@ class Tally:
         return [t / s if s else 0.0 for t, s in zip(self.repeat_tokens, self.repeat_seconds)]
 
     def summary(self, baseline_tps: list[float]) -> dict:
+        """tau and acceptance pooled over all steps of all requests (as vLLM and SGLang report them), and the
+        same averaged per request (as SpecForge reports them); timings against `baseline_tps`, its engine's."""
         s, c = self.stats, self.config
+        timed = c.serve is None  # a serving engine's split of a step into drafting and verifying is not read
         return {
-            "label": c.label, "method": c.method, "k": c.k, "budget": c.budget, "tokens": self.tokens,
-            **timing_summary(self.repeat_tokens, self.repeat_seconds, baseline_tps),
+            "label": c.label, "method": c.method, "engine": c.engine, "k": c.k, "budget": c.budget,
+            "tokens": self.tokens, **timing_summary(self.repeat_tokens, self.repeat_seconds, baseline_tps),
             "tau": round(s.tau, 4), "steps": s.steps,
             "acceptance": [round(a, 4) for a in s.acceptance()],
-            "draft_ms_per_step": round(1000 * s.draft_seconds / s.steps, 3) if s.steps else 0.0,
-            "verify_ms_per_step": round(1000 * s.verify_seconds / s.steps, 3) if s.steps else 0.0,
+            **per_request_means(self.requests),
+            "draft_ms_per_step": round(1000 * s.draft_seconds / s.steps, 3) if s.steps and timed else None,
+            "verify_ms_per_step": round(1000 * s.verify_seconds / s.steps, 3) if s.steps and timed else None,
             "verified_tokens_per_step": round(s.verified / s.steps, 3) if s.steps else 0.0,
             "tau_by_category": {k: round(e / n, 4) for k, (e, n) in sorted(self.categories.items()) if n},
             **({"ssd": self.ssd} if self.ssd is not None else {}),
             "exactness": self.exactness.record(),
         }
+
+
+def per_request_means(requests: list[GenerationStats]) -> dict:
+    """tau and acceptance per position averaged over the requests that drafted (a position a request never
+    reached counts as 0 for it); empty for the baselines."""
+    per_request = [(r.tau, r.acceptance()) for r in requests if r.steps and r.proposed]
+    if not per_request:
+        return {}
+    positions = max(len(a) for _, a in per_request)
+    return {"tau_per_request": round(statistics.fmean(t for t, _ in per_request), 4),
+            "acceptance_per_request": [round(statistics.fmean(a[i] if i < len(a) else 0.0 for _, a in per_request), 4)
+                                       for i in range(positions)]}
 
 
 def timing_summary(tokens: list[int], seconds: list[float], baseline_tps: list[float]) -> dict:
@@ -112,15 +132,23 @@ def run_eval(recipe: Recipe, wandb: str | None = None, show_progress: bool = Tru
     check_lengths(prompts, target.tokenizer, limit, ev.max_turns)
     sampling = Sampling(ev.temperature, ev.top_k, ev.top_p)
     configs, head_info, notes, modules = build_configs(recipe, target, sampling)
-    for note in notes:
-        log.warning(note)
+    if "embedded" not in ev.engines:
+        configs = []
     capture = head_info.spec.layers if head_info is not None else []
     runtime = recipe.target.runtime
     source = runtime_for(target.model, runtime)  # the target's decoder, read once for both runners
     plain, reading = open_runner(source, (), runtime), open_runner(source, capture, runtime)
     stops = stop_tokens(target.tokenizer, target.model)
+    # vLLM's engines start once this process has measured its kernels (a measurement wants a quiet machine)
+    serving = vllm_configs(recipe, target, head_info, sampling, limit, stops, out_dir) if "vllm" in ev.engines else None
+    if serving is not None:
+        configs += serving.configs
+        notes += serving.notes
+    for note in notes:
+        log.warning(note)
     requests = [(p, t) for p in prompts for t in range(min(len(p.turns), ev.max_turns or len(p.turns)))]
-    tallies = [Tally(c) for c in configs]
+    baselines = {c.engine: i for i, c in reversed(list(enumerate(configs))) if c.method == "baseline"}
+    tallies = [Tally(c, reference=baselines[c.engine]) for c in configs]
 
     product = product_for(ev.cpu_matmul, target.model)
     # The native runtime multiplies with its own measured product; the swap serves the drafting modules (and the
@@ -144,6 +172,8 @@ def run_eval(recipe: Recipe, wandb: str | None = None, show_progress: bool = Tru
     finally:
         for proposer in kept.values():
             proposer.close()
+        if serving is not None:
+            serving.close()
     plain.close(), reading.close()
 
     results = {
@@ -158,9 +188,11 @@ def run_eval(recipe: Recipe, wandb: str | None = None, show_progress: bool = Tru
                      "max_spread": ev.max_spread, "max_other_load": ev.max_other_load},
         "machine": _machine(target, plain, product, *measured),
         "notes": notes,
-        "methods": [t.summary(tallies[0].tokens_per_second()) for t in tallies],
+        "methods": [t.summary(tallies[t.reference].tokens_per_second()) for t in tallies],
         "conversations": answers,  # the baseline's answers: the context of every later turn
     }
+    if serving is not None:
+        results["serving"] = {**serving.record(), **engines_agreement(tallies), "agreement": agreement(tallies)}
     results["warnings"] = flag_unreliable(results, ev.max_spread, ev.max_other_load)
     for warning in results["warnings"]:
         log.warning("unreliable timing: %s", warning)
@@ -190,11 +222,28 @@ class _Engine:
 
     def run(self, config: Config, proposer, ids: list[int], seed: int):
         """One timed generation: (result, seconds)."""
+        if config.serve is not None:  # the serving engine: timed in its own process, the generation only
+            return config.serve(ids, self.ev.max_new_tokens, seed)
         with _threads(config.threads):
             started = time.perf_counter()
             result = generate(self.reading if config.uses_head else self.plain, ids, self.ev.max_new_tokens,
                               proposer, k=config.k or 1, sampling=self.sampling, eos=self.stops, seed=seed)
             return result, time.perf_counter() - started
+
+
+def engines_agreement(tallies: list[Tally]) -> dict:
+    """How often the serving engine's baseline wrote the embedded baseline's answer, token for token (greedy: the
+    same up to float near-ties, which bfloat16 and the engines' kernels break differently), and how far the
+    answers that differ agree."""
+    bases = [t for t in tallies if t.config.method == "baseline"]
+    if len(bases) < 2:
+        return {}
+    ours, theirs = bases[0].outputs, bases[1].outputs
+    same = [a == b for a, b in zip(ours, theirs)]
+    first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+             for a, b, s in zip(ours, theirs, same) if not s]
+    return {"baselines_identical": sum(same), "baselines_compared": len(same),
+            "first_difference_at": first}
 
 
 def run_order(count: int, repeat: int) -> list[int]:
@@ -247,8 +296,9 @@ def _request(tallies, i, proposer, engine: _Engine, ids, index, repeat, prompt, 
     where = f"{prompt.id}/{turn + 1}"
     if repeat == 0:
         tally.add(result.tokens, result.stats, prompt.category or "all")
-        if i and engine.sampling.greedy:
-            tally.exactness.against_baseline(engine.near_tie, ids, tallies[0].outputs[index], result.tokens, where)
+        if i != tally.reference and engine.sampling.greedy:
+            tally.exactness.against_baseline(engine.near_tie, ids, tallies[tally.reference].outputs[index],
+                                             result.tokens, where)
     elif engine.sampling.greedy:
         tally.exactness.against_first_repeat(engine.near_tie, ids, tally.outputs[index], result.tokens, where,
                                              repeat + 1)
@@ -258,6 +308,9 @@ def _warm_up(configs, kept, plain, reading, ids, ev, sampling, stops) -> None:
     """One short untimed generation per configuration (first-call allocations), with throwaway proposers
     (an ssd configuration's worker is the one measured: its process is started once)."""
     for i, c in enumerate(configs):
+        if c.serve is not None:
+            c.serve(ids, min(8, ev.max_new_tokens), 0)
+            continue
         with _threads(c.threads):
             generate(reading if c.uses_head else plain, ids, min(8, ev.max_new_tokens),
                      kept.get(i) or (c.make() if c.make else None), k=c.k or 1, sampling=sampling, eos=stops, seed=0)
@@ -323,9 +376,16 @@ def best_configs(methods: list[dict]) -> dict:
     for m in methods:
         if m["method"] == "baseline" or m["exactness"]["failures"]:
             continue
-        if m["method"] not in best or (m["speedup"] or 0) > (best[m["method"]]["speedup"] or 0):
-            best[m["method"]] = m
+        key = method_key(m)
+        if key not in best or (m["speedup"] or 0) > (best[key]["speedup"] or 0):
+            best[key] = m
     return {method: m["label"] for method, m in best.items()}
+
+
+def method_key(m: dict) -> str:
+    """A row's method, named with its engine where that is not the embedded one ("vllm chain")."""
+    engine = m.get("engine", "embedded")
+    return m["method"] if engine == "embedded" else f"{engine} {m['method']}"
 
 
 def _log_wandb(recipe: Recipe, results: dict, out_dir: Path, requested: str | None) -> None:

@@ -56,6 +56,7 @@ class Request:
     prompt: list[int]
     budget: int
     pick: Callable[[torch.Tensor], int] | None = None
+    seed: int | None = None  # the seed of `pick`'s stream, for an engine that draws itself (vLLM)
     tokens: list[int] = field(default_factory=list)
     stopped: bool = False
 

@@ -15,7 +15,8 @@ REFERENCE = "recipes/reference.yaml"
 # The recipe as the shipped head's config records it, but for the keys that only say where files are, or how the
 # regeneration's work was cut into batches (a finished regeneration stands whatever its batch size).
 TRAINING_SECTIONS = ("target", "data", "regenerate", "precompute", "head", "train")
-PATHS = {"data": {"regenerated"}, "regenerate": set(HOW), "precompute": {"output_dir"},
+# regenerate.engine came later: the shipped head's data was decoded by the runtime, which auto picks on a CPU.
+PATHS = {"data": {"regenerated"}, "regenerate": set(HOW) | {"engine"}, "precompute": {"output_dir"},
          "train": {"features", "output_dir"}}
 
 

@@ -1,0 +1,193 @@
+"""eval.engines: vllm: the same requests, in the same interleaved repeats, through vLLM (the serving engine).
+
+vLLM runs in its own environment (mtptrain/serving/), one worker process per configuration: its baseline (no
+drafts) and the head's chain at each K of eval.k, loaded from an export of the head (vllm.format). Each request
+is generated alone (batch 1), timed inside the worker, and read back with vLLM's own spec-decode counters
+(vllm:spec_decode_num_drafts, ..._num_accepted_tokens_per_pos), which become the row's GenerationStats:
+
+  steps     target forwards after the prefill: the tokens after the prefill's first, less the drafts accepted
+            (each step emits its accepted drafts and one token of the target's); equal to vLLM's num_drafts
+            whenever every step drafts, as a head's chain does
+  emitted   the tokens after the prefill's first
+  accepted  per position, vLLM's num_accepted_tokens_per_pos (position i counts only after 1..i-1: cumulative)
+
+so tau = emitted / steps is vLLM's "acceptance length" (1 + accepted / drafts), pooled over all steps as vLLM
+and SGLang report it, but for the tokens a last step drafted past the answer's end, which neither engine emits.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mtptrain.config import ExportConfig, Recipe
+from mtptrain.engine.generate import Generation, GenerationStats
+from mtptrain.engine.verify import Sampling
+from mtptrain.eval.methods import Config, EvalError, HeadInfo
+from mtptrain.export.run import export_head
+from mtptrain.export.sidecar import read_sidecar
+from mtptrain.serving.vllm_engine import (Served, VllmWorker, batch1_cache_gib, eagle3_speculation, engine_args,
+                                          on_gpu)
+from mtptrain.target.source import resolve_local_dir
+
+PREFIX = "vllm "  # the labels of vLLM's rows
+# The serving check (docs/export.md): with both engines in float32, where they write the same answers, the head
+# drafts the same tokens in both, so vLLM's acceptance per position matches the embedded engine's within
+# AGREEMENT_BOUND and most requests' counts match exactly. Measured spread on a conforming export:
+# benchmarks/vllm_side_by_side.py (docs/benchmarks.md); each deliberately broken export in
+# tests/serving/test_vllm.py breaks one of the two.
+AGREEMENT_BOUND = 0.02
+AGREEMENT_SHARE = 0.75
+SETTLE_SECONDS = 0.25  # after a vLLM request, its OpenMP threads spin ~200 ms (KMP_BLOCKTIME): not on the next one
+
+
+def agreement(tallies) -> list[dict]:
+    """Per vLLM chain row, against the embedded row of the same K: the largest difference of pooled acceptance
+    at any position, and of the requests both engines answered with the same tokens, the share whose steps and
+    accepted counts per position are identical."""
+    embedded = {(t.config.method, t.config.k): t for t in tallies if t.config.engine == "embedded"}
+    found = []
+    for t in tallies:
+        ours = embedded.get((t.config.method, t.config.k))
+        if t.config.engine != "vllm" or t.config.method == "baseline" or ours is None:
+            continue
+        mine, theirs = ours.stats.acceptance(), t.stats.acceptance()
+        width = max(len(mine), len(theirs))
+        gaps = [abs((mine[i] if i < len(mine) else 0.0) - (theirs[i] if i < len(theirs) else 0.0))
+                for i in range(width)]
+        same = [i for i, (a, b) in enumerate(zip(ours.outputs, t.outputs)) if a == b]
+        identical = sum(ours.requests[i].steps == t.requests[i].steps
+                        and ours.requests[i].accepted == t.requests[i].accepted for i in same)
+        found.append({"label": t.config.label, "against": ours.config.label,
+                      "acceptance_gap": [round(g, 4) for g in gaps], "max_gap": round(max(gaps, default=0.0), 4),
+                      "same_answers": len(same), "identical_counts": identical,
+                      "identical_share": round(identical / len(same), 4) if same else None})
+    return found
+
+
+def conforms(entry: dict, bound: float = AGREEMENT_BOUND, share: float = AGREEMENT_SHARE) -> list[str]:
+    """Why an agreement entry fails the serving check (empty when it passes)."""
+    failures = []
+    if entry["max_gap"] > bound:
+        failures.append(f"{entry['label']}: acceptance per position differs from {entry['against']}'s by up to "
+                        f"{entry['max_gap']:.3f} (bound {bound})")
+    if entry["identical_share"] is None:
+        failures.append(f"{entry['label']}: no request answered with the same tokens by both engines")
+    elif entry["identical_share"] < share:
+        failures.append(f"{entry['label']}: of {entry['same_answers']} requests answered alike, "
+                        f"{entry['identical_counts']} drafted with identical acceptance (share "
+                        f"{entry['identical_share']:.2f} < {share})")
+    return failures
+
+
+def served_stats(served: Served, k: int) -> GenerationStats:
+    """A vLLM generation's counters as the engine's GenerationStats (see the module's docstring)."""
+    stats = GenerationStats()
+    after_first = max(0, len(served.tokens) - 1)
+    stats.steps = max(served.drafts, after_first - served.accepted)
+    stats.emitted = after_first  # as the embedded engine counts: what was emitted, cut where the answer ended
+    stats.verified = served.draft_tokens
+    stats.proposed = [served.drafts] * k if served.drafts else []
+    stats.accepted = list(served.accepted_per_pos[:k]) if served.drafts else []
+    return stats
+
+
+@dataclass
+class ServingRun:
+    """The vLLM side of one eval run: its workers, what they said about themselves, and their configurations."""
+
+    workers: list[VllmWorker] = field(default_factory=list)
+    facts: dict = field(default_factory=dict)
+    configs: list[Config] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def close(self) -> None:
+        for worker in self.workers:
+            worker.close()
+
+    def record(self) -> dict:
+        """results.json's "serving"."""
+        return {"engine": "vllm", **self.facts}
+
+
+def vllm_configs(recipe: Recipe, target, head_info: HeadInfo | None, sampling: Sampling, limit: int,
+                 stops: set[int], out_dir: Path) -> ServingRun:
+    """Starts one vLLM worker per configuration (baseline, then chain K=k for each K of eval.k when eval.methods
+    has chain) and returns them as eval configurations whose `serve` runs one request."""
+    ev, run = recipe.eval, ServingRun()
+    model = resolve_local_dir(recipe.target)[0]
+    wanted: list[tuple[str, int, dict | None]] = [("baseline", 0, None)]
+    if "chain" in ev.methods:
+        export = _export(recipe, target, head_info, out_dir / "vllm")
+        wanted += [("chain", k, eagle3_speculation(export, k)) for k in ev.k]
+    skipped = sorted(set(ev.methods) - {"chain"})
+    if skipped:
+        run.notes.append(f"vllm: measured without drafts and with the head's chain; {', '.join(skipped)} run in "
+                         "the embedded engine only")
+    max_model_len = limit + ev.max_new_tokens  # the target's context (eval/prompts.py's token_limit)
+    cache = batch1_cache_gib(target.model.config, max_model_len, recipe.vllm.dtype)
+    cfg = recipe.vllm
+    if cfg.kv_cache_gib is None and cfg.memory_utilization is None and on_gpu():
+        # engines side by side on one GPU: each its share (vLLM's default takes 90% of the device for one)
+        cfg = cfg.model_copy(update={"memory_utilization": 0.9 / len(wanted)})
+    try:
+        labels = [PREFIX + ("baseline" if method == "baseline" else f"{method} K={k}") for method, k, _ in wanted]
+        for label, (method, k, speculative) in zip(labels, wanted):  # the workers start and build at once
+            worker = VllmWorker(cfg, out_dir / "vllm" / f"{label.replace(' ', '-').replace('=', '')}.log")
+            run.workers.append(worker)
+            worker.open_begin(engine_args(cfg, model, max_model_len, speculative,
+                                          kv_cache_gib=None if on_gpu() else cache))
+        for label, worker, (method, k, speculative) in zip(labels, run.workers, wanted):
+            facts = worker.open_end()
+            run.facts = {**{key: facts[key] for key in ("vllm", "torch", "dtype", "device", "threads")},
+                         "in_process": cfg.in_process, "format": run.facts.get("format")}
+            if speculative:
+                run.facts["format"] = f"the export {cfg.export}" if cfg.export else cfg.format
+            run.configs.append(Config(label, method, k, engine="vllm",
+                                      serve=_server(worker, k, sampling, stops, len(wanted) > 1)))
+    except BaseException:
+        run.close()
+        raise
+    return run
+
+
+def _server(worker: VllmWorker, k: int, sampling: Sampling, stops: set[int], settle: bool):
+    def serve(ids: list[int], max_new_tokens: int, seed: int) -> tuple[Generation, float]:
+        request = {"id": 0, "prompt": list(ids), "max_tokens": max_new_tokens, "temperature": sampling.temperature,
+                   "top_k": sampling.top_k, "top_p": sampling.top_p, "seed": seed, "stop": sorted(stops)}
+        served = worker.each([request])[0]
+        if settle:
+            time.sleep(SETTLE_SECONDS)
+        return Generation(list(served.tokens), served_stats(served, k)), served.seconds
+    return serve
+
+
+def _export(recipe: Recipe, target, head_info: HeadInfo | None, out_dir: Path) -> Path:
+    """The head in vllm.format, for vLLM to load (the speculators format names the local target as verifier);
+    or vllm.export, an export made elsewhere, after checking it was made for this target."""
+    if recipe.vllm.export:
+        return _given_export(Path(recipe.vllm.export), target)
+    if head_info is None:
+        raise EvalError("eval.engines has vllm and eval.methods has chain, but no head was loaded")
+    if head_info.spec.kind != "eagle3":
+        raise EvalError(f"eval.engines: vllm serves the head through its EAGLE-3 drafter, and this head is "
+                        f"{head_info.spec.kind}: drop chain from eval.methods for vLLM, or drop vllm from eval.engines")
+    fmt = recipe.vllm.format
+    out = out_dir / f"export-{fmt}"
+    export_head(head_info.path, out, ExportConfig(format=fmt, target=recipe.target.model if Path(
+        recipe.target.model).expanduser().is_dir() else None, verifier=resolve_local_dir(recipe.target)[0]))
+    return out
+
+
+def _given_export(export: Path, target) -> Path:
+    sidecar = read_sidecar(export)
+    if sidecar.get("export_format") not in ("eagle3", "speculators"):
+        raise EvalError(f"vllm.export {export} is a {sidecar.get('export_format')} export: vLLM's EAGLE-3 drafter "
+                        "reads eagle3 and speculators exports")
+    made_for = sidecar.get("head_config", {}).get("target", {})
+    if made_for.get("fingerprint") != target.fingerprint:
+        raise EvalError(f"vllm.export {export} was exported for another target ({made_for.get('name')}, "
+                        f"fingerprint {made_for.get('fingerprint')}; this one is {target.name}, "
+                        f"{target.fingerprint}): export the head for this target")
+    return export

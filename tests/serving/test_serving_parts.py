@@ -1,0 +1,113 @@
+"""The parts of the vLLM path that need no vLLM: finding its environment, the engine settings, vLLM's counters read
+as the engine's statistics, the serving check's verdicts, and the regeneration state's engine."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from mtptrain.config import VllmConfig, load_recipe
+from mtptrain.data.regenerate import settings_of
+from mtptrain.engine.generate import GenerationStats
+from mtptrain.eval.methods import Config
+from mtptrain.eval.run import Tally, per_request_means
+from mtptrain.eval.serving import agreement, conforms, served_stats
+from mtptrain.serving.vllm_engine import (Served, VllmError, batch1_cache_gib, engine_args, vllm_python,
+                                          worker_env)
+
+
+def test_a_missing_environment_names_the_setup_script(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MTPTRAIN_VLLM_PYTHON", raising=False)
+    monkeypatch.setattr("mtptrain.serving.vllm_engine.VENV", ".venv-none")
+    with pytest.raises(VllmError, match="scripts/setup_vllm.sh"):
+        vllm_python("auto")
+    with pytest.raises(VllmError, match="vllm.python /nowhere/python"):
+        vllm_python("/nowhere/python")
+    python = tmp_path / "python"
+    python.write_text("#!/bin/sh\n")
+    python.chmod(0o755)
+    monkeypatch.setenv("MTPTRAIN_VLLM_PYTHON", str(python))
+    assert vllm_python("auto") == python
+
+
+def test_engine_settings_on_a_cpu(tmp_path):
+    args = engine_args(VllmConfig(), "/m", 2048, {"method": "eagle3", "model": "/h", "num_speculative_tokens": 3},
+                       kv_cache_gib=0.25)
+    assert args["dtype"] == "bfloat16" and args["enforce_eager"] and args["max_model_len"] == 2048
+    assert args["distributed_executor_backend"] == "uni" and args["kv_cache_memory_bytes"] == 2**28
+    assert not args["enable_prefix_caching"] and not args["disable_log_stats"]
+    assert engine_args(VllmConfig(dtype="float32", in_process=False), "/m", 64)["dtype"] == "float32"
+    assert "distributed_executor_backend" not in engine_args(VllmConfig(in_process=False), "/m", 64)
+    env = worker_env(Path("/venv/bin/python"), VllmConfig())
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and "PYTHONPATH" not in env
+
+
+def test_a_batch1_cache_holds_one_request():
+    class Smol:  # SmolLM2-135M's attention: 30 layers, 3 key-value heads of 64
+        num_hidden_layers, num_attention_heads, num_key_value_heads, hidden_size = 30, 9, 3, 576
+    per_token = 2 * 31 * 3 * 64 * 2
+    assert batch1_cache_gib(Smol, 8192) == pytest.approx(1.5 * 8192 * per_token / 2**30)
+    assert batch1_cache_gib(Smol, 8192, "float32") == pytest.approx(2 * batch1_cache_gib(Smol, 8192))
+    assert batch1_cache_gib(Smol, 16) == 0.25
+
+
+def test_vllm_counters_become_the_engines_statistics():
+    # 1 token from the prefill, then 10 steps: 4 drafts accepted at position 1, 2 at 2, 1 at 3 -> 17 tokens
+    stats = served_stats(Served(list(range(18)), 1.0, "length", drafts=10, draft_tokens=30, accepted=7,
+                                accepted_per_pos=[4, 2, 1]), 3)
+    assert stats.steps == 10 and stats.emitted == 17 and stats.tau == pytest.approx(1.7)
+    assert stats.acceptance() == [0.4, 0.2, 0.1] and stats.verified == 30
+    # steps that drafted nothing (no n-gram match, say) are steps too
+    sparse = served_stats(Served(list(range(12)), 1.0, "length", drafts=4, draft_tokens=12, accepted=2,
+                                 accepted_per_pos=[2, 0, 0]), 3)
+    assert sparse.steps == 9 and sparse.acceptance()[0] == pytest.approx(2 / 9)
+    baseline = served_stats(Served(list(range(8)), 1.0, "length"), 0)
+    assert baseline.tau == 1.0 and baseline.acceptance() == []
+
+
+def _tally(engine: str, method: str, k: int, requests: list[tuple[list[int], int, list[int]]]) -> Tally:
+    tally = Tally(Config(f"{'vllm ' if engine == 'vllm' else ''}{method} K={k}", method, k, engine=engine))
+    for tokens, steps, accepted in requests:
+        stats = GenerationStats(steps=steps, emitted=len(tokens), proposed=[steps] * k, accepted=accepted)
+        tally.add(tokens, stats, "all")
+    return tally
+
+
+def test_the_serving_check_compares_like_with_like():
+    ours = _tally("embedded", "chain", 3, [([1, 2, 3], 10, [5, 2, 1]), ([4, 5], 8, [4, 2, 0]), ([6], 5, [1, 0, 0])])
+    same = _tally("vllm", "chain", 3, [([1, 2, 3], 10, [5, 2, 1]), ([4, 5], 8, [4, 2, 0]), ([6], 5, [1, 0, 0])])
+    [entry] = agreement([ours, same])
+    assert entry["max_gap"] == 0 and entry["identical_share"] == 1.0 and conforms(entry) == []
+    # counts that differ in every request, pooled acceptance nearly the same: the per-request share catches it
+    shifted = _tally("vllm", "chain", 3, [([1, 2, 3], 10, [5, 1, 1]), ([4, 5], 8, [4, 3, 0]), ([6], 5, [1, 0, 1])])
+    [entry] = agreement([ours, shifted])
+    assert entry["identical_share"] == 0.0 and any("identical acceptance" in f for f in conforms(entry))
+    # only answers written alike are compared request by request
+    other_text = _tally("vllm", "chain", 3, [([9, 9, 9], 10, [0, 0, 0]), ([4, 5], 8, [4, 2, 0]), ([6], 5, [1, 0, 0])])
+    [entry] = agreement([ours, other_text])
+    assert entry["same_answers"] == 2 and entry["identical_share"] == 1.0
+    assert any("differs" in f for f in conforms(entry))  # but its pooled acceptance is off by 0.22
+
+
+def test_per_request_means_average_what_each_request_drafted():
+    requests = [GenerationStats(steps=4, emitted=8, proposed=[4, 4], accepted=[2, 1]),
+                GenerationStats(steps=2, emitted=2, proposed=[2], accepted=[0]), GenerationStats()]
+    means = per_request_means(requests)
+    assert means["tau_per_request"] == pytest.approx(1.5)
+    assert means["acceptance_per_request"] == [pytest.approx(0.25), pytest.approx(0.125)]
+    assert per_request_means([GenerationStats(steps=3, emitted=3)]) == {}
+
+
+def test_a_regeneration_records_its_engine_and_old_states_read_as_the_runtime():
+    recipe = load_recipe(None, ["data.regenerated=x.jsonl"])
+    assert settings_of(recipe)["engine"] == "runtime"
+    vllm = settings_of(recipe, "vllm")
+    assert vllm["engine"] == "vllm" and vllm["vllm_dtype"] == "auto"
+
+
+def test_eval_engines_are_listed_once():
+    assert load_recipe(None, ["eval.engines=[vllm, embedded, vllm]"]).eval.engines == ["vllm", "embedded"]
+    with pytest.raises(Exception, match="engines"):
+        load_recipe(None, ["eval.engines=[]"])
