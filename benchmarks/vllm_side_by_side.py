@@ -60,12 +60,16 @@ def print_eval(dtype: str, results: dict) -> dict:
         print(f"{m['label']:<18}{m['tau']:>6.3f}{tau_request:>13}{m['tokens_per_second']:>9.1f}{m['speedup']:>8.2f}x"
               f"  {exact:<8}{pooled}{' | ' + per_request if per_request else ''}")
     [entry] = serving["agreement"]
-    failures = conforms(entry)
+    # The check holds the engines to the same drafts on the same answers: float32 only (in bfloat16 their kernels
+    # round apart, and so do their answers and drafts)
+    failures = conforms(entry) if dtype == "float32" else None
+    verdict = ("pass" if not failures else "FAIL: " + "; ".join(failures)) if failures is not None else \
+        "applies in float32"
     print(f"baselines identical across engines: {serving['baselines_identical']}/{serving['baselines_compared']}; "
           f"acceptance gap per position {' '.join(f'{g:.3f}' for g in entry['acceptance_gap'])} (bound "
           f"{AGREEMENT_BOUND}); requests answered alike by both chains {entry['same_answers']}, with identical "
           f"counts {entry['identical_counts']} (share {entry['identical_share']}, bound {AGREEMENT_SHARE}); "
-          f"serving check: {'pass' if not failures else 'FAIL: ' + '; '.join(failures)}")
+          f"serving check: {verdict}")
     ours, theirs = rows["baseline"]["tokens_per_second"], rows["vllm baseline"]["tokens_per_second"]
     print(f"batch-1 decoding in {dtype}: runtime {ours:.1f} tok/s, vLLM {theirs:.1f} tok/s (runtime / vLLM "
           f"{ours / theirs:.2f}x)")

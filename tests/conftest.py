@@ -191,3 +191,36 @@ def read_offline_wandb_run(run_file: Path, timeout: float = 60) -> dict:
         if run["finished"] or time.time() > deadline:
             return run
         time.sleep(0.5)
+
+
+def recipe_file(overrides: list[str], path: Path) -> Path:
+    """A recipe YAML holding `section.key=value` overrides, for a command line to read."""
+    import yaml
+
+    raw: dict = {}
+    for item in overrides:
+        section_key, value = item.split("=", 1)
+        section, key = section_key.split(".")
+        raw.setdefault(section, {})[key] = yaml.safe_load(value)
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def kill_after_first_group(command: list, output: Path, cwd: Path, timeout: float = 120) -> dict:
+    """Starts a `mtptrain regenerate` command line writing `output`, SIGKILLs it as soon as its state file records
+    a finished group of conversations, and returns that state."""
+    import signal
+    import subprocess
+    import time
+
+    from mtptrain.data.regenerate import state_path
+
+    proc = subprocess.Popen(command, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        if state_path(output).is_file() and json.loads(state_path(output).read_text() or "{}").get("groups_done"):
+            break
+        time.sleep(0.01)
+    os.kill(proc.pid, signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL
+    return json.loads(state_path(output).read_text())

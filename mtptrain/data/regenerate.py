@@ -248,8 +248,8 @@ def run_regenerate(recipe: Recipe, show_progress: bool = True) -> dict:
                               "it without torchrun / srun -n N")
     output = Path(recipe.data.regenerated)
     engine = pick_engine(recipe)
-    if engine == "vllm":  # vLLM holds the weights: here only the parts that identify the target
-        target, identity = load_identified_parts(recipe.target)
+    if engine == "vllm":  # vLLM holds the weights: here only the parts that identify the target, off its GPUs
+        target, identity = load_identified_parts(recipe.target.model_copy(update={"device": "cpu"}))
     else:
         target = load_target(recipe.target)
         identity = target.identity()
@@ -280,13 +280,14 @@ def run_regenerate(recipe: Recipe, show_progress: bool = True) -> dict:
     conversations_done = sum(len(g) for g in groups[:done])
     progress = tqdm(total=len(jobs), initial=conversations_done, desc="regenerating", unit=" conv",
                     disable=not show_progress)
-    started, tokens_now = time.perf_counter(), 0
+    tokens_now = 0
 
     def finished(job: Job) -> None:
         progress.update(1)
     # The transformers fallback only (the native runtime has its own products): up to 8 rows the swap is faster on
     # CPU; wider decoding batches are compute-bound and keep torch's GEMM.
     with _decoding(recipe, engine, model, output) as source:
+        started = time.perf_counter()  # decoding only: a vLLM engine's start is not its throughput
         for g in range(done, len(groups)):
             group = groups[g]
             tokens_now += regenerate_jobs(source, tokenizer, group, recipe, stops, finished)

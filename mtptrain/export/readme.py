@@ -59,6 +59,8 @@ def export_readme(form: Format, src: HeadSource, written: Written, sidecar: dict
     lines += ["", "## Serve", ""]
     for engine, command in form.serve(str(out.resolve()), served, sidecar):
         lines += [f"{engine}:", "", "```", command, "```", ""]
+    if form.checked():
+        lines += [form.checked(), ""]
     lines += ["Check the export drafts as the head did: `mtptrain eval --set eval.head=" + str(out) + "`.", ""]
     return "\n".join(lines)
 

@@ -1,16 +1,12 @@
 import json
-import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
-import yaml
-from conftest import write_sharegpt
+from conftest import kill_after_first_group, recipe_file, write_sharegpt
 from transformers import AutoModelForCausalLM
 
 from mtptrain.data.chat import prompt_ids
@@ -341,29 +337,15 @@ def _cli(recipe_path: Path, *extra: str) -> list[str]:
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_a_killed_regeneration_resumes_to_the_same_file(varied_target_dir, tmp_path, temperature):
     source = write_sharegpt(tmp_path / "chats.json", 48)  # 3 groups of 8 batches of 2
-    raw: dict = {}
-    for item in regen_overrides(varied_target_dir, source, tmp_path / "clean.jsonl", "regenerate.batch_size=2",
-                                "regenerate.max_new_tokens=40", "data.max_length=200",
-                                f"regenerate.temperature={temperature}"):
-        section_key, value = item.split("=", 1)
-        section, key = section_key.split(".")
-        raw.setdefault(section, {})[key] = yaml.safe_load(value)
-    recipe_path = tmp_path / "recipe.yaml"
-    recipe_path.write_text(yaml.safe_dump(raw))
+    recipe_path = recipe_file(regen_overrides(varied_target_dir, source, tmp_path / "clean.jsonl",
+                                              "regenerate.batch_size=2", "regenerate.max_new_tokens=40",
+                                              "data.max_length=200", f"regenerate.temperature={temperature}"),
+                              tmp_path / "recipe.yaml")
     subprocess.run(_cli(recipe_path), cwd=REPO, check=True, capture_output=True)
     clean = (tmp_path / "clean.jsonl").read_bytes()
 
     killed = tmp_path / "killed.jsonl"
-    proc = subprocess.Popen(_cli(recipe_path, f"data.regenerated={killed}"), cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 120
-    while time.time() < deadline and proc.poll() is None:
-        if state_path(killed).is_file() and json.loads(state_path(killed).read_text() or "{}").get("groups_done"):
-            break
-        time.sleep(0.01)
-    os.kill(proc.pid, signal.SIGKILL)
-    assert proc.wait() == -signal.SIGKILL
-    state = json.loads(state_path(killed).read_text())
+    state = kill_after_first_group(_cli(recipe_path, f"data.regenerated={killed}"), killed, REPO)
     assert not state["complete"] and 1 <= state["groups_done"] < 3
     # A kill can land mid-append: simulate the worst case, a torn last line after the recorded bytes.
     with open(killed, "ab") as fh:

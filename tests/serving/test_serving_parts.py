@@ -1,8 +1,6 @@
 """The parts of the vLLM path that need no vLLM: finding its environment, the engine settings, vLLM's counters read
 as the engine's statistics, the serving check's verdicts, and the regeneration state's engine."""
 
-import json
-import os
 from pathlib import Path
 
 import pytest

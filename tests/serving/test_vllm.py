@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 from mtptrain.config import ExportConfig, load_recipe
 from mtptrain.eval.run import run_eval
 from mtptrain.eval.serving import conforms
+from mtptrain.export.formats.eagle3 import VLLM_CHECKED
 from mtptrain.export.run import export_head
 from mtptrain.heads.checkpoint import PRETRAINED_HEAD
 from mtptrain.serving.vllm_engine import VllmError
@@ -58,9 +59,10 @@ def vllm_chain(results: dict) -> dict:
 def test_vllm_drafts_with_each_export_format_as_the_embedded_engine_does(vllm_env, tmp_path, fmt):
     results = serve(tmp_path, f"vllm.format={fmt}")
     serving = results["serving"]
-    assert serving["vllm"] == "0.32.0" and serving["dtype"] == "float32" and serving["format"] == fmt
+    assert serving["vllm"] == VLLM_CHECKED and serving["dtype"] == "float32" and serving["format"] == fmt
     assert serving["baselines_identical"] == serving["baselines_compared"] == 3, serving
     [entry] = serving["agreement"]
+    print(f"{fmt}: {entry}")
     assert conforms(entry) == [], entry
     ours = next(m for m in results["methods"] if m["label"] == "chain K=3")
     theirs = vllm_chain(results)
@@ -103,6 +105,7 @@ def test_a_broken_export_fails_the_serving_check(vllm_env, eagle3_export, tmp_pa
     BROKEN[breakage](broken)
     results = serve(tmp_path, f"vllm.export={broken}")
     [entry] = results["serving"]["agreement"]
+    print(f"{breakage}: {entry}")  # what it measured (pytest -rP), quoted in docs/export.md
     assert conforms(entry), f"{breakage} passed the serving check: {entry}"
 
 

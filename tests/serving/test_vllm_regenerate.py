@@ -4,20 +4,16 @@ Llama, saved as a local model directory, is the target (tests/conftest.py's serv
 it would any checkpoint."""
 
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-import yaml
 
 from mtptrain.config import load_recipe
 from mtptrain.data.regenerate import RegenerateError, pick_engine, run_regenerate, state_path
 
-from conftest import write_sharegpt
+from conftest import kill_after_first_group, recipe_file, write_sharegpt
 
 pytestmark = pytest.mark.vllm
 ROOT = Path(__file__).resolve().parents[2]
@@ -74,14 +70,8 @@ def test_auto_picks_the_runtime_on_a_cpu(tmp_path):
 
 def test_a_killed_vllm_regeneration_resumes_to_the_same_file(vllm_env, served_target_dir, tmp_path):
     source = write_sharegpt(tmp_path / "chats.json", 48)  # 2 groups of 8 batches of 3
-    raw: dict = {}
-    for item in overrides(served_target_dir, source, tmp_path / "clean.jsonl", "regenerate.engine=vllm",
-                          "regenerate.temperature=1.0"):
-        section_key, value = item.split("=", 1)
-        section, key = section_key.split(".")
-        raw.setdefault(section, {})[key] = yaml.safe_load(value)
-    recipe_path = tmp_path / "recipe.yaml"
-    recipe_path.write_text(yaml.safe_dump(raw))
+    recipe_path = recipe_file(overrides(served_target_dir, source, tmp_path / "clean.jsonl", "regenerate.engine=vllm",
+                                        "regenerate.temperature=1.0"), tmp_path / "recipe.yaml")
 
     def cli(out: Path) -> list[str]:
         return [sys.executable, "-m", "mtptrain.cli", "regenerate", "--recipe", str(recipe_path), "--no-progress",
@@ -89,15 +79,7 @@ def test_a_killed_vllm_regeneration_resumes_to_the_same_file(vllm_env, served_ta
 
     subprocess.run(cli(tmp_path / "clean.jsonl"), cwd=ROOT, check=True, capture_output=True)
     killed = tmp_path / "killed.jsonl"
-    proc = subprocess.Popen(cli(killed), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None:
-        if state_path(killed).is_file() and json.loads(state_path(killed).read_text() or "{}").get("groups_done"):
-            break
-        time.sleep(0.01)
-    os.kill(proc.pid, signal.SIGKILL)
-    assert proc.wait() == -signal.SIGKILL
-    state = json.loads(state_path(killed).read_text())
+    state = kill_after_first_group(cli(killed), killed, ROOT, timeout=300)
     assert not state["complete"] and state["groups_done"] == 1
     result = subprocess.run(cli(killed), cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr

@@ -66,6 +66,10 @@ class Format(ABC):
     def serve(self, out: str, target: str, sidecar: dict) -> list[tuple[str, str]]:
         """(engine, command) pairs that serve the export."""
 
+    def checked(self) -> str:
+        """Which serving engine, at which version, was seen serving the format (empty: none here)."""
+        return ""
+
 
 def draft_llama_config(src: HeadToExport) -> dict:
     """A one-layer Llama config with the target's attention, MLP, rope and vocabulary settings.

@@ -19,6 +19,8 @@ from mtptrain.export.formats.base import (LLAMA_LAYER, Format, HeadToExport, Wri
 from mtptrain.export.sidecar import ExportError
 
 SPECULATORS_VERSION = "0.9.0"  # the speculators release whose schema the speculators export follows
+# The vLLM release the serving check (tests/serving/test_vllm.py) serves both formats with: scripts/setup_vllm.sh's
+VLLM_CHECKED = "0.32.0"
 FUSED_LAYERS = 3  # SGLang builds fc over 3 * hidden; vLLM assumes 3 unless an eagle_config says otherwise
 
 
@@ -156,6 +158,11 @@ class Eagle3(Format):
             ("vLLM", f"vllm serve {target} --speculative-config "
                      f"'{{\"method\": \"eagle3\", \"model\": \"{out}\", \"num_speculative_tokens\": {steps}}}'"),
         ]
+
+    def checked(self) -> str:
+        return (f"vLLM {VLLM_CHECKED} (its CPU build) serves this format in mtptrain's serving check, drafting as "
+                "mtptrain's engine does (docs/export.md, \"Served by vLLM\"). On a CPU, `vllm serve` also wants "
+                "`--max-model-len` and `--gpu-memory-utilization` (a share of host memory) that fit the machine.")
 
 
 class Speculators(Eagle3):
