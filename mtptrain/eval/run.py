@@ -87,7 +87,7 @@ class Tally:
             "tokens": self.tokens, **timing_summary(self.repeat_tokens, self.repeat_seconds, baseline_tps),
             "tau": round(s.tau, 4), "steps": s.steps,
             "acceptance": [round(a, 4) for a in s.acceptance()],
-            **per_request_means(self.requests),
+            **(per_request_means(self.requests) if c.method != "baseline" else {}),
             "draft_ms_per_step": round(1000 * s.draft_seconds / s.steps, 3) if s.steps and timed else None,
             "verify_ms_per_step": round(1000 * s.verify_seconds / s.steps, 3) if s.steps and timed else None,
             "verified_tokens_per_step": round(s.verified / s.steps, 3) if s.steps else 0.0,
@@ -98,9 +98,9 @@ class Tally:
 
 
 def per_request_means(requests: list[GenerationStats]) -> dict:
-    """tau and acceptance per position averaged over the requests that drafted (a position a request never
-    reached counts as 0 for it); empty for the baselines."""
-    per_request = [(r.tau, r.acceptance()) for r in requests if r.steps and r.proposed]
+    """tau and acceptance per position averaged over the requests (a request that never drafted, an n-gram
+    lookup without a match, counts tau 1; a position a request never reached counts 0 for it)."""
+    per_request = [(r.tau, r.acceptance()) for r in requests if r.steps]
     if not per_request:
         return {}
     positions = max(len(a) for _, a in per_request)

@@ -170,10 +170,11 @@ def _export(recipe: Recipe, target, head_info: HeadInfo | None, out_dir: Path) -
         return _given_export(Path(recipe.vllm.export), target)
     if head_info is None:
         raise EvalError("eval.engines has vllm and eval.methods has chain, but no head was loaded")
-    if head_info.spec.kind != "eagle3":
-        raise EvalError(f"eval.engines: vllm serves the head through its EAGLE-3 drafter, and this head is "
-                        f"{head_info.spec.kind}: drop chain from eval.methods for vLLM, or drop vllm from eval.engines")
     fmt = recipe.vllm.format
+    if fmt not in head_info.spec.family.export_formats:
+        raise EvalError(f"eval.engines: vllm serves the head from a {fmt} export (vllm.format), which cannot hold a "
+                        f"{head_info.spec.kind} head: drop chain from eval.methods for vLLM, or drop vllm from "
+                        "eval.engines")
     out = out_dir / f"export-{fmt}"
     export_head(head_info.path, out, ExportConfig(format=fmt, target=recipe.target.model if Path(
         recipe.target.model).expanduser().is_dir() else None, verifier=resolve_local_dir(recipe.target)[0]))

@@ -91,11 +91,13 @@ def test_the_serving_check_compares_like_with_like():
 
 def test_per_request_means_average_what_each_request_drafted():
     requests = [GenerationStats(steps=4, emitted=8, proposed=[4, 4], accepted=[2, 1]),
-                GenerationStats(steps=2, emitted=2, proposed=[2], accepted=[0]), GenerationStats()]
+                GenerationStats(steps=2, emitted=2, proposed=[2], accepted=[0]),
+                GenerationStats(steps=3, emitted=3),  # drafted nothing (no n-gram match): tau 1, no acceptance
+                GenerationStats()]  # no step at all (an answer of one token): not a request that decoded
     means = per_request_means(requests)
-    assert means["tau_per_request"] == pytest.approx(1.5)
-    assert means["acceptance_per_request"] == [pytest.approx(0.25), pytest.approx(0.125)]
-    assert per_request_means([GenerationStats(steps=3, emitted=3)]) == {}
+    assert means["tau_per_request"] == pytest.approx((2 + 1 + 1) / 3, abs=1e-4)  # rounded to 4 places
+    assert means["acceptance_per_request"] == [pytest.approx(0.5 / 3, abs=1e-4), pytest.approx(0.25 / 3, abs=1e-4)]
+    assert per_request_means([GenerationStats()]) == {}
 
 
 def test_a_regeneration_records_its_engine_and_old_states_read_as_the_runtime():
@@ -109,3 +111,22 @@ def test_eval_engines_are_listed_once():
     assert load_recipe(None, ["eval.engines=[vllm, embedded, vllm]"]).eval.engines == ["vllm", "embedded"]
     with pytest.raises(Exception, match="engines"):
         load_recipe(None, ["eval.engines=[]"])
+
+
+def test_data_parallel_engines_split_the_visible_gpus(monkeypatch):
+    import torch
+
+    from mtptrain.serving import vllm_engine
+
+    monkeypatch.setattr(vllm_engine, "on_gpu", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    split = vllm_engine.data_parallel_devices
+    assert split(VllmConfig(data_parallel_size=4, tensor_parallel_size=2)) == ["0,1", "2,3", "4,5", "6,7"]
+    assert split(VllmConfig(data_parallel_size=8)) == [str(i) for i in range(8)]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")  # a Slurm allocation's GPUs, as the job sees them
+    assert split(VllmConfig(data_parallel_size=2)) == ["3", "5"]
+    with pytest.raises(VllmError, match="needs 4 GPUs; this machine shows 2"):
+        split(VllmConfig(data_parallel_size=2, tensor_parallel_size=2))
+    monkeypatch.setattr(vllm_engine, "on_gpu", lambda: False)
+    assert split(VllmConfig(data_parallel_size=2)) == [None, None]

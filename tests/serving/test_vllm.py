@@ -109,20 +109,15 @@ def test_a_broken_export_fails_the_serving_check(vllm_env, eagle3_export, tmp_pa
     assert conforms(entry), f"{breakage} passed the serving check: {entry}"
 
 
-def test_an_export_without_its_norm_flags_is_refused_by_vllm(vllm_env, eagle3_export, tmp_path):
-    broken = tmp_path / "broken"
-    shutil.copytree(eagle3_export, broken)
-    _edit_config(broken, lambda c: c.update(fc_norm=False, norm_output=False))
-    with pytest.raises(VllmError, match="fc_norm"):
-        serve(tmp_path, f"vllm.export={broken}")
-
-
-def test_vllm_serves_a_speculators_export_by_itself(vllm_env, tmp_path):
+def test_vllm_serves_a_speculators_export_by_itself_and_refuses_one_without_its_norm_flags(vllm_env, eagle3_export,
+                                                                                          tmp_path):
     """What the speculators export's README says to run, `vllm serve <dir>`: the directory names its verifier
-    and draft length, and vLLM builds both from it (here through `vllm.LLM(model=<dir>)`, the same loader)."""
+    and draft length, and vLLM builds both from it (here through `vllm.LLM(model=<dir>)`, the same loader). An
+    eagle3 export whose EAGLE-3.1 norm flags were both dropped does not load at all: vLLM finds fc_norm weights
+    that its model then lacks."""
     from mtptrain.config import TargetConfig, VllmConfig
     from mtptrain.data.chat import prompt_ids
-    from mtptrain.serving.vllm_engine import VllmWorker, engine_args
+    from mtptrain.serving.vllm_engine import VllmWorker, eagle3_speculation, engine_args
     from mtptrain.target import load_tokenizer
 
     target = converted_gguf_dir(embedded_gguf_path())
@@ -130,9 +125,14 @@ def test_vllm_serves_a_speculators_export_by_itself(vllm_env, tmp_path):
     export_head(PRETRAINED_HEAD, out, ExportConfig(format="speculators", verifier=str(target), speculative_tokens=3))
     readme = (out / "README.md").read_text()
     assert f"vllm serve {out.resolve()}" in readme
+    broken = tmp_path / "no-norm-flags"
+    shutil.copytree(eagle3_export, broken)
+    _edit_config(broken, lambda c: c.update(fc_norm=False, norm_output=False))
     cfg = VllmConfig(dtype="float32")
     with VllmWorker(cfg, tmp_path / "vllm.log") as worker:
-        facts = worker.open(engine_args(cfg, str(out), 1024, kv_cache_gib=0.25))
+        with pytest.raises(VllmError, match="fc_norm"):
+            worker.open(engine_args(cfg, str(target), 1024, eagle3_speculation(broken, 3), kv_cache_gib=0.25))
+        facts = worker.open(engine_args(cfg, str(out), 1024, kv_cache_gib=0.25))  # the same worker goes on
         assert facts["speculative"]["method"] == "eagle3" and facts["speculative"]["num_speculative_tokens"] == 3
         prompt = prompt_ids(load_tokenizer(TargetConfig()), [{"role": "user", "content": "Explain how a rainbow forms."}])
         [served] = worker.each([{"id": 0, "prompt": prompt, "max_tokens": 24}])
