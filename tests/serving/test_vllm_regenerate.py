@@ -63,9 +63,19 @@ def test_vllm_regenerates_the_file_the_runtime_writes(vllm_env, served_target_di
         run_regenerate(mixed, show_progress=False)
 
 
-def test_auto_picks_the_runtime_on_a_cpu(tmp_path):
+def test_auto_picks_the_runtime_on_a_cpu_and_vllm_on_a_gpu_where_it_is_installed(tmp_path, monkeypatch):
+    from mtptrain.data import regenerate
+
+    monkeypatch.setattr(regenerate, "on_gpu", lambda: False)
     assert pick_engine(load_recipe(None, ["regenerate.engine=auto"])) == "runtime"
     assert pick_engine(load_recipe(None, ["regenerate.engine=vllm"])) == "vllm"
+    monkeypatch.setattr(regenerate, "on_gpu", lambda: True)
+    missing = load_recipe(None, ["regenerate.engine=auto", f"vllm.python={tmp_path / 'none'}"])
+    assert pick_engine(missing) == "runtime"
+    python = tmp_path / "python"
+    python.write_text("#!/bin/sh\n")
+    python.chmod(0o755)
+    assert pick_engine(load_recipe(None, ["regenerate.engine=auto", f"vllm.python={python}"])) == "vllm"
 
 
 def test_a_killed_vllm_regeneration_resumes_to_the_same_file(vllm_env, served_target_dir, tmp_path):
