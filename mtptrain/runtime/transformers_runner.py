@@ -9,6 +9,8 @@ tokens of the latest forward.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from transformers import DynamicCache
 
@@ -62,15 +64,15 @@ class TransformersRunner:
 
     @torch.inference_mode()
     def forward_tree(self, pending: int, tree) -> torch.Tensor:
-        """Logits [N+1, V] for [pending, tree nodes] under the tree mask (see engine/tree.py)."""
-        attention = self.attention
-        if attention not in ("sdpa", "eager"):
-            raise ValueError(f"tree verification needs an attention that takes an arbitrary mask (sdpa or eager), "
-                             f"and the target runs {attention}: set target.attn_implementation=sdpa")
+        """Logits [N+1, V] for [pending, tree nodes] under the tree mask (see engine/tree.py). A tree needs an
+        attention that takes an arbitrary mask: under FlashAttention (what target.attn_implementation auto picks on
+        CUDA where flash-attn imports) this one forward runs SDPA over the same cache, and chains keep flash."""
         dtype = self.model.get_input_embeddings().weight.dtype
         mask, positions = tree.attention(self.length, dtype, self.device)
         ids = torch.tensor([[pending] + tree.tokens], device=self.device)
-        out = self.model(ids, attention_mask=mask, position_ids=positions, past_key_values=self.cache, use_cache=True)
+        with masked_attention(self.model.config):
+            out = self.model(ids, attention_mask=mask, position_ids=positions, past_key_values=self.cache,
+                             use_cache=True)
         return out.logits[0]
 
     @torch.inference_mode()
@@ -98,3 +100,19 @@ def cut_cache(cache: DynamicCache, length: int) -> None:
     """Keep the first `length` tokens of a KV cache (this transformers crops by a negative count)."""
     if length < cache.get_seq_length():
         cache.crop(length - cache.get_seq_length())
+
+
+@contextmanager
+def masked_attention(config):
+    """The model's attention for one forward under an explicit mask: sdpa in place of an implementation that
+    drops arbitrary masks (flash-attn's kernels take only causal or padding ones). Each attention module reads
+    `config._attn_implementation` at every forward, and the KV cache is the same for all of them."""
+    before = config._attn_implementation
+    if before in ("sdpa", "eager"):
+        yield
+        return
+    config._attn_implementation = "sdpa"
+    try:
+        yield
+    finally:
+        config._attn_implementation = before

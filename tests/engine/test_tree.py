@@ -199,13 +199,19 @@ def test_trees_are_refused_when_a_child_precedes_its_parent():
     assert DraftTree.chain([4, 5, 6]).depths() == [1, 2, 3]
 
 
-def test_tree_verification_refuses_an_attention_that_ignores_the_tree_mask(model64):
-    """transformers' forward with flash attention drops an arbitrary mask (the native runtime builds its own)."""
+def test_a_tree_is_verified_with_sdpa_when_the_target_runs_flash_attention(model64):
+    """transformers' forward under flash attention drops an arbitrary mask: the tree's forward runs SDPA over the
+    same cache (and the model keeps flash for chains), giving the logits an SDPA target gives."""
+    reference = open_runner(model64, runtime="transformers")
+    reference.forward([1, 2, 3])
+    tree = DraftTree([5, 6, 7], [-1, 0, -1])
+    expected = reference.forward_tree(4, tree)
     runner = open_runner(model64, runtime="transformers")
     runner.forward([1, 2, 3])
-    model64.config._attn_implementation = "flash_attention_2"
+    model64.config._attn_implementation = "flash_attention_2"  # as target.attn_implementation auto picks on CUDA
     try:
-        with pytest.raises(ValueError, match="target.attn_implementation=sdpa"):
-            runner.forward_tree(4, DraftTree.chain([5, 6]))
+        logits = runner.forward_tree(4, tree)
+        assert model64.config._attn_implementation == "flash_attention_2"
     finally:
         model64.config._attn_implementation = "sdpa"
+    torch.testing.assert_close(logits, expected)
