@@ -310,13 +310,33 @@ def slurm(stage: Annotated[str, typer.Argument(help="precompute, train, eval, or
         typer.echo(f"error: unknown stage {stage!r}: use {', '.join(STAGES)} or pipeline", err=True)
         raise typer.Exit(2)
     cfg = _recipe(recipe, overrides)
+    stages = STAGES if stage == "pipeline" else (stage,)
+    for line in _guarded(lambda: _memory_plan(cfg, stages)):
+        typer.echo(line)
     if dry_run:
-        for name in STAGES if stage == "pipeline" else (stage,):
+        for name in stages:
             typer.echo(f"# ---- {name}.sbatch\n" + render(cfg, name, slurm_dir(cfg) / "recipe.yaml"))
         return
     for name, job, script in _guarded(lambda: submit(cfg, stage)):
         typer.echo(f"submitted {name} as job {job}: {script}")
     typer.echo(f"logs: {slurm_dir(cfg) / 'logs'}")
+
+
+def _memory_plan(cfg, stages: tuple[str, ...]) -> list[str]:
+    """What the fullest GPU of each GPU stage holds, or PlanError where a GPU cannot hold its stage."""
+    from mtptrain.memory_plan import check_plan, summary
+    from mtptrain.target.parts import load_config
+    from mtptrain.target.source import TargetError
+
+    on_gpus = tuple(name for name in stages if getattr(cfg.slurm, name).gpus_per_node > 0)
+    if not on_gpus:
+        return []
+    try:
+        config = load_config(cfg.target)
+    except TargetError as exc:
+        return [f"memory plan not checked: the target's config did not load ({exc})"]
+    gib = cfg.slurm.gpu_memory_gib
+    return [f"memory plan, {line}" for line in summary(check_plan(cfg, config, gib, on_gpus), gib)]
 
 
 @app.command()

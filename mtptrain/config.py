@@ -582,6 +582,9 @@ class SlurmConfig(_Section):
                         "`mtptrain slurm` (so its virtual environment must be on the shared file system).")
     output_dir: str | None = Field(None, description="Rendered scripts, the resolved recipe and job logs "
                                    "(default: <train.output_dir>/slurm).")
+    gpu_memory_gib: Float = Field(
+        80.0, gt=0, description="Memory of one GPU of the nodes (H100 SXM: 80, H200: 141), in GiB: `mtptrain slurm` "
+        "sums what every GPU holds in each stage (mtptrain/memory_plan.py) and refuses a plan that does not fit.")
     warning_seconds: Int = Field(
         300, ge=10, description="train: Slurm signals the batch script this long before the time limit (or on "
         "preemption); the trainer checkpoints at its next step and the job requeues itself.")

@@ -35,17 +35,22 @@ class FrozenTarget:
         return cls(model.get_input_embeddings(), decoder.norm, model.get_output_embeddings(), model.config,
                    type(decoder.layers[0]), type(decoder.rotary_emb))
 
+    def normed(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's final norm of its pre-norm states, in the LM head's dtype, on `hidden`'s device."""
+        return across(self.final_norm, hidden.to(self.lm_head.weight.dtype))
+
     def target_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The target's own logits from its pre-norm last-layer state: final norm, then LM head."""
-        return self.lm_head(self.final_norm(hidden.to(self.lm_head.weight.dtype)))
+        return across(self.lm_head, self.normed(hidden))
 
     def embed_as(self, ids: torch.Tensor, like: nn.Module) -> torch.Tensor:
-        """Token embeddings in the dtype of a head's own weights (a bf16 head over an fp32 target, say)."""
-        return self.embed(ids).to(next(like.parameters()).dtype)
+        """Token embeddings on a head's device, in the dtype of its own weights (a bf16 head over an fp32 target,
+        say)."""
+        return across(self.embed, ids).to(next(like.parameters()).dtype)
 
     def lm_head_for(self, product) -> object:
         """The frozen LM head's weight laid out for `product` (runtime/products.py), made once per product: the
-        drafting steps of every head that shares it (heads/fast.py) read this one copy."""
+        drafting steps of every head that shares it (heads/fast.py) read this one copy, on the LM head's device."""
         if product.name not in self.laid_out:
             with torch.inference_mode(False), torch.no_grad():
                 self.laid_out[product.name] = product.lay_out(self.lm_head.weight)
@@ -53,7 +58,16 @@ class FrozenTarget:
 
     def head_logits(self, states: torch.Tensor) -> torch.Tensor:
         """The frozen LM head applied to a head's (already normed) states."""
-        return self.lm_head(states.to(self.lm_head.weight.dtype))
+        return across(self.lm_head, states.to(self.lm_head.weight.dtype))
+
+
+def across(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`module(x)` on the module's device, returned on x's. The frozen parts of a target split over several GPUs
+    (target.gpus_per_rank) sit apart: the embedding with the first decoder layers, the final norm and an untied
+    LM head with the last, while a head lives with the embedding. Only activations cross (a step's few rows, or a
+    training chunk's); on one device both moves are no-ops."""
+    device = next(module.parameters()).device
+    return module(x.to(device)).to(x.device)
 
 
 def as_head_input(states: torch.Tensor, head: nn.Module) -> torch.Tensor:
@@ -78,11 +92,9 @@ def head_layer_config(target_config):
 def rms_norm_like(final_norm: nn.Module, hidden_size: int) -> nn.Module:
     """A fresh RMSNorm of the target's own class and epsilon, initialised to ones, in float32 like the
     head's other fresh layers (whatever dtype the target was loaded in)."""
-    norm = copy.deepcopy(final_norm).float()
-    norm.requires_grad_(True)
-    with torch.no_grad():
-        norm.weight.fill_(1.0)
+    norm = copy.deepcopy(final_norm)
     assert norm.weight.shape[-1] == hidden_size
+    norm.weight = nn.Parameter(torch.ones(hidden_size, dtype=torch.float32, device=final_norm.weight.device))
     return norm
 
 

@@ -46,7 +46,7 @@ class EagleHead(nn.Module):
         """Stored target states (pre-norm) in this head's feature space."""
         if self.norms == "restored":
             return target_hidden
-        return self.frozen.final_norm(target_hidden.to(self.frozen.lm_head.weight.dtype)).to(target_hidden.dtype)
+        return self.frozen.normed(target_hidden).to(target_hidden.dtype)
 
     def draft_input(self, hidden: dict[int, torch.Tensor], spec: HeadSettings) -> torch.Tensor:
         """What the head drafts from, out of the target's captured states (layer -> [n, H]): its last layer's,

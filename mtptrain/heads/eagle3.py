@@ -195,8 +195,9 @@ class Eagle3Head(nn.Module):
 
     def target_logits(self, target_hidden: torch.Tensor) -> torch.Tensor:
         """The target's logits restricted to the draft vocabulary (only those rows of its LM head)."""
-        weight = self.frozen.lm_head.weight[self.draft_to_target]
-        return self.frozen.final_norm(target_hidden.to(weight.dtype)) @ weight.T
+        weight = self.frozen.lm_head.weight
+        rows = weight[self.draft_to_target.to(weight.device)]
+        return (self.frozen.normed(target_hidden).to(weight.device) @ rows.T).to(target_hidden.device)
 
 
 # Draft vocabularies up to this size keep their logits for backward rather than computing them again: a chunk of

@@ -58,7 +58,7 @@ class HeadStepper:
         # three times a chain step at K=3. A head's own LM head is laid out as it is now (a head being trained
         # gets a new stepper after each change); the target's frozen one, shared, once (`lm_head_for`).
         self.logits_input = logits_input
-        self.lm_head_dtype = lm_head.weight.dtype
+        self.lm_head_dtype, self.lm_head_device = lm_head.weight.dtype, lm_head.weight.device
         if lm_head_for is not None:
             self.lm_head = lm_head_for(product)
         else:
@@ -69,7 +69,9 @@ class HeadStepper:
         """Logits over the head's vocabulary from what a step returned: the head's own `logits`, up to float
         rounding."""
         x = state if self.logits_input is None else self.logits_input(state)
-        return self.kernels.product(x.to(self.lm_head_dtype), self.lm_head, None)
+        # the target's LM head sits on the last GPU of a split target, the head with its embedding on the first
+        logits = self.kernels.product(x.to(self.lm_head_device, self.lm_head_dtype), self.lm_head, None)
+        return logits.to(x.device)
 
     @property
     def length(self) -> int:

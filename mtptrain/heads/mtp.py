@@ -63,7 +63,7 @@ class MTPHead(nn.Module):
         """One depth: previous [B, T, H] (h^{depth-1} at positions t; the target's stored states for depth 1),
         token_ids = x_{t+depth}."""
         if depth == 1 and self.target_input == "normed":
-            previous = self.frozen.final_norm(previous.to(self.frozen.lm_head.weight.dtype)).to(previous.dtype)
+            previous = self.frozen.normed(previous).to(previous.dtype)
         if position_ids is None:
             past = cache.get_seq_length() if cache is not None else 0
             position_ids = torch.arange(past, past + token_ids.shape[1], device=token_ids.device)[None]
