@@ -257,3 +257,21 @@ def test_a_cache_that_refuses_the_converted_gguf_names_its_directory_and_mtptrai
             "half-written.")):
         target_source.converted_gguf_dir(gguf)
     assert not cache.exists() or not any(cache.iterdir())
+
+
+def test_the_target_is_read_straight_onto_its_device(tiny_target_dir, monkeypatch):
+    """from_pretrained gets a device map for one device too: without one it builds the whole model in host memory
+    on every rank before `.to(device)` (8 ranks x 16 GB of an 8B target on one node)."""
+    import transformers
+
+    calls = []
+    original = transformers.AutoModelForCausalLM.from_pretrained
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", spy)
+    target = load_target(TargetConfig(model=str(tiny_target_dir), device="cpu", dtype="float32"))
+    assert calls and calls[0]["device_map"] == {"": "cpu"}
+    assert {p.device for p in target.model.parameters()} == {torch.device("cpu")}

@@ -111,9 +111,12 @@ def load_target(cfg: TargetConfig, dist: DistInfo | None = None) -> Target:
     dtype = pick_dtype(cfg.dtype, devices[0], config)
     attention = pick_attention(cfg.attn_implementation, devices[0])
     tokenizer = load_tokenizer(cfg)
-    placement = {}
+    # Every weight is read straight onto its device: without a device map, from_pretrained builds the whole model
+    # in host memory first (8 ranks of a node x 16 GB for an 8B target) and `.to(device)` copies it after.
     if len(devices) > 1:
-        placement["device_map"] = split_device_map(meta_model(config, dtype, cfg), devices)
+        device_map = split_device_map(meta_model(config, dtype, cfg), devices)
+    else:
+        device_map = {"": str(devices[0])}
     try:
         model = AutoModelForCausalLM.from_pretrained(
             source,
@@ -121,12 +124,10 @@ def load_target(cfg: TargetConfig, dist: DistInfo | None = None) -> Target:
             dtype=dtype,
             attn_implementation=attention,
             trust_remote_code=cfg.trust_remote_code,
-            **placement,
+            device_map=device_map,
         )
     except OSError as exc:
         raise TargetError(load_hint(cfg.model, exc)) from exc
-    if len(devices) == 1:
-        model.to(devices[0])
     model.eval().requires_grad_(False)
     log.info("target %s: %d layers, hidden %d, vocab %d, %s on %s, attention %s",
              name, model.config.num_hidden_layers, model.config.hidden_size, model.config.vocab_size,
