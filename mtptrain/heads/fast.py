@@ -90,7 +90,7 @@ class HeadStepper:
         self.cache.reserve(start + count)
         if positions is None:
             positions = torch.arange(start, start + count, device=ids.device)[None]
-        cos, sin = self.rope(positions)
+        cos, sin = self.rope(positions, start + count)  # a bound known on the host: no wait for the device
         h, residual = self.inputs(feature, ids)
         causal = seen is None and count > 1 and (start == 0 or self.kernels.causal_after_cache)
         if seen is None and count > 1 and not causal:

@@ -62,8 +62,10 @@ class RopeTables:
         self.rotary, self.dtype, self.device = rotary, dtype, device
         self._cos = self._sin = None
 
-    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        needed = int(positions.max()) + 1
+    def __call__(self, positions: torch.Tensor, bound: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`bound`: a number above every position, known on the host (a cache's end): reading the largest position
+        from the tensor instead waits for the GPU on every forward, which stops the host queueing work ahead."""
+        needed = bound if bound is not None else int(positions.max()) + 1
         if self._cos is None or self._cos.shape[0] < needed:
             size = max(needed, 2 * (0 if self._cos is None else self._cos.shape[0]), 4096)
             probe = torch.zeros(1, dtype=self.dtype, device=self.device)
@@ -209,10 +211,10 @@ class FastDecoder:
         attends the tokens with its own masks and kernels."""
         batch, count = ids.shape
         x = F.embedding(ids, self.embed)
-        cos, sin = self.rope(positions)
+        end = cache.end(start, count)  # every position is below it
+        cos, sin = self.rope(positions, end)
         cos, sin = cos[:, :, None], sin[:, :, None]  # [B, T, 1, D]: broadcast over heads
         parted = cache.masks_itself
-        end = cache.end(start, count)
         if self.window is not None and end > self.window:
             raise ValueError(f"context of {end} tokens is longer than the model's sliding window ({self.window}): "
                              "the fast decoder keeps full attention only")

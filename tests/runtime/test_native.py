@@ -368,3 +368,27 @@ def test_a_target_the_runtime_does_not_run_loads_in_float32_and_decodes_on_trans
     runner = open_runner(target.model)
     assert runner.runtime == "transformers"
     assert len(generate(runner, [5, 6, 7], 6).tokens) == 6
+
+
+def test_rotary_tables_take_their_size_from_the_host_not_from_the_positions(monkeypatch):
+    """Reading the largest position from the tensor makes the host wait for the GPU on every forward (batch-1
+    decoding is host-bound there): each forward, a chain's, a tree's and the head's steps alike, hands the rotary
+    tables a bound its cache knows. Positions on the meta device hold no value to read."""
+    from mtptrain.runtime.model import RopeTables
+
+    model = _model("llama")
+    tables = RopeTables(model.model.rotary_emb, torch.float32, torch.device("cpu"))
+    with pytest.raises(Exception):
+        tables(torch.arange(5, device="meta")[None])
+    bounds = []
+    original = RopeTables.__call__
+    monkeypatch.setattr(RopeTables, "__call__", lambda self, positions, bound=None: bounds.append(bound) or
+                        original(self, positions, bound))
+    runner = open_runner(model)
+    runner.reset()
+    runner.forward([1, 2, 3, 4])
+    runner.forward([5])
+    runner.forward_tree(6, DraftTree([7, 8, 9], [-1, 0, -1]))
+    assert bounds == [4, 5, 9]
+    cos, _ = original(tables, torch.tensor([[0, 3]]), 4)
+    torch.testing.assert_close(cos, original(tables, torch.tensor([[0, 3]]))[0])
