@@ -52,7 +52,7 @@ from mtptrain.data.samples import NoUsableData, RowStats
 from mtptrain.data.readers import read_rows
 from mtptrain.config import Recipe
 from mtptrain.dist import DistInfo
-from mtptrain.engine.verify import Sampling, distribution
+from mtptrain.engine.verify import Sampling, distribution, draw
 from mtptrain.errors import MtptrainError
 from mtptrain.io import atomic_write_json, fsync_dir
 from mtptrain.runtime.batch import Request, decode_stream
@@ -178,13 +178,14 @@ def turn_seed(seed: int, conversation_id: str, turn: int) -> int:
 
 def sampler(sampling: Sampling, seed: int):
     """A request's `pick` (runtime/batch.py): None for greedy decoding, else a draw from the distribution that
-    `sampling` makes of the logits, with its own seeded generator (on the CPU: the same stream on any device)."""
+    `sampling` makes of the logits, with its own seeded CPU generator: verify.draw reads one uniform from it and
+    draws on the logits' device, so a seed gives the same tokens on any device."""
     if sampling.greedy:
         return None
     generator = torch.Generator().manual_seed(seed)
 
     def pick(logits: torch.Tensor) -> int:
-        return int(torch.multinomial(distribution(logits, sampling).cpu(), 1, generator=generator))
+        return draw(distribution(logits, sampling), generator)
     return pick
 
 

@@ -21,7 +21,7 @@ import torch
 
 from mtptrain.engine.proposer import Proposer
 from mtptrain.engine.tree import DraftTree, verify_tree_greedy, verify_tree_sampling
-from mtptrain.engine.verify import Sampling, distribution, greedy_choice, verify_greedy, verify_sampling
+from mtptrain.engine.verify import Sampling, distribution, draw, greedy_choice, verify_greedy, verify_sampling
 from mtptrain.runtime.runner import Runner
 
 
@@ -83,7 +83,7 @@ class Generation:
 
 def generate(runner: Runner, prompt: list[int], max_new_tokens: int, proposer: Proposer | None = None, k: int = 4,
              sampling: Sampling = Sampling(), eos: set[int] = frozenset(), seed: int = 0) -> Generation:
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator().manual_seed(seed)  # on the CPU whatever the target's device: see verify.draw
     stats = GenerationStats()
     runner.reset()
     observes = proposer is not None and proposer.reads_states
@@ -93,7 +93,7 @@ def generate(runner: Runner, prompt: list[int], max_new_tokens: int, proposer: P
     out = [first]
     if observes:  # drafters that read the target's states see them for every committed position
         proposer.observe(0, runner.hidden, prompt[1:] + [first])
-    sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)  # honest step timings
+    sync = _synchronizer(runner)  # honest step timings
     while len(out) < max_new_tokens and out[-1] not in eos:
         started = time.perf_counter()
         budget = min(k, max_new_tokens - len(out))
@@ -137,10 +137,16 @@ def generate(runner: Runner, prompt: list[int], max_new_tokens: int, proposer: P
     return Generation(tokens, stats)
 
 
+def _synchronizer(runner: Runner):
+    """Waits for every GPU the target runs on (a split target spans several; synchronize() waits for one)."""
+    devices = [d for d in getattr(runner, "devices", [runner.device]) if d.type == "cuda"]
+    return (lambda: [torch.cuda.synchronize(d) for d in devices]) if devices else (lambda: None)
+
+
 def _pick(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> int:
     if sampling.greedy:
         return greedy_choice(logits[-1])
-    return int(torch.multinomial(distribution(logits[-1], sampling), 1, generator=generator))
+    return draw(distribution(logits[-1], sampling), generator)
 
 
 def _until_eos(tokens: list[int], eos: set[int]) -> list[int]:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from mtptrain.engine.proposer import ProposerBase
-from mtptrain.engine.verify import Sampling, distribution, greedy_choice
+from mtptrain.engine.verify import Sampling, distribution, draw, greedy_choice
 
 
 class HeadChainProposer(ProposerBase):
@@ -73,7 +73,7 @@ class HeadChainProposer(ProposerBase):
             choice = greedy_choice(logits)
             return (int(to_target[choice]) if to_target is not None else choice), None
         q = distribution(logits, self.sampling)
-        choice = int(torch.multinomial(q, 1, generator=self.generator))
+        choice = draw(q, self.generator)
         if to_target is None:
             return choice, q
         full = torch.zeros(self.head.frozen.config.vocab_size, dtype=q.dtype, device=q.device)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mtptrain.engine.verify import greedy_choice
+from mtptrain.engine.verify import draw, greedy_choice, uniform
 
 
 @dataclass
@@ -119,7 +119,7 @@ def verify_tree_sampling(tree: DraftTree, target_probs: torch.Tensor, generator:
             total = float(p.sum())
             if total <= 0:
                 break
-            if float(torch.rand((), generator=generator, dtype=torch.float64)) * total < float(p[token]):
+            if uniform(generator) * total < float(p[token]):
                 accepted = child
                 break
             p[token] = 0.0
@@ -128,7 +128,7 @@ def verify_tree_sampling(tree: DraftTree, target_probs: torch.Tensor, generator:
             # which only happens when the children covered p's whole support and each was refused,
             # an event of probability zero)
             residual = p if float(p.sum()) > 0 else target_probs[node + 1]
-            token = int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
+            token = draw(residual, generator)
             return TreeVerdict(path, [tree.tokens[i] for i in path] + [token])
         path.append(accepted)
         node = accepted

@@ -17,6 +17,13 @@ top-k / top-p transform,
 so every emitted token is distributed exactly as the target would sample it.
 A deterministic drafter (n-gram lookup) has a one-hot q: acceptance is p(d)
 and the residual is p without d, renormalised.
+
+Every random choice reads one uniform u from a seeded CPU generator as a
+Python float (`uniform`), and a token is drawn from u by inverse CDF on the
+probabilities' own device (`draw`). The generator never meets a tensor on
+another device (on a CUDA target, torch.multinomial(cuda_probs,
+generator=cpu_generator) raises), and a seed gives the same stream, so the
+same tokens from the same probabilities, on any device.
 """
 
 from __future__ import annotations
@@ -59,7 +66,29 @@ def choose(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator)
     if sampling.greedy:
         return greedy_choice(logits), None
     q = distribution(logits, sampling)
-    return int(torch.multinomial(q, 1, generator=generator)), q
+    return draw(q, generator), q
+
+
+def uniform(generator: torch.Generator) -> float:
+    """u ~ U[0, 1) from the seeded CPU generator, read back as a Python float (53 random bits)."""
+    return float(torch.rand((), generator=generator, dtype=torch.float64))
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """A token drawn from probs [V] (non-negative, any total, any device) by inverse CDF:
+
+        token = min{i : cdf_i > u * cdf_V},  u ~ U[0, 1),  so P(token = i) = p_i / total
+
+    right=True makes the comparison strict: across a zero-probability token the cdf is flat, so that token is
+    never the first to exceed u * total, u = 0 included. If float rounding leaves u * total at or above the last
+    cdf value, searchsorted answers V: the last token with positive probability takes it. One host sync (the
+    int), and on CPU far cheaper than torch.multinomial (float64 on a 2-core AMD EPYC: 1.03 ms against 0.055 ms
+    for 49152 tokens, 0.18 ms against 0.017 ms for 8192)."""
+    cdf = probs.cumsum(-1, dtype=torch.float64)
+    index = int(torch.searchsorted(cdf, cdf[-1:] * uniform(generator), right=True))
+    if index == cdf.shape[-1]:
+        index = int(probs.nonzero()[-1])
+    return index
 
 
 @dataclass
@@ -90,16 +119,14 @@ def verify_sampling(draft: list[int], draft_probs: torch.Tensor | None, target_p
     for i, token in enumerate(draft):
         p = target_probs[i]
         q_token = 1.0 if draft_probs is None else float(draft_probs[i, token])
-        if torch.rand((), generator=generator, dtype=torch.float64) * q_token < p[token]:  # u < p/q
+        if uniform(generator) * q_token < float(p[token]):  # u < p/q
             continue
         if draft_probs is None:
             residual = p.clone()
             residual[token] = 0.0
         else:
             residual = (p - draft_probs[i]).clamp_min(0.0)
-        total = residual.sum()
-        # p == q exactly leaves no residual mass; then any sample of p is exact.
-        residual = residual / total if total > 0 else p
-        return Verdict(i, draft[:i] + [int(torch.multinomial(residual, 1, generator=generator))])
-    bonus = int(torch.multinomial(target_probs[len(draft)], 1, generator=generator))
-    return Verdict(len(draft), draft + [bonus])
+        # p == q exactly leaves no residual mass; then any sample of p is exact. (draw normalises.)
+        residual = residual if float(residual.sum()) > 0 else p
+        return Verdict(i, draft[:i] + [draw(residual, generator)])
+    return Verdict(len(draft), draft + [draw(target_probs[len(draft)], generator)])

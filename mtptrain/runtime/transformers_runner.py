@@ -25,6 +25,8 @@ class TransformersRunner:
         self.cache = DynamicCache()
         layers = model.get_decoder().layers if capture else []  # a model without `.layers` runs, capturing nothing
         self._capture = LayerCapture(layers, list(capture), self.device)
+        # every device the model spans: a target split over GPUs (target.gpus_per_rank) runs on each in turn
+        self.devices = sorted({p.device for p in model.parameters()}, key=str)
 
     @property
     def hidden(self) -> dict[int, torch.Tensor]:

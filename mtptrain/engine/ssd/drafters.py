@@ -11,7 +11,7 @@ from transformers import DynamicCache
 
 from mtptrain.runtime.transformers_runner import cut_cache
 from mtptrain.engine.ssd.policy import saguaro_distribution
-from mtptrain.engine.verify import Sampling, distribution
+from mtptrain.engine.verify import Sampling, distribution, draw
 
 
 @dataclass
@@ -39,7 +39,7 @@ class _Drafter:
         if self.sampling.greedy:
             return int(logits.argmax()), None
         q = saguaro_distribution(distribution(logits, self.sampling), fan, self.factor)
-        return int(torch.multinomial(q, 1, generator=self.generator)), q
+        return draw(q, self.generator), q
 
     def _rows(self, step, first_logits: torch.Tensor, k: int, fans: list[int], stop) -> list[Continuation] | None:
         """k tokens for each row of a batch: `step(tokens)` runs one token per row and returns the scores
