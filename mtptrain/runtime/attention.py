@@ -20,10 +20,67 @@ def causal_mask(count: int, past: int = 0, device=None) -> torch.Tensor:
     return torch.ones(count, past + count, dtype=torch.bool, device=device).tril(past)
 
 
+# SDPA's fused CUDA kernels in torch 2.5 to 2.13 (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp): flash
+# attention takes grouped query heads (enable_gqa) but no explicit mask, bfloat16 or float16 only, head dims up to
+# 256, and `is_causal` only with as many keys as queries; the mem-efficient kernel takes a mask (and float32) but
+# not grouped heads (check_batch_size_and_num_heads_dense<false>), head dims a multiple of 8 (4 in float32). Any
+# other call falls to the math kernel, which builds the [B, H, T, S] scores in float32 (an H100 profile of batched
+# regeneration put 36 of 60 s there: the bands' masked steps and the prompt chunks after a cache).
+FLASH_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def sdpa_form(device_type: str, dtype: torch.dtype, heads: int, kv_heads: int, count: int, length: int,
+              head_dim: int, masked: bool, causal: bool) -> str:
+    """How `sdpa_attention` gives q [B, H, T=count, D], k and v [B, Hkv, S=length, D] to torch's SDPA:
+    - "gqa": as they are, with enable_gqa where H != Hkv: always on the CPU (its choice was measured so), and on
+      CUDA where heads match or flash attention takes the call;
+    - "fold": each key-value head's group of G query heads folded into its queries (q [B, Hkv, G*T, D], a mask
+      repeated per group), which the mem-efficient kernel takes, reading the keys once per key-value head:
+      a masked call, or one without `causal` in float32;
+    - "expand": keys and values repeated per query head, for the mem-efficient kernel: causal attention flash
+      does not take (float32, or more keys than queries); folding would need a mask as large as the scores.
+    CUDA calls with a head dim neither kernel takes stay "gqa" (nothing fused runs them either way)."""
+    if device_type != "cuda" or heads == kv_heads:
+        return "gqa"
+    if head_dim % (4 if dtype == torch.float32 else 8):
+        return "gqa"
+    if dtype in FLASH_DTYPES and head_dim <= 256 and not masked and (not causal or count == length):
+        return "gqa"
+    return "expand" if causal else "fold"
+
+
+def folded_mask(mask: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:
+    """mask [B, 1, T, S] (True = seen, or additive) as the folded queries' additive mask [B, 1, G*T, S] in `dtype`,
+    its rows 8 positions aligned (the mem-efficient kernel copies a mask whose strides are not)."""
+    rows, _, count, length = mask.shape
+    aligned = -(-length // 8) * 8
+    folded = torch.zeros(rows, 1, group, count, aligned, dtype=dtype, device=mask.device)[..., :length]
+    if mask.dtype == torch.bool:
+        folded.masked_fill_(~mask[:, :, None], float("-inf"))
+    else:
+        folded.copy_(mask[:, :, None])
+    return folded.view(rows, 1, group * count, length)
+
+
 def sdpa_attention(q, k, v, mask, causal: bool):
-    """q [B, H, T, D], k and v [B, Hkv, S, D]; mask [B, 1, T, S] (True = seen) or None."""
+    """q [B, H, T, D], k and v [B, Hkv, S, D]; mask [B, 1, T, S] (True = seen, or additive in q's dtype) or None;
+    in the form `sdpa_form` picks (query head h reads key-value head h // (H / Hkv) in each)."""
+    batch, heads, count, dim = q.shape
+    kv_heads, length = k.shape[1], k.shape[2]
+    form = sdpa_form(q.device.type, q.dtype, heads, kv_heads, count, length, dim, mask is not None, causal)
+    if form == "fold" and mask is not None and mask.shape[1] != 1:  # a mask per head: not the runtime's
+        form = "expand"
+    group = heads // kv_heads
+    if form == "fold":
+        if mask is not None and (count > 1 or mask.dtype not in (torch.bool, q.dtype)):
+            mask = folded_mask(mask, group, q.dtype)  # one token's [B, 1, 1, S] mask broadcasts as it is
+        folded = q.reshape(batch, kv_heads, group * count, dim)
+        # reshape, not view: the fused kernels hand back [B, G*T, Hkv, D] in memory, transposed
+        return F.scaled_dot_product_attention(folded, k, v, attn_mask=mask).reshape(batch, heads, count, dim)
+    if form == "expand":
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                          enable_gqa=k.shape[1] != q.shape[1])
+                                          enable_gqa=k.shape[1] != heads)
 
 
 def plain_attention(q, k, v, mask, causal: bool):
