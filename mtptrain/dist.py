@@ -90,6 +90,32 @@ def all_reduce_sum(value: float) -> float:
     return float(tensor.item())
 
 
+SHARED_TEXT_BYTES = 255
+
+
+def from_main(compute, dist: DistInfo, device: torch.device):
+    """`compute()` (a short text or None) run on the main rank only and handed to every rank: what each rank would
+    otherwise compute alike at a high cost (a checkpoint's fingerprint reads all its weights: 141 GB for 70B, once
+    instead of once per rank). Sent as bytes in a tensor on `device` (NCCL sends only GPU tensors), nothing
+    pickled. Without a process group every caller computes its own."""
+    if dist.world_size <= 1 or not (torch_dist.is_available() and torch_dist.is_initialized()):
+        return compute()
+    buffer = torch.zeros(SHARED_TEXT_BYTES + 1, dtype=torch.uint8, device=device)
+    if dist.is_main:
+        text = compute()
+        if text is not None:
+            data = text.encode()
+            if len(data) > SHARED_TEXT_BYTES:
+                raise ValueError(f"from_main hands on at most {SHARED_TEXT_BYTES} bytes, not {len(data)}")
+            buffer[0] = 1
+            buffer[1 : 1 + len(data)] = torch.tensor(list(data), dtype=torch.uint8)
+    torch_dist.broadcast(buffer, src=0)
+    if dist.is_main:
+        return text
+    shared = buffer.cpu()
+    return bytes(shared[1:].tolist()).rstrip(b"\0").decode() if int(shared[0]) else None
+
+
 def destroy_process_group() -> None:
     if torch_dist.is_available() and torch_dist.is_initialized():
         torch_dist.destroy_process_group()

@@ -68,11 +68,14 @@ class Loss:
 
 @dataclass
 class DistillStats:
+    """One draft position's loss and metrics. The metrics stay tensors on the loss's device (float64, int64): the
+    trainer adds them up there and reads them on the host once per log, not once per chunk and position."""
+
     loss: torch.Tensor  # mean loss (Loss.kind) over masked positions (differentiable)
-    kl: float  # mean forward KL(target || head)
-    correct: int  # positions where the head's top-1 equals the target's top-1
+    kl: torch.Tensor  # mean forward KL(target || head)
+    correct: torch.Tensor  # positions where the head's top-1 equals the target's top-1
     count: int  # masked positions
-    alpha: float = 0.0  # mean sum_v min(p_v, q_v): the expected acceptance at temperature 1
+    alpha: torch.Tensor | float = 0.0  # mean sum_v min(p_v, q_v): the expected acceptance at temperature 1
 
 
 def _upcast(logits: torch.Tensor) -> torch.Tensor:
@@ -109,24 +112,26 @@ def distill_loss(head_logits: Callable[[torch.Tensor], torch.Tensor],
                  target_top: torch.Tensor | None = None, recompute: bool = True, loss: Loss = Loss()) -> DistillStats:
     """predicted [..., H] (head states), target_hidden [..., D] (what `target_logits` turns into the target's
     logits: its states, already index-shifted, or logits computed ahead with `target_logits` the identity),
-    mask [...] (1 = counts).
+    mask [...] (1 = counts), best left on the host: which positions count is shape information (how many chunks,
+    which rows), read there without waiting for the device; a mask on the device is read once.
 
     Top-1 agreement compares the argmax of the two logit sets. A head over a reduced vocabulary passes
     `to_target` (its ids -> target ids) and `target_top` [...] (the target's top-1 over its full vocabulary,
     computed once per batch), so that a target choice outside the draft vocabulary counts as a miss.
     `recompute` False keeps each chunk's logits for backward instead of computing them again (a small draft
     vocabulary, where they are cheap to hold). `loss` is what is minimised (Loss)."""
-    keep = mask.reshape(-1).bool()
-    predicted = predicted.reshape(-1, predicted.shape[-1])[keep]
-    target_hidden = target_hidden.reshape(-1, target_hidden.shape[-1])[keep]
+    rows = mask.reshape(-1).bool().cpu().nonzero().squeeze(1)
+    count = len(rows)
+    rows = rows.to(predicted.device, non_blocking=True)
+    predicted = predicted.reshape(-1, predicted.shape[-1]).index_select(0, rows)
+    target_hidden = target_hidden.reshape(-1, target_hidden.shape[-1]).index_select(0, rows.to(target_hidden.device))
     if target_top is not None:
-        target_top = target_top.reshape(-1)[keep]
-    count = int(keep.sum())
+        target_top = target_top.reshape(-1).index_select(0, rows.to(target_top.device))
+    metric = predicted.new_zeros((), dtype=torch.float64)
     if count == 0:
-        zero = predicted.sum() * 0.0
-        return DistillStats(zero, 0.0, 0, 0)
+        return DistillStats(predicted.sum() * 0.0, metric, metric.long(), 0, metric)
     total = predicted.new_zeros((), dtype=torch.promote_types(predicted.dtype, torch.float32))
-    kl_total, alpha_total, correct = 0.0, 0.0, 0
+    kl_total, alpha_total, correct = metric, metric, metric.long()
     for start in range(0, count, chunk):
         piece = slice(start, start + chunk)
         if recompute and torch.is_grad_enabled() and predicted.requires_grad:
@@ -136,17 +141,18 @@ def distill_loss(head_logits: Callable[[torch.Tensor], torch.Tensor],
             value, kl, alpha, tops = _chunk_terms(head_logits, target_logits, predicted[piece], target_hidden[piece],
                                                   loss)
         total = total + value
-        kl_total += float(kl)
-        alpha_total += float(alpha)
+        kl_total = kl_total + kl.double()
+        alpha_total = alpha_total + alpha.double()
         if to_target is None:
-            correct += int((tops[0] == tops[1]).sum())
+            correct = correct + (tops[0] == tops[1]).sum()
         else:
-            correct += int((to_target(tops[0]) == target_top[piece]).sum())
+            correct = correct + (to_target(tops[0]) == target_top[piece]).sum()
     return DistillStats(total / count, kl_total / count, correct, count, alpha_total / count)
 
 
 def feature_loss(predicted: torch.Tensor, target_features: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Smooth L1 between predicted and true features, mean over masked positions (EAGLE's regression term)."""
+    """Smooth L1 between predicted and true features, mean over masked positions (EAGLE's regression term); the
+    mask on the host or the device."""
     per_position = F.smooth_l1_loss(predicted.float(), target_features.float(), reduction="none").mean(-1)
-    weights = mask.to(per_position.dtype)
+    weights = mask.to(per_position.device, per_position.dtype, non_blocking=True)
     return (per_position * weights).sum() / weights.sum().clamp_min(1.0)

@@ -35,14 +35,13 @@ import time
 from pathlib import Path
 
 import deepspeed
-import numpy as np
 import torch
 import torch.distributed as torch_dist
 from torch import nn
 from tqdm import tqdm
 
 from mtptrain.config import Recipe, TrainConfig, dump_recipe, flat_head
-from mtptrain.dist import DistInfo, destroy_process_group, pick_device, slurm_rendezvous
+from mtptrain.dist import DistInfo, destroy_process_group, from_main, pick_device, slurm_rendezvous
 from mtptrain.errors import MtptrainError
 from mtptrain.export.run import export_head
 from mtptrain.export.sidecar import ExportError
@@ -56,6 +55,7 @@ from mtptrain.heads.spec import HeadSpec
 from mtptrain.heads.vocab import DraftVocab
 from mtptrain.data.chat import stop_tokens
 from mtptrain.io import atomic_write_json
+from mtptrain.memory_plan import check_plan, gpu_memory_gib, summary
 from mtptrain.runtime.choice import choose
 from mtptrain.runtime.dtype import agree_on_dtype, ranks_must_agree
 from mtptrain.runtime.runner import runtime_for, runtime_record
@@ -101,8 +101,7 @@ def autocast(precision: str, device: torch.device):
 def deepspeed_config(cfg: TrainConfig, steps: int, world_size: int, precision: str, device_type: str) -> dict:
     """The one place batch sizes, precision, the optimizer and the schedule are decided.
 
-    On CPU the optimizer is torch's AdamW: DeepSpeed's own would compile its cpu_adam op on first use (about
-    40 s on 2 cores) for no gain at a head's size. On GPUs DeepSpeed's fused AdamW is kept.
+    The optimizer is torch's AdamW (`optimizer_config`).
     """
     return {
         "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
@@ -128,12 +127,15 @@ def deepspeed_config(cfg: TrainConfig, steps: int, world_size: int, precision: s
 
 def optimizer_config(cfg: TrainConfig, device_type: str) -> dict:
     """DeepSpeed's optimizer section: AdamW, or Muon with AdamW for the parameters that are not matrices (the
-    rates of the matrices are set per parameter group, `trained_parameters`)."""
-    adam = {"lr": cfg.lr, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": cfg.weight_decay,
-            "torch_adam": device_type == "cpu"}
-    if cfg.optimizer == "muon":
+    rates of the matrices are set per parameter group, `trained_parameters`).
+
+    AdamW is torch's everywhere (`torch_adam`), fused into one kernel on CUDA. DeepSpeed's own builds its op on
+    first use: FusedAdam with nvcc, which many GPU nodes lack (the job then dies at its first step), and on CPU
+    cpu_adam (about 40 s on 2 cores) for no gain at a head's size."""
+    adam = {"lr": cfg.lr, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": cfg.weight_decay, "torch_adam": True}
+    if cfg.optimizer == "muon":  # Muon's own AdamW half takes torch's AdamW as it is given (no fused flag)
         return {"type": "Muon", "params": {**adam, "momentum": 0.95}}
-    return {"type": "AdamW", "params": adam}
+    return {"type": "AdamW", "params": {**adam, **({"fused": True} if device_type == "cuda" else {})}}
 
 
 def trained_parameters(head: nn.Module, cfg: TrainConfig) -> list:
@@ -193,10 +195,22 @@ def run_train(recipe: Recipe, wandb: str | None = None, show_progress: bool = Tr
         # DeepSpeed caches its process groups for the life of the process, so the group stays up
         # across runs in one process and is torn down at exit (ranks abort if it is left open).
         atexit.register(destroy_process_group)
+    if device.type == "cuda":
+        _check_memory(recipe, dist, device)
     target_device = rank_devices(recipe.target, dist)[0]
     if ranks_must_agree(target_device, dist):  # every rank runs the target's parts with rank 0's dtype and kernels
         agree_on_dtype(load_config(recipe.target), target_device)
     return Trainer(recipe, dist, device, wandb or recipe.tracking.wandb, show_progress and dist.is_main).run()
+
+
+def _check_memory(recipe: Recipe, dist: DistInfo, device: torch.device) -> None:
+    """Refuse, before any weight is read, a run whose GPUs cannot hold what each training rank puts on them (the
+    main rank's whole target for train.engine_eval included): mtptrain/memory_plan.py."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", min(dist.world_size, torch.cuda.device_count())))
+    gib = gpu_memory_gib(device)
+    lines = summary(check_plan(recipe, load_config(recipe.target), gib, ("train",), (dist.world_size, local)), gib)
+    if dist.is_main:
+        log.info("memory plan, %s", lines[0])
 
 
 def _load_frozen_parts(recipe: Recipe, manifest: dict, dist: DistInfo) -> Target:
@@ -214,15 +228,21 @@ def _load_frozen_parts(recipe: Recipe, manifest: dict, dist: DistInfo) -> Target
     return load_target(recipe.target, dist)
 
 
-def _identity_to_check(recipe: Recipe, target: Target) -> dict:
+def _identity_to_check(recipe: Recipe, target: Target, dist: DistInfo, device: torch.device) -> dict:
     """The target's identity as the store's is checked against: with the fingerprint of all its weights unless
-    train.target_check is frozen (a target loaded in part has only its frozen parts' own)."""
+    train.target_check is frozen (a target loaded in part has only its frozen parts' own). The main rank reads
+    the checkpoint for it and hands the fingerprint to the others."""
     identity = target.identity()
     if target.partial and recipe.train.target_check == "full":
-        identity["fingerprint"] = checkpoint_fingerprint(recipe.target)
-        if identity["fingerprint"] is None:  # tensors named otherwise than the model's parameters: load it whole
-            identity["fingerprint"] = load_target(recipe.target.model_copy(update={"device": "cpu"})).fingerprint
+        identity["fingerprint"] = from_main(lambda: _full_fingerprint(recipe), dist, device)
     return identity
+
+
+def _full_fingerprint(recipe: Recipe) -> str:
+    """The fingerprint of every weight, read from the safetensors files one tensor at a time, or of the whole
+    model loaded on the CPU where its tensors are named otherwise than the model's parameters."""
+    return checkpoint_fingerprint(recipe.target) or \
+        load_target(recipe.target.model_copy(update={"device": "cpu"})).fingerprint
 
 
 def _log_checked(identity: dict, manifest: dict, store: Path, target_check: str) -> list[str]:
@@ -251,7 +271,7 @@ class Trainer:
             self.spec = HeadSpec.of(recipe.head, manifest)
             self.target = _load_frozen_parts(recipe, manifest, dist)
             layers = self.spec.layers
-            identity = _identity_to_check(recipe, self.target)
+            identity = _identity_to_check(recipe, self.target, dist, device)
             # Refused here, before any training: a store of another target, or without the layers the head reads.
             self.train_store = FeatureStore(self.cfg.features, "train", target=identity, layers=layers)
             self.target_checked = _log_checked(identity, manifest, Path(self.cfg.features), self.cfg.target_check)
@@ -348,9 +368,10 @@ class Trainer:
         per_step = self.plan.micro_batches_per_step
         batches = self.plan.for_rank(step * per_step)
         progress = tqdm(total=self.steps, initial=step, desc="train", unit="step", disable=not self.show_progress)
-        window = _Window(self.spec.draft_positions)
+        window = _Window(self.spec.draft_positions, self.device)
         totals = {"tokens": 0, "compute": 0.0, "wait": 0.0}
-        unhealthy = torch.zeros(1, device=self.device)  # any rank saw a non-finite loss since the last step
+        # non-finite losses since the last step, counted on the device: read with the step's other flags
+        unhealthy = torch.zeros((), device=self.device)
         last_checkpoint = state.get("checkpoint")
         head = engine.module
         dtype = next(head.parameters()).dtype
@@ -363,7 +384,7 @@ class Trainer:
                 with autocast(self.precision, self.device):
                     result = self.spec.family.objective(head, batch, self.spec, self.weights,
                                                         self.feature_weight, self.cfg.loss_chunk, self.loss)
-                unhealthy += 0.0 if torch.isfinite(result.loss) else 1.0
+                unhealthy += nonfinite(result.loss)
                 engine.backward(result.loss)
                 engine.step()
                 window.add(result)
@@ -374,12 +395,12 @@ class Trainer:
                     continue
                 step += 1
                 grad_norm = engine.get_global_grad_norm()  # None where DeepSpeed computed none (fp32, ZeRO-0)
-                self._check_health(engine, step, unhealthy, grad_norm, last_checkpoint)
+                stop = self._check_step(engine, step, unhealthy, grad_norm, last_checkpoint)
                 progress.update(1)
-                if step < self.steps and self._stop_requested():
+                if step < self.steps and stop:
                     return self._stop(engine, step, metrics.run_id)
                 if step % self.cfg.log_every == 0 or step == self.steps:
-                    logged = window.reduce(self.dist, self.device)
+                    logged = window.reduce(self.dist)
                     if grad_norm is not None:
                         logged["train/grad_norm"] = float(grad_norm)
                     logged.update({"train/lr": self.cfg.lr * scheduler.get_lr_ratio(),
@@ -407,13 +428,6 @@ class Trainer:
             progress.close()
             metrics.close()
 
-    def _stop_requested(self) -> bool:
-        """Whether the STOP file exists, as rank 0 sees it, agreed by every rank (they stop at the same step)."""
-        flag = torch.tensor([float(self.dist.is_main and self.stop_file.exists())], device=self.device)
-        if self.dist.world_size > 1:
-            torch_dist.all_reduce(flag)
-        return bool(flag.item())
-
     def _stop(self, engine, step: int, wandb_id: str | None) -> dict:
         checkpoint = self._checkpoint(engine, step, wandb_id)
         if self.dist.is_main:
@@ -438,7 +452,7 @@ class Trainer:
             window = score_store(head, self.spec, self.val_store, self.cfg.micro_batch_size, self.weights,
                                  self.feature_weight, self.cfg.loss_chunk, self.device, dtype, self.dist,
                                  self.loss)
-        return {k.replace("train/", "val/"): v for k, v in window.reduce(self.dist, self.device).items()}
+        return {k.replace("train/", "val/"): v for k, v in window.reduce(self.dist).items()}
 
     def _draft(self, head, step: int) -> dict:
         """The head drafting in the engine on the held-out prompts; the best so far kept (train/drafting.py)."""
@@ -461,22 +475,30 @@ class Trainer:
                              "recipe": self.recipe.model_dump(mode="json")}, **(extra or {})},
                   dtype=getattr(torch, self.cfg.head_dtype) if exported else None)
 
-    def _check_health(self, engine, step: int, unhealthy: torch.Tensor, grad_norm, last_checkpoint) -> None:
-        """Stop on a non-finite loss on any rank, or a non-finite norm of an applied step.
+    def _check_step(self, engine, step: int, unhealthy: torch.Tensor, grad_norm, last_checkpoint) -> bool:
+        """After an optimizer step: raise on a non-finite loss on any rank since the last step, or a non-finite
+        norm of an applied step; return whether a stop was asked for (the STOP file, as rank 0 sees it).
 
         In fp16, an overflowing step is skipped by DeepSpeed while it calibrates the loss scale: normal,
-        not divergence. The flag is all-reduced so that every rank stops at the same step.
+        not divergence. The flags are all-reduced so that every rank stops at the same step, and read on the host
+        in one transfer: the one wait for the device per step, before anything of the step is checkpointed.
         """
-        if self.dist.world_size > 1:
-            torch_dist.all_reduce(unhealthy)
-        bad_loss = bool(unhealthy.item())
-        unhealthy.zero_()
         skipped = self.precision == "fp16" and not engine.was_step_applied()
-        bad_norm = grad_norm is not None and not skipped and not np.isfinite(float(grad_norm))
+        stop = self.dist.is_main and self.stop_file.exists()
+        # (non-finite losses, a non-finite norm, STOP); host values copied up without a wait (non_blocking)
+        flags = torch.tensor([0.0, 0.0, float(stop)], dtype=torch.float64).to(self.device, non_blocking=True)
+        flags[0] += unhealthy
+        if grad_norm is not None and not skipped:  # a float, or a tensor on the device
+            flags[1] += nonfinite(torch.as_tensor(grad_norm, dtype=torch.float64).to(self.device, non_blocking=True))
+        if self.dist.world_size > 1:
+            torch_dist.all_reduce(flags)
+        bad_loss, bad_norm, stop = (value > 0 for value in flags.tolist())
+        unhealthy.zero_()
         if bad_loss or bad_norm:
             what = "the loss" if bad_loss else f"the gradient norm ({float(grad_norm)})"
             raise TrainingDiverged(f"{what} is not finite at step {step}; last good checkpoint: "
                                    f"{last_checkpoint or 'none yet'}. Lower train.lr or check the data.")
+        return stop
 
     def _made_with(self) -> dict:
         """What a checkpoint records of how this run computes, and a resume must match."""
@@ -546,32 +568,42 @@ def log_head_artifact(run, recipe: Recipe, head_dir: Path, summary: dict) -> Non
     run.summary.update({k: v for k, v in summary.items() if k.startswith("val/") or k == "tokens_per_second"})
 
 
-class _Window:
-    """Loss and top-1 agreement per draft position, accumulated between two logging steps."""
+def nonfinite(value: torch.Tensor) -> torch.Tensor:
+    """1.0 where `value` (a loss, a norm) is NaN or infinite, else 0.0: a flag on the device, added up there."""
+    return (~torch.isfinite(value.detach())).float()
 
-    def __init__(self, positions: int):
+
+class _Window:
+    """Loss and top-1 agreement per draft position, accumulated between two logging steps: the sums on the
+    device (the metrics come as tensors there, `DistillStats`), the counts on the host; `reduce` reads them once."""
+
+    def __init__(self, positions: int, device: torch.device | str = "cpu"):
         self.positions = positions
-        # per position: loss x count, KL x count, alpha x count, correct, count; then objective sum, micro-batches
-        self.sums = torch.zeros(5 * positions + 2, dtype=torch.float64)
+        # per position: loss x count, KL x count, alpha x count, correct; then the objective's sum
+        self.sums = torch.zeros(4 * positions + 1, dtype=torch.float64, device=device)
+        self.counts = [0] * positions + [0]  # masked positions per position; then micro-batches
 
     def add(self, result) -> None:
+        values = []
         for p, stats in enumerate(result.positions):
-            self.sums[5 * p : 5 * p + 5] += torch.tensor(
-                [float(stats.loss.detach()) * stats.count, stats.kl * stats.count, stats.alpha * stats.count,
-                 stats.correct, stats.count], dtype=torch.float64)
-        self.sums[-2] += float(result.loss.detach())
-        self.sums[-1] += 1
+            values += [stats.loss.detach().double() * stats.count, stats.kl * stats.count, stats.alpha * stats.count,
+                       stats.correct]
+            self.counts[p] += stats.count
+        values.append(result.loss.detach())
+        self.sums += torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self.sums.device) for v in values])
+        self.counts[-1] += 1
 
-    def reduce(self, dist: DistInfo | None, device: torch.device | None = None) -> dict:
-        sums = self.sums.clone()
+    def reduce(self, dist: DistInfo | None) -> dict:
+        sums = torch.cat([self.sums, torch.tensor(self.counts, dtype=torch.float64).to(self.sums.device)])
         if dist is not None and dist.world_size > 1:  # on the device: NCCL reduces only CUDA tensors
-            on_device = sums.to(device)
-            torch_dist.all_reduce(on_device)
-            sums = on_device.cpu()
+            torch_dist.all_reduce(sums)
+        sums = sums.tolist()
         self.sums.zero_()
-        out = {"train/loss": float(sums[-2] / sums[-1].clamp_min(1))}
+        self.counts = [0] * len(self.counts)
+        sums, counts = sums[: 4 * self.positions + 1], sums[4 * self.positions + 1:]
+        out = {"train/loss": sums[-1] / max(counts[-1], 1)}
         for p in range(self.positions):
-            loss, kl, alpha, correct, count = (float(x) for x in sums[5 * p : 5 * p + 5])
+            (loss, kl, alpha, correct), count = sums[4 * p : 4 * p + 4], counts[p]
             out[f"train/loss_{p + 1}"] = loss / max(count, 1)
             out[f"train/kl_{p + 1}"] = kl / max(count, 1)
             out[f"train/alpha_{p + 1}"] = alpha / max(count, 1)
@@ -585,7 +617,7 @@ def score_store(head, spec: HeadSpec, store: FeatureStore, batch_size: int, weig
                 loss: Loss = Loss()) -> "_Window":
     """Teacher-forced loss and top-1 agreement of `head` over every sample of `store` (with `dist`, this rank's
     share of the batches); reduce the returned window for the numbers."""
-    window = _Window(spec.draft_positions)
+    window = _Window(spec.draft_positions, device)
     batches = [list(range(i, min(i + batch_size, len(store)))) for i in range(0, len(store), batch_size)]
     if dist is not None:
         batches = batches[dist.rank :: dist.world_size]
@@ -596,7 +628,9 @@ def score_store(head, spec: HeadSpec, store: FeatureStore, batch_size: int, weig
 
 
 def _to_device(batch: dict, device: torch.device, dtype: torch.dtype) -> dict:
-    moved = {"target_top": batch["target_top"].to(device)} if "target_top" in batch else {}
-    return {"input_ids": batch["input_ids"].to(device), "loss_mask": batch["loss_mask"].to(device),
+    """The batch on `device`, copied without waiting for it; the loss mask and lengths stay on the host, where the
+    positions that count are picked (`distill_loss`) without reading the device."""
+    moved = {"target_top": batch["target_top"].to(device, non_blocking=True)} if "target_top" in batch else {}
+    return {"input_ids": batch["input_ids"].to(device, non_blocking=True), "loss_mask": batch["loss_mask"],
             "lengths": batch["lengths"], **moved,
-            "hidden": {k: v.to(device=device, dtype=dtype) for k, v in batch["hidden"].items()}}
+            "hidden": {k: v.to(device=device, dtype=dtype, non_blocking=True) for k, v in batch["hidden"].items()}}

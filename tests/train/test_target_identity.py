@@ -55,3 +55,52 @@ def test_with_only_the_frozen_parts_checked_the_log_and_the_head_say_so(tiny_tar
     assert "fingerprint" not in config["target_checked"] and "frozen_fingerprint" in config["target_checked"]
     message = next(r.getMessage() for r in caplog.records if "target identity checked" in r.getMessage())
     assert "not checked: fingerprint" in message and "train.target_check=frozen" in message
+
+
+def _rank(rank: int, port: int, target_dir: str, results) -> None:
+    """One of two gloo ranks: the identity train checks, counting the checkpoint reads this rank made."""
+    import os
+
+    import torch
+    import torch.distributed as torch_dist
+
+    import mtptrain.train.trainer as trainer
+    from mtptrain.config import Recipe, TargetConfig
+    from mtptrain.dist import DistInfo
+    from mtptrain.target import load_frozen_target
+
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    torch_dist.init_process_group("gloo", rank=rank, world_size=2)
+    reads = []
+    original = trainer.checkpoint_fingerprint
+    trainer.checkpoint_fingerprint = lambda cfg: reads.append(1) or original(cfg)
+    cfg = TargetConfig(model=target_dir, device="cpu", dtype="float32")
+    dist = DistInfo(rank, 2, rank)
+    identity = trainer._identity_to_check(Recipe(target=cfg), load_frozen_target(cfg, dist), dist, torch.device("cpu"))
+    results.put((rank, identity["fingerprint"], len(reads)))
+    torch_dist.destroy_process_group()
+
+
+def test_only_the_main_rank_reads_the_whole_checkpoint_for_its_fingerprint(tiny_target_dir):
+    """train.target_check full: the fingerprint of every weight, read once by rank 0 and handed to the others (a
+    70B target's 141 GB once per node instead of once per rank)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    from mtptrain.config import TargetConfig
+    from mtptrain.target import load_target
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    context = mp.get_context("spawn")  # a forked child of a process with OpenMP threads can hang
+    results = context.Queue()
+    ranks = [context.Process(target=_rank, args=(r, port, str(tiny_target_dir), results)) for r in range(2)]
+    for process in ranks:
+        process.start()
+    found = sorted(results.get(timeout=120) for _ in ranks)
+    for process in ranks:
+        process.join(timeout=60)
+    whole = load_target(TargetConfig(model=str(tiny_target_dir), device="cpu", dtype="float32")).fingerprint
+    assert found == [(0, whole, 1), (1, whole, 0)]
