@@ -496,9 +496,11 @@ class VllmConfig(_Section):
     format: Literal["eagle3", "speculators"] = Field(
         "eagle3", description="The export vLLM loads the head from (eval): eagle3 (a draft directory beside the "
         "target) or speculators (one directory naming its verifier).")
-    export: str | None = Field(
-        None, description="eval: an export directory (eagle3 or speculators, made by `mtptrain export` for this "
-        "target) that vLLM drafts with, instead of exporting eval's head: checks that export against the head.")
+    export: list[str] = Field(
+        [], description="eval: export directories (eagle3 or speculators, made by `mtptrain export` for this "
+        "target) that vLLM drafts with, instead of exporting eval's head: checks each against the head, one "
+        "`vllm chain K=k [<directory name>]` row per export where there are several (one path alone is a list of "
+        "one).")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "auto", description="vLLM's compute dtype; auto = bfloat16 on CPU (its CPU kernels' dtype), the checkpoint's "
         "own on GPUs.")
@@ -517,6 +519,11 @@ class VllmConfig(_Section):
     enforce_eager: bool | None = Field(None, description="No CUDA graphs or compilation; None = true on CPU, false "
                                        "on GPUs.")
     seed: Int = Field(0, description="vLLM's engine seed.")
+
+    @field_validator("export", mode="before")
+    @classmethod
+    def _one_export(cls, value):
+        return [] if value is None else [value] if isinstance(value, str) else value
 
 
 class ExportConfig(_Section):

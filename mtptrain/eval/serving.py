@@ -17,6 +17,7 @@ and SGLang report it, but for the tokens a last step drafted past the answer's e
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -117,10 +118,12 @@ def vllm_configs(recipe: Recipe, target, head_info: HeadInfo | None, sampling: S
     has chain) and returns them as eval configurations whose `serve` runs one request."""
     ev, run = recipe.eval, ServingRun()
     model = resolve_local_dir(recipe.target)[0]
-    wanted: list[tuple[str, int, dict | None]] = [("baseline", 0, None)]
+    wanted: list[tuple[str, int, dict | None, str]] = [("baseline", 0, None, "")]
     if "chain" in ev.methods:
-        export = _export(recipe, target, head_info, out_dir / "vllm")
-        wanted += [("chain", k, eagle3_speculation(export, k)) for k in ev.k]
+        exports = _exports(recipe, target, head_info, out_dir / "vllm")
+        for export in exports:
+            name = f" [{export.name}]" if len(exports) > 1 else ""
+            wanted += [("chain", k, eagle3_speculation(export, k), name) for k in ev.k]
     skipped = sorted(set(ev.methods) - {"chain"})
     if skipped:
         run.notes.append(f"vllm: measured without drafts and with the head's chain; {', '.join(skipped)} run in "
@@ -132,18 +135,19 @@ def vllm_configs(recipe: Recipe, target, head_info: HeadInfo | None, sampling: S
         # engines side by side on one GPU: each its share (vLLM's default takes 90% of the device for one)
         cfg = cfg.model_copy(update={"memory_utilization": 0.9 / len(wanted)})
     try:
-        labels = [PREFIX + ("baseline" if method == "baseline" else f"{method} K={k}") for method, k, _ in wanted]
-        for label, (method, k, speculative) in zip(labels, wanted):  # the workers start and build at once
-            worker = VllmWorker(cfg, out_dir / "vllm" / f"{label.replace(' ', '-').replace('=', '')}.log")
+        labels = [PREFIX + ("baseline" if method == "baseline" else f"{method} K={k}{name}")
+                  for method, k, _, name in wanted]
+        for label, (method, k, speculative, _) in zip(labels, wanted):  # the workers start and build at once
+            worker = VllmWorker(cfg, out_dir / "vllm" / f"{re.sub(r'[^A-Za-z0-9_.-]+', '-', label).strip('-')}.log")
             run.workers.append(worker)
             worker.open_begin(engine_args(cfg, model, max_model_len, speculative,
                                           kv_cache_gib=None if on_gpu() else cache))
-        for label, worker, (method, k, speculative) in zip(labels, run.workers, wanted):
+        for label, worker, (method, k, speculative, _) in zip(labels, run.workers, wanted):
             facts = worker.open_end()
             run.facts = {**{key: facts[key] for key in ("vllm", "torch", "dtype", "device", "threads")},
                          "in_process": cfg.in_process, "format": run.facts.get("format")}
             if speculative:
-                run.facts["format"] = f"the export {cfg.export}" if cfg.export else cfg.format
+                run.facts["format"] = f"the export {', '.join(cfg.export)}" if cfg.export else cfg.format
             run.configs.append(Config(label, method, k, engine="vllm",
                                       serve=_server(worker, k, sampling, stops, len(wanted) > 1)))
     except BaseException:
@@ -163,11 +167,16 @@ def _server(worker: VllmWorker, k: int, sampling: Sampling, stops: set[int], set
     return serve
 
 
-def _export(recipe: Recipe, target, head_info: HeadInfo | None, out_dir: Path) -> Path:
+def _exports(recipe: Recipe, target, head_info: HeadInfo | None, out_dir: Path) -> list[Path]:
     """The head in vllm.format, for vLLM to load (the speculators format names the local target as verifier);
-    or vllm.export, an export made elsewhere, after checking it was made for this target."""
+    or vllm.export, exports made elsewhere, each after checking it was made for this target."""
     if recipe.vllm.export:
-        return _given_export(Path(recipe.vllm.export), target)
+        exports = [_given_export(Path(path), target) for path in recipe.vllm.export]
+        names = [export.name for export in exports]
+        if len(set(names)) < len(names):
+            raise EvalError(f"vllm.export names two exports by one directory name ({', '.join(names)}): their "
+                            "rows would share a label; give each its own directory name")
+        return exports
     if head_info is None:
         raise EvalError("eval.engines has vllm and eval.methods has chain, but no head was loaded")
     fmt = recipe.vllm.format
@@ -178,7 +187,7 @@ def _export(recipe: Recipe, target, head_info: HeadInfo | None, out_dir: Path) -
     out = out_dir / f"export-{fmt}"
     export_head(head_info.path, out, ExportConfig(format=fmt, target=recipe.target.model if Path(
         recipe.target.model).expanduser().is_dir() else None, verifier=resolve_local_dir(recipe.target)[0]))
-    return out
+    return [out]
 
 
 def _given_export(export: Path, target) -> Path:

@@ -46,35 +46,6 @@ def eagle3_export(tmp_path_factory) -> Path:
     return out
 
 
-def serve(tmp_path: Path, *settings: str) -> dict:
-    recipe = load_recipe(None, SMALL + [f"eval.output_dir={tmp_path / 'eval'}", *settings])
-    return run_eval(recipe, show_progress=False)
-
-
-def vllm_chain(results: dict) -> dict:
-    return next(m for m in results["methods"] if m["label"] == "vllm chain K=3")
-
-
-@pytest.mark.parametrize("fmt", ["eagle3", "speculators"])
-def test_vllm_drafts_with_each_export_format_as_the_embedded_engine_does(vllm_env, tmp_path, fmt):
-    results = serve(tmp_path, f"vllm.format={fmt}")
-    serving = results["serving"]
-    assert serving["vllm"] == VLLM_CHECKED and serving["dtype"] == "float32" and serving["format"] == fmt
-    assert serving["baselines_identical"] == serving["baselines_compared"] == 3, serving
-    [entry] = serving["agreement"]
-    print(f"{fmt}: {entry}")
-    assert conforms(entry) == [], entry
-    ours = next(m for m in results["methods"] if m["label"] == "chain K=3")
-    theirs = vllm_chain(results)
-    assert theirs["engine"] == "vllm" and theirs["tau"] > 1.3, theirs  # the head drafts, and is accepted
-    assert len(theirs["acceptance"]) == 3 and len(theirs["acceptance_per_request"]) == 3
-    assert abs(theirs["tau_per_request"] - ours["tau_per_request"]) < 0.05
-    assert not theirs["exactness"]["failures"] and theirs["exactness"]["checked"] == 3
-    assert theirs["speedup"] > 0 and theirs["draft_ms_per_step"] is None
-    report = (tmp_path / "eval" / "report.md").read_text()
-    assert "## The serving engine" in report and "vLLM 0.32.0" in report
-
-
 def _edit_config(export: Path, change) -> None:
     config = json.loads((export / "config.json").read_text())
     change(config)
@@ -96,15 +67,61 @@ BROKEN = {
         e, lambda c: c.update(eagle_aux_hidden_state_layer_ids=[i + 1 for i in c["eagle_aux_hidden_state_layer_ids"]])),
     "vocabulary map reversed": _reverse_vocabulary,
 }
+FORMATS = ["eagle3", "speculators"]
+
+
+def directory(name: str) -> str:
+    return name.replace(" ", "-")
+
+
+@pytest.fixture(scope="module")
+def served(vllm_env, eagle3_export, tmp_path_factory) -> dict:
+    """One eval run: the embedded engine, vLLM's baseline, and vLLM's chain from each export side by side (both
+    formats of the shipped head, and each broken copy), every row on the same requests."""
+    root = tmp_path_factory.mktemp("served")
+    exports = [root / "eagle3", root / "speculators"]
+    shutil.copytree(eagle3_export, exports[0])
+    export_head(PRETRAINED_HEAD, exports[1], ExportConfig(format="speculators", speculative_tokens=3,
+                                                          verifier=str(converted_gguf_dir(embedded_gguf_path()))))
+    for breakage, breaking in BROKEN.items():
+        broken = root / directory(breakage)
+        shutil.copytree(eagle3_export, broken)
+        breaking(broken)
+        exports.append(broken)
+    recipe = load_recipe(None, SMALL + [f"eval.output_dir={root / 'eval'}",
+                                        f"vllm.export=[{', '.join(map(str, exports))}]"])
+    return {**run_eval(recipe, show_progress=False), "report": (root / "eval" / "report.md").read_text()}
+
+
+def vllm_chain(results: dict, export: str) -> dict:
+    return next(m for m in results["methods"] if m["label"] == f"vllm chain K=3 [{export}]")
+
+
+def agreement_of(results: dict, export: str) -> dict:
+    return next(e for e in results["serving"]["agreement"] if e["label"] == f"vllm chain K=3 [{export}]")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_vllm_drafts_with_each_export_format_as_the_embedded_engine_does(served, fmt):
+    serving = served["serving"]
+    assert serving["vllm"] == VLLM_CHECKED and serving["dtype"] == "float32"
+    assert serving["baselines_identical"] == serving["baselines_compared"] == 3, serving
+    entry = agreement_of(served, fmt)
+    print(f"{fmt}: {entry}")
+    assert conforms(entry) == [], entry
+    ours = next(m for m in served["methods"] if m["label"] == "chain K=3")
+    theirs = vllm_chain(served, fmt)
+    assert theirs["engine"] == "vllm" and theirs["tau"] > 1.3, theirs  # the head drafts, and is accepted
+    assert len(theirs["acceptance"]) == 3 and len(theirs["acceptance_per_request"]) == 3
+    assert abs(theirs["tau_per_request"] - ours["tau_per_request"]) < 0.05
+    assert not theirs["exactness"]["failures"] and theirs["exactness"]["checked"] == 3
+    assert theirs["speedup"] > 0 and theirs["draft_ms_per_step"] is None
+    assert "## The serving engine" in served["report"] and "vLLM 0.32.0" in served["report"]
 
 
 @pytest.mark.parametrize("breakage", list(BROKEN))
-def test_a_broken_export_fails_the_serving_check(vllm_env, eagle3_export, tmp_path, breakage):
-    broken = tmp_path / "broken"
-    shutil.copytree(eagle3_export, broken)
-    BROKEN[breakage](broken)
-    results = serve(tmp_path, f"vllm.export={broken}")
-    [entry] = results["serving"]["agreement"]
+def test_a_broken_export_fails_the_serving_check(served, breakage):
+    entry = agreement_of(served, directory(breakage))
     print(f"{breakage}: {entry}")  # what it measured (pytest -rP), quoted in docs/export.md
     assert conforms(entry), f"{breakage} passed the serving check: {entry}"
 
