@@ -233,8 +233,12 @@ def _identity_to_check(recipe: Recipe, target: Target, dist: DistInfo, device: t
     train.target_check is frozen (a target loaded in part has only its frozen parts' own). The main rank reads
     the checkpoint for it and hands the fingerprint to the others."""
     identity = target.identity()
-    if target.partial and recipe.train.target_check == "full":
-        identity["fingerprint"] = from_main(lambda: _full_fingerprint(recipe), dist, device)
+    # Every rank takes part in the hand-over, whatever it loaded: the main rank loads the whole target when
+    # train.engine_eval drafts (its fingerprint is then known), the others its frozen parts only.
+    if recipe.train.target_check == "full" and (target.partial or dist.world_size > 1):
+        shared = from_main(lambda: target.fingerprint or _full_fingerprint(recipe), dist, device)
+        if target.partial:
+            identity["fingerprint"] = shared
     return identity
 
 

@@ -57,7 +57,7 @@ def test_with_only_the_frozen_parts_checked_the_log_and_the_head_say_so(tiny_tar
     assert "not checked: fingerprint" in message and "train.target_check=frozen" in message
 
 
-def _rank(rank: int, port: int, target_dir: str, results) -> None:
+def _rank(rank: int, port: int, target_dir: str, main_whole: bool, results) -> None:
     """One of two gloo ranks: the identity train checks, counting the checkpoint reads this rank made."""
     import os
 
@@ -67,7 +67,7 @@ def _rank(rank: int, port: int, target_dir: str, results) -> None:
     import mtptrain.train.trainer as trainer
     from mtptrain.config import Recipe, TargetConfig
     from mtptrain.dist import DistInfo
-    from mtptrain.target import load_frozen_target
+    from mtptrain.target import load_frozen_target, load_target
 
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     torch_dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -76,14 +76,18 @@ def _rank(rank: int, port: int, target_dir: str, results) -> None:
     trainer.checkpoint_fingerprint = lambda cfg: reads.append(1) or original(cfg)
     cfg = TargetConfig(model=target_dir, device="cpu", dtype="float32")
     dist = DistInfo(rank, 2, rank)
-    identity = trainer._identity_to_check(Recipe(target=cfg), load_frozen_target(cfg, dist), dist, torch.device("cpu"))
+    target = load_target(cfg, dist) if rank == 0 and main_whole else load_frozen_target(cfg, dist)
+    identity = trainer._identity_to_check(Recipe(target=cfg), target, dist, torch.device("cpu"))
     results.put((rank, identity["fingerprint"], len(reads)))
     torch_dist.destroy_process_group()
 
 
-def test_only_the_main_rank_reads_the_whole_checkpoint_for_its_fingerprint(tiny_target_dir):
+@pytest.mark.parametrize("main_whole", [False, True], ids=["all in part", "main rank whole"])
+def test_only_the_main_rank_reads_the_whole_checkpoint_for_its_fingerprint(tiny_target_dir, main_whole):
     """train.target_check full: the fingerprint of every weight, read once by rank 0 and handed to the others (a
-    70B target's 141 GB once per node instead of once per rank)."""
+    70B target's 141 GB once per node instead of once per rank). With train.engine_eval the main rank has loaded
+    the whole target and knows its fingerprint already; the others still wait for it (a rank that skipped the
+    hand-over would leave them waiting for ever)."""
     import socket
 
     import torch.multiprocessing as mp
@@ -96,11 +100,11 @@ def test_only_the_main_rank_reads_the_whole_checkpoint_for_its_fingerprint(tiny_
         port = sock.getsockname()[1]
     context = mp.get_context("spawn")  # a forked child of a process with OpenMP threads can hang
     results = context.Queue()
-    ranks = [context.Process(target=_rank, args=(r, port, str(tiny_target_dir), results)) for r in range(2)]
+    ranks = [context.Process(target=_rank, args=(r, port, str(tiny_target_dir), main_whole, results)) for r in range(2)]
     for process in ranks:
         process.start()
     found = sorted(results.get(timeout=120) for _ in ranks)
     for process in ranks:
         process.join(timeout=60)
     whole = load_target(TargetConfig(model=str(tiny_target_dir), device="cpu", dtype="float32")).fingerprint
-    assert found == [(0, whole, 1), (1, whole, 0)]
+    assert found == [(0, whole, 0 if main_whole else 1), (1, whole, 0)]
