@@ -116,9 +116,14 @@ def collate(items: list[dict]) -> dict:
     return batch
 
 
-def loader(store: FeatureStore | OnlineFeatures, batches: list[list[int]], num_workers: int) -> DataLoader:
-    """Micro-batches in order; online features are computed in this process, by the target loaded here."""
-    if isinstance(store, OnlineFeatures):
+def loader(store: FeatureStore | OnlineFeatures, batches: list[list[int]], num_workers: int,
+           pin: bool = False) -> DataLoader:
+    """Micro-batches in order; online features are computed in this process, by the target loaded here. `pin`
+    (training on CUDA): a store's batches come in page-locked memory, so that their copies to the GPU
+    (non_blocking) overlap the step before instead of waiting for it; online features are on the GPU already."""
+    online = isinstance(store, OnlineFeatures)
+    if online:
         num_workers = 0
     return DataLoader(BatchDataset(store, batches), batch_size=None, shuffle=False, num_workers=num_workers,
-                      prefetch_factor=4 if num_workers else None, persistent_workers=False)
+                      prefetch_factor=4 if num_workers else None, persistent_workers=False,
+                      pin_memory=pin and not online)

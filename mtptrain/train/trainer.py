@@ -381,7 +381,7 @@ class Trainer:
         dtype = next(head.parameters()).dtype
         try:
             clock = time.perf_counter()
-            for k, batch in enumerate(loader(self.train_store, batches, self.cfg.num_workers)):
+            for k, batch in enumerate(loader(self.train_store, batches, self.cfg.num_workers, self.device.type == "cuda")):
                 started = time.perf_counter()
                 totals["wait"] += started - clock
                 batch = _to_device(batch, self.device, dtype)

@@ -64,3 +64,14 @@ def test_the_window_reads_its_sums_once_and_averages_them():
         assert logged[f"train/kl_{p + 1}"] == pytest.approx(sum(float(s.kl) * s.count for s in stats) / count)
         assert logged[f"train/alpha_{p + 1}"] == pytest.approx(sum(float(s.alpha) * s.count for s in stats) / count)
     assert window.reduce(None)["train/loss"] == 0.0  # emptied by the read
+
+
+def test_a_stores_batches_come_pinned_for_training_on_cuda(tiny_store):
+    """Page-locked batches let their non-blocking copies to the GPU overlap the step before; online features are
+    computed on the GPU and are not pinned."""
+    from mtptrain.features.store import FeatureStore
+    from mtptrain.train.data import loader
+
+    store = FeatureStore(tiny_store, "train")
+    assert loader(store, [[0, 1]], 0, pin=True).pin_memory
+    assert not loader(store, [[0, 1]], 0).pin_memory
