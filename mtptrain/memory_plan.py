@@ -20,6 +20,7 @@ import torch
 
 from mtptrain.config import Recipe
 from mtptrain.errors import MtptrainError
+from mtptrain.features.compute import TOP_CHUNK
 from mtptrain.features.plan import resolve_layers
 from mtptrain.heads.common import FrozenTarget
 from mtptrain.heads.spec import HeadSpec
@@ -28,7 +29,6 @@ from mtptrain.target.parts import meta_model
 GIB = 2**30
 RESERVE_GIB = 4.0  # CUDA context (~0.5 GiB), NCCL buffers, the caching allocator's fragmentation
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "auto": 2}  # auto = bfloat16 on CUDA
-TOP_CHUNK = 2048  # positions per LM-head product in precompute (features/compute.py)
 ENGINE = "engine validation"  # what training's main rank adds for train.engine_eval
 
 

@@ -90,8 +90,9 @@ def test_training_on_cuda_checks_the_plan_of_the_ranks_torchrun_started(tmp_path
     (target / "config.json").write_text((ROOT / "recipes" / "shapes" / "llama-3.1-70b.json").read_text())
     monkeypatch.setattr(trainer, "gpu_memory_gib", lambda device: 80.0)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    config = shape_config("llama-3.1-70b")
     shipped = recipe("llama-3.1-70b-eagle3", f"target.model={target}")
-    trainer._check_memory(shipped, DistInfo(0, 8, 0), torch.device("cuda", 0))
+    trainer._check_memory(shipped, config, DistInfo(0, 8, 0), torch.device("cuda", 0))
     with pytest.raises(PlanError, match="train.engine_eval.prompts=0"):
         trainer._check_memory(recipe("llama-3.1-70b-eagle3", f"target.model={target}", "train.engine_eval.prompts=4"),
-                              DistInfo(0, 8, 0), torch.device("cuda", 0))
+                              config, DistInfo(0, 8, 0), torch.device("cuda", 0))

@@ -195,20 +195,21 @@ def run_train(recipe: Recipe, wandb: str | None = None, show_progress: bool = Tr
         # DeepSpeed caches its process groups for the life of the process, so the group stays up
         # across runs in one process and is torn down at exit (ranks abort if it is left open).
         atexit.register(destroy_process_group)
+    config = load_config(recipe.target)
     if device.type == "cuda":
-        _check_memory(recipe, dist, device)
+        _check_memory(recipe, config, dist, device)
     target_device = rank_devices(recipe.target, dist)[0]
     if ranks_must_agree(target_device, dist):  # every rank runs the target's parts with rank 0's dtype and kernels
-        agree_on_dtype(load_config(recipe.target), target_device)
+        agree_on_dtype(config, target_device)
     return Trainer(recipe, dist, device, wandb or recipe.tracking.wandb, show_progress and dist.is_main).run()
 
 
-def _check_memory(recipe: Recipe, dist: DistInfo, device: torch.device) -> None:
+def _check_memory(recipe: Recipe, config, dist: DistInfo, device: torch.device) -> None:
     """Refuse, before any weight is read, a run whose GPUs cannot hold what each training rank puts on them (the
     main rank's whole target for train.engine_eval included): mtptrain/memory_plan.py."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", min(dist.world_size, torch.cuda.device_count())))
     gib = gpu_memory_gib(device)
-    lines = summary(check_plan(recipe, load_config(recipe.target), gib, ("train",), (dist.world_size, local)), gib)
+    lines = summary(check_plan(recipe, config, gib, ("train",), (dist.world_size, local)), gib)
     if dist.is_main:
         log.info("memory plan, %s", lines[0])
 
