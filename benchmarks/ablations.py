@@ -16,6 +16,7 @@ and, by name (--arms), one change each to the EAGLE-3 head at the same training 
   eagle3-equal-steps                      every TTT step weighted alike instead of 0.8^k (head.step_weights)
   eagle3-speculators-method               the three above together
   eagle3-fp8-store                        features stored as float8 with a scale per row (precompute.dtype)
+  eagle3-reachable                        positions 2.. scored only where the earlier ones hit (train.reachable)
 and a learning curve: tau of the reference run's head snapshots (train.head_snapshots) against the
 training tokens each had seen.
 
@@ -68,6 +69,8 @@ ARMS = {
     "eagle3-speculators-method": ["train.optimizer=muon", "train.draft_lm_head=frozen", "head.step_weights=[1,1,1,1]"],
     # storage below bfloat16 (its own store: features-fp8 under --out)
     "eagle3-fp8-store": ["precompute.dtype=float8_e4m3fn"],
+    # GRIFFIN's token-alignable training: a later draft position learns only where a greedy chain reaches it
+    "eagle3-reachable": ["train.reachable=true"],
 }
 DEFAULT_ARMS = ["eagle3", "eagle3-original", "eagle-restored", "eagle-stripped", "mtp"]
 

@@ -346,6 +346,10 @@ class TrainConfig(_Section):
         "probability of speculative sampling; lk = -log alpha; lk-hybrid = a KL / TV blend weighted by "
         "exp(-loss_eta * alpha), KL while acceptance is low and TV as it grows. alpha is logged for all of them.")
     loss_eta: Float = Field(3.0, gt=0, description="lk-hybrid: how fast the blend moves from KL to TV with alpha.")
+    reachable: bool = Field(
+        False, description="Score draft position p only where positions 1..p-1 drafted the target's own choices, "
+        "the only places a greedy chain drafts it from (GRIFFIN's token-alignable training, arXiv:2502.11018); "
+        "each position's loss is the mean over those places. Position 1 is scored everywhere.")
     loss_chunk: Int = Field(1024, ge=1, description="Positions per chunk of full-vocabulary logits.")
     num_workers: Int = Field(1, ge=0, description="Data-loader worker processes.")
     log_every: Int = Field(10, ge=1, description="Steps between logged metrics.")

@@ -28,6 +28,12 @@ What is minimised (`Loss.kind`):
 
 alpha is reported for every kind: the head's expected acceptance at
 temperature 1 at that draft position, given the positions before it.
+
+`Loss.reachable` scores draft position p only where positions 1..p-1 drafted
+the target's own choices: the only places a greedy chain ever drafts position p
+from (the token-alignable training of GRIFFIN, Hu et al., arXiv:2502.11018).
+Each position's loss is then the mean over its reachable places; the metrics
+stay over every place, so that runs with and without it compare.
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ class Loss:
 
     kind: str = "kl"
     eta: float = 3.0
+    reachable: bool = False  # position p scored only where positions 1..p-1 drafted the target's choices
 
     def __post_init__(self):
         if self.kind not in LOSS_KINDS:
@@ -76,6 +83,7 @@ class DistillStats:
     correct: torch.Tensor  # positions where the head's top-1 equals the target's top-1
     count: int  # masked positions
     alpha: torch.Tensor | float = 0.0  # mean sum_v min(p_v, q_v): the expected acceptance at temperature 1
+    hits: torch.Tensor | None = None  # [...] as the mask: 1 where the head's top-1 is the target's (0 unmasked)
 
 
 def _upcast(logits: torch.Tensor) -> torch.Tensor:
@@ -84,7 +92,7 @@ def _upcast(logits: torch.Tensor) -> torch.Tensor:
 
 
 def _chunk_terms(head_logits: Callable, target_logits: Callable, predicted: torch.Tensor, target_hidden: torch.Tensor,
-                 loss: Loss):
+                 loss: Loss, weight: torch.Tensor | None = None):
     with torch.no_grad():
         target_logp = F.log_softmax(_upcast(target_logits(target_hidden)), dim=-1)
         target_p = target_logp.exp()
@@ -101,7 +109,9 @@ def _chunk_terms(head_logits: Callable, target_logits: Callable, predicted: torc
         alpha = torch.minimum(head_logp.exp(), target_p).sum(-1)
     with torch.no_grad():
         tops = torch.stack([head_logp.argmax(-1), target_logp.argmax(-1)])
-    return (loss.per_position(cross_entropy, entropy, alpha).sum(), (cross_entropy.detach() - entropy).sum(),
+    value = loss.per_position(cross_entropy, entropy, alpha)
+    value = value.sum() if weight is None else (value * weight.to(value.dtype)).sum()
+    return (value, (cross_entropy.detach() - entropy).sum(),
             alpha.detach().sum(), tops)
 
 
@@ -109,7 +119,8 @@ def distill_loss(head_logits: Callable[[torch.Tensor], torch.Tensor],
                  target_logits: Callable[[torch.Tensor], torch.Tensor],
                  predicted: torch.Tensor, target_hidden: torch.Tensor, mask: torch.Tensor,
                  chunk: int = 1024, to_target: Callable | None = None,
-                 target_top: torch.Tensor | None = None, recompute: bool = True, loss: Loss = Loss()) -> DistillStats:
+                 target_top: torch.Tensor | None = None, recompute: bool = True, loss: Loss = Loss(),
+                 weight: torch.Tensor | None = None) -> DistillStats:
     """predicted [..., H] (head states), target_hidden [..., D] (what `target_logits` turns into the target's
     logits: its states, already index-shifted, or logits computed ahead with `target_logits` the identity),
     mask [...] (1 = counts), best left on the host: which positions count is shape information (how many chunks,
@@ -119,35 +130,45 @@ def distill_loss(head_logits: Callable[[torch.Tensor], torch.Tensor],
     `to_target` (its ids -> target ids) and `target_top` [...] (the target's top-1 over its full vocabulary,
     computed once per batch), so that a target choice outside the draft vocabulary counts as a miss.
     `recompute` False keeps each chunk's logits for backward instead of computing them again (a small draft
-    vocabulary, where they are cheap to hold). `loss` is what is minimised (Loss)."""
+    vocabulary, where they are cheap to hold). `loss` is what is minimised (Loss). `weight` [...] (on the device,
+    0 or 1) keeps only some of the masked positions in the loss, which is then their mean; the metrics and `hits`
+    cover every masked position."""
+    shape = mask.shape
     rows = mask.reshape(-1).bool().cpu().nonzero().squeeze(1)
     count = len(rows)
     rows = rows.to(predicted.device, non_blocking=True)
+    if weight is not None:
+        weight = weight.reshape(-1).to(predicted.device).index_select(0, rows)
     predicted = predicted.reshape(-1, predicted.shape[-1]).index_select(0, rows)
     target_hidden = target_hidden.reshape(-1, target_hidden.shape[-1]).index_select(0, rows.to(target_hidden.device))
     if target_top is not None:
         target_top = target_top.reshape(-1).index_select(0, rows.to(target_top.device))
     metric = predicted.new_zeros((), dtype=torch.float64)
+    hits = torch.zeros(shape.numel(), dtype=torch.bool, device=predicted.device)
     if count == 0:
-        return DistillStats(predicted.sum() * 0.0, metric, metric.long(), 0, metric)
+        return DistillStats(predicted.sum() * 0.0, metric, metric.long(), 0, metric, hits.view(shape))
     total = predicted.new_zeros((), dtype=torch.promote_types(predicted.dtype, torch.float32))
-    kl_total, alpha_total, correct = metric, metric, metric.long()
+    kl_total, alpha_total, chunk_hits = metric, metric, []
     for start in range(0, count, chunk):
         piece = slice(start, start + chunk)
+        w = weight[piece] if weight is not None else None
         if recompute and torch.is_grad_enabled() and predicted.requires_grad:
             value, kl, alpha, tops = checkpoint(_chunk_terms, head_logits, target_logits, predicted[piece],
-                                                target_hidden[piece], loss, use_reentrant=False)
+                                                target_hidden[piece], loss, w, use_reentrant=False)
         else:
             value, kl, alpha, tops = _chunk_terms(head_logits, target_logits, predicted[piece], target_hidden[piece],
-                                                  loss)
+                                                  loss, w)
         total = total + value
         kl_total = kl_total + kl.double()
         alpha_total = alpha_total + alpha.double()
         if to_target is None:
-            correct = correct + (tops[0] == tops[1]).sum()
+            chunk_hits.append(tops[0] == tops[1])
         else:
-            correct = correct + (to_target(tops[0]) == target_top[piece]).sum()
-    return DistillStats(total / count, kl_total / count, correct, count, alpha_total / count)
+            chunk_hits.append(to_target(tops[0]) == target_top[piece].to(tops.device))
+    hit = torch.cat(chunk_hits)
+    hits[rows] = hit
+    scored = count if weight is None else weight.sum().clamp_min(1.0)
+    return DistillStats(total / scored, kl_total / count, hit.sum(), count, alpha_total / count, hits.view(shape))
 
 
 def feature_loss(predicted: torch.Tensor, target_features: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -59,12 +59,17 @@ def distill_positions(outputs: list[torch.Tensor], logits: list[Callable], targe
     `target_logits`, weighted by weights[p - 1]. `to_target`, `target_top` and `recompute` as in distill_loss (a
     head over a reduced vocabulary); `loss` is what is minimised."""
     result = BatchResult(table.new_zeros((), dtype=torch.float32))
+    reached = None  # loss.reachable: [B, T_p] 1 where positions 1..p-1 drafted the target's choices
     for position, (out, to_logits) in enumerate(zip(outputs, logits), start=1):
         m = target_mask(loss_mask, position, out.shape[1])
         width = slice(position, position + out.shape[1])
+        weight = reached[:, : out.shape[1]] if reached is not None else None
         stats = distill_loss(to_logits, target_logits, out, table[:, width], m, chunk, to_target=to_target,
                              target_top=target_top[:, width] if target_top is not None else None,
-                             recompute=recompute, loss=loss)
+                             recompute=recompute, loss=loss, weight=weight)
         result.loss = result.loss + weights[position - 1] * stats.loss
         result.positions.append(stats)
+        if loss.reachable:  # column t of position p+1 extends the chain of column t of position p
+            hits = stats.hits.to(torch.float32)
+            reached = hits if reached is None else reached[:, : hits.shape[1]] * hits
     return result

@@ -284,7 +284,7 @@ class Trainer:
                                           verify="size")
         self.weights = step_weights(recipe.head.step_weights, self.spec.draft_positions)
         self.feature_weight = self.spec.family.feature_weight(recipe.head)
-        self.loss = Loss(self.cfg.loss, self.cfg.loss_eta)
+        self.loss = Loss(self.cfg.loss, self.cfg.loss_eta, self.cfg.reachable)
         self.steps = steps_for(len(self.train_store), self.cfg.micro_batch_size, dist.world_size,
                                self.cfg.grad_accum, self.cfg.epochs, self.cfg.max_steps)
         self.plan = BatchPlan(self.train_store.lengths(), self.cfg.micro_batch_size, self.cfg.seed,

@@ -7,7 +7,7 @@ from conftest import make_tiny_llama
 
 import mtptrain.heads.objective as objective
 from mtptrain.heads import FrozenTarget
-from mtptrain.heads.losses import DistillStats, distill_loss
+from mtptrain.heads.losses import DistillStats, Loss, distill_loss
 from mtptrain.heads.spec import HeadSpec
 
 LENGTHS = [7, 4]  # the second sample is right-padded to 7
@@ -33,7 +33,7 @@ def test_position_p_at_t_is_matched_to_state_t_plus_p_and_mask_of_token_t_plus_1
     calls = []
 
     def record(head_logits, target_logits, predicted, target_hidden, mask, chunk, to_target=None, target_top=None,
-               recompute=True, loss=None):
+               recompute=True, loss=None, weight=None):
         calls.append((target_hidden[..., 0].clone(), mask.clone(), predicted.shape[1]))
         return DistillStats(predicted.sum() * 0.0, 0.0, 0, 0)
 
@@ -89,3 +89,46 @@ def test_eagle3_agreement_is_the_targets_full_vocabulary_choice_at_each_position
             direct = distill_loss(head.logits, head.target_logits, out, last[:, p:p + out.shape[1]], m, 3)
             assert torch.allclose(stats.loss, direct.loss, atol=1e-5) and abs(stats.kl - direct.kl) < 1e-5
     assert 0 < sum(s.correct for s in result.positions) < sum(s.count for s in result.positions)
+
+
+
+def test_reachable_scores_position_p_only_where_positions_before_it_drafted_the_targets_choices():
+    """Loss.reachable: position p's loss is the loss of a mask of the places where positions 1..p-1 hit (a
+    greedy chain drafts position p nowhere else), and so is its gradient; the metrics stay over every place."""
+    torch.manual_seed(0)
+    target = make_tiny_llama(400)
+    spec = HeadSpec("eagle3", last_layer=3, feature_layers=[0, 1, 2], ttt_steps=3, draft_vocab_size=400)
+    head = spec.family.build(spec, FrozenTarget.of(target))
+    batch = _batch()
+    batch["hidden"] = {k: torch.randn_like(v) for k, v in batch["hidden"].items()}
+    batch["loss_mask"] = (torch.arange(7)[None] < torch.tensor(LENGTHS)[:, None]).long()
+    with torch.no_grad():  # the head's logits near the target's, so that it hits often but not always
+        head.lm_head.weight.copy_(target.lm_head.weight[head.draft_to_target])
+        batch["hidden"][3] = head.unroll(head.fuse([batch["hidden"][k] for k in (0, 1, 2)]), batch["input_ids"], 1)[0]
+        batch["hidden"][3] = torch.cat([batch["hidden"][3][:, :1], batch["hidden"][3]], 1)
+        batch["hidden"][3] += 0.5 * torch.randn_like(batch["hidden"][3])
+    plain = spec.family.objective(head, batch, spec, [1.0] * 3, 0.1, chunk=3)
+    kept = spec.family.objective(head, batch, spec, [1.0] * 3, 0.1, chunk=3, loss=Loss(reachable=True))
+    outputs = head.unroll(head.fuse([batch["hidden"][k] for k in (0, 1, 2)]), batch["input_ids"], 3)
+    last, reached, dropped, later = batch["hidden"][3], None, 0, 0
+    for p, (a, b, out) in enumerate(zip(plain.positions, kept.positions, outputs), start=1):
+        assert (a.correct, a.count) == (b.correct, b.count) and torch.allclose(a.kl, b.kl)  # metrics: every place
+        assert torch.equal(a.hits, b.hits) and int(a.hits.sum()) == int(a.correct)
+        m = objective.target_mask(batch["loss_mask"], p, out.shape[1])
+        mask = m if reached is None else m * reached[:, : out.shape[1]]
+        dropped += int(m.sum() - mask.sum())
+        later += int(mask.sum()) if p > 1 else 0
+        direct = distill_loss(head.logits, head.target_logits, out, last[:, p:p + out.shape[1]], mask, 3)
+        assert torch.allclose(b.loss, direct.loss, atol=1e-5), p
+        reached = a.hits.long() if reached is None else reached[:, : a.hits.shape[1]] * a.hits
+    assert dropped > 0 and later > 0  # the case is not trivial: later places dropped and kept
+    # the gradient: position 2 alone, against its mask of reachable places
+    head.zero_grad()
+    spec.family.objective(head, batch, spec, [0.0, 1.0, 0.0], 0.1, chunk=3, loss=Loss(reachable=True)).loss.backward()
+    ours = [p.grad.clone() for p in head.parameters() if p.requires_grad]
+    head.zero_grad()
+    outputs = head.unroll(head.fuse([batch["hidden"][k] for k in (0, 1, 2)]), batch["input_ids"], 2)
+    m = objective.target_mask(batch["loss_mask"], 2, outputs[1].shape[1]) * plain.positions[0].hits[:, : outputs[1].shape[1]]
+    distill_loss(head.logits, head.target_logits, outputs[1], last[:, 2:2 + outputs[1].shape[1]], m, 3).loss.backward()
+    for g, h in zip(ours, [p.grad for p in head.parameters() if p.requires_grad]):
+        assert (g is None and h is None) or torch.allclose(g, h, atol=1e-6)
