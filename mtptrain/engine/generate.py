@@ -21,7 +21,8 @@ import torch
 
 from mtptrain.engine.proposer import Proposer
 from mtptrain.engine.tree import DraftTree, verify_tree_greedy, verify_tree_sampling
-from mtptrain.engine.verify import Sampling, distribution, draw, greedy_choice, verify_greedy, verify_sampling
+from mtptrain.engine.verify import (Sampling, TargetRows, distribution, draw, greedy_choice, verify_greedy,
+                                    verify_sampling)
 from mtptrain.runtime.runner import Runner
 
 
@@ -116,7 +117,7 @@ def generate(runner: Runner, prompt: list[int], max_new_tokens: int, proposer: P
             if sampling.greedy:
                 verdict = verify_greedy(draft, logits)
             else:
-                verdict = verify_sampling(draft, draft_probs, distribution(logits, sampling), generator)
+                verdict = verify_sampling(draft, draft_probs, TargetRows(logits, sampling), generator)
             runner.rollback(committed + verdict.accepted)
             rows = list(range(verdict.accepted + 1))
             drafted = size = len(draft)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from mtptrain.engine.proposer import ProposerBase
-from mtptrain.engine.verify import Sampling, distribution, draw, greedy_choice
+from mtptrain.engine.verify import DraftProbs, Sampling, distribution, draw, greedy_choice
 
 
 class HeadChainProposer(ProposerBase):
@@ -52,30 +52,30 @@ class HeadChainProposer(ProposerBase):
         self.last_logits = self.stepper.logits(self.last_feature)[0, -1]
 
     @torch.inference_mode()
-    def propose(self, tokens: list[int], k: int) -> tuple[list[int], torch.Tensor | None]:
-        draft, probs = [], []
+    def propose(self, tokens: list[int], k: int) -> tuple[list[int], DraftProbs | None]:
+        draft, probs, columns = [], [], []
         feature, logits = self.last_feature, self.last_logits
         for step in range(k):
-            token, q = self._choose(logits)
+            token, column, q = self._choose(logits)
             draft.append(token)
             probs.append(q)
+            columns.append(column)
             if step + 1 == k:
                 break
             ids = torch.tensor([[token]], device=feature.device)
             feature = self.stepper.step(feature, ids)
             logits = self.stepper.logits(feature)[0, -1]
-        return draft, None if self.sampling.greedy else torch.stack(probs)
+        if self.sampling.greedy:
+            return draft, None
+        return draft, DraftProbs(torch.stack(probs), columns, getattr(self.head, "draft_to_target", None))
 
-    def _choose(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
-        """A draft token in target ids, and the drafter's distribution over the target vocabulary."""
+    def _choose(self, logits: torch.Tensor) -> tuple[int, int, torch.Tensor | None]:
+        """A draft token in target ids, its column in the head's logits, and the drafter's distribution over
+        them (a draft vocabulary's: verification reads it through the vocabulary's target ids)."""
         to_target = getattr(self.head, "draft_to_target", None)
         if self.sampling.greedy:
             choice = greedy_choice(logits)
-            return (int(to_target[choice]) if to_target is not None else choice), None
+            return (int(to_target[choice]) if to_target is not None else choice), choice, None
         q = distribution(logits, self.sampling)
         choice = draw(q, self.generator)
-        if to_target is None:
-            return choice, q
-        full = torch.zeros(self.head.frozen.config.vocab_size, dtype=q.dtype, device=q.device)
-        full[to_target] = q
-        return int(to_target[choice]), full
+        return (int(to_target[choice]) if to_target is not None else choice), choice, q

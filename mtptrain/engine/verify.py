@@ -91,6 +91,43 @@ def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
     return index
 
 
+class TargetRows:
+    """The target's distributions at the K+1 verified positions, each computed when verification first reads it:
+    a chain rejected at position i never needs rows i+1.. (at temperature 1 most steps stop at the first or
+    second), and a row is a float64 softmax over the whole vocabulary."""
+
+    def __init__(self, logits: torch.Tensor, sampling: Sampling):
+        self.logits, self.sampling, self.rows = logits, sampling, {}
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i not in self.rows:
+            self.rows[i] = distribution(self.logits[i], self.sampling)
+        return self.rows[i]
+
+
+@dataclass
+class DraftProbs:
+    """A drafter's distributions q, one row per drafted token: over the whole vocabulary (`support` None), or
+    over a draft vocabulary whose target ids are `support` [N] (q is 0 elsewhere, so no row of the target's
+    size is built); `columns` are the drafted tokens' columns in the rows."""
+
+    rows: torch.Tensor  # [K, V] or [K, N]
+    columns: list[int]
+    support: torch.Tensor | None = None
+
+    def prob(self, i: int) -> float:
+        """q_i of the token drafted at position i."""
+        return float(self.rows[i, self.columns[i]])
+
+    def residual(self, i: int, p: torch.Tensor) -> torch.Tensor:
+        """max(0, p - q_i) over the whole vocabulary."""
+        if self.support is None:
+            return (p - self.rows[i]).clamp_min(0.0)
+        residual = p.clone()
+        residual[self.support] = (p[self.support] - self.rows[i]).clamp_min(0.0)
+        return residual
+
+
 @dataclass
 class Verdict:
     accepted: int  # leading draft tokens accepted
@@ -113,19 +150,22 @@ def verify_greedy(draft: list[int], target_logits: torch.Tensor) -> Verdict:
     return Verdict(accepted, draft[:accepted] + [choice[accepted]])
 
 
-def verify_sampling(draft: list[int], draft_probs: torch.Tensor | None, target_probs: torch.Tensor,
-                    generator: torch.Generator) -> Verdict:
-    """draft_probs [K, V] (None: a deterministic drafter, one-hot q); target_probs [K+1, V]."""
+def verify_sampling(draft: list[int], draft_probs: torch.Tensor | DraftProbs | None,
+                    target_probs: torch.Tensor | TargetRows, generator: torch.Generator) -> Verdict:
+    """draft_probs [K, V] or DraftProbs (None: a deterministic drafter, one-hot q); target_probs [K+1, V] or the
+    rows computed as they are read (TargetRows)."""
+    if isinstance(draft_probs, torch.Tensor):
+        draft_probs = DraftProbs(draft_probs, list(draft))
     for i, token in enumerate(draft):
         p = target_probs[i]
-        q_token = 1.0 if draft_probs is None else float(draft_probs[i, token])
+        q_token = 1.0 if draft_probs is None else draft_probs.prob(i)
         if uniform(generator) * q_token < float(p[token]):  # u < p/q
             continue
         if draft_probs is None:
             residual = p.clone()
             residual[token] = 0.0
         else:
-            residual = (p - draft_probs[i]).clamp_min(0.0)
+            residual = draft_probs.residual(i, p)
         # p == q exactly leaves no residual mass; then any sample of p is exact. (draw normalises.)
         residual = residual if float(residual.sum()) > 0 else p
         return Verdict(i, draft[:i] + [draw(residual, generator)])

@@ -153,3 +153,27 @@ def test_the_regenerate_sampler_draws_on_the_host():
     with GeneratorsStayOnTheHost() as mode:
         token = pick(logits)
     assert type(token) is int and mode.draws == 1
+
+
+def test_a_draft_vocabulary_row_verifies_as_its_row_over_the_whole_vocabulary_does():
+    """DraftProbs over a draft vocabulary (q zero outside its support) gives, seed for seed, the verdicts of the
+    same q spread over the whole vocabulary; TargetRows gives those of the full [K+1, V] distribution."""
+    vocab, size, k = 300, 40, 3
+    sampling = Sampling(temperature=1.0)
+    for seed in range(200):
+        g = torch.Generator().manual_seed(seed)
+        support = torch.randperm(vocab, generator=g)[:size].sort().values
+        q = torch.softmax(torch.randn(k, size, generator=g, dtype=torch.float64) * 2, -1)
+        logits = torch.randn(k + 1, vocab, generator=g) * 2
+        logits[:, support] += 2.0  # the target likes the draft vocabulary, so that drafts are often accepted
+        columns = [int(torch.multinomial(q[i], 1, generator=g)) for i in range(k)]
+        draft = [int(support[c]) for c in columns]
+        full = torch.zeros(k, vocab, dtype=torch.float64)
+        full[:, support] = q
+        p = verify.distribution(logits, sampling)
+        expected = verify.verify_sampling(draft, full, p, torch.Generator().manual_seed(seed))
+        rows = verify.TargetRows(logits, sampling)
+        got = verify.verify_sampling(draft, verify.DraftProbs(q, columns, support), rows,
+                                     torch.Generator().manual_seed(seed))
+        assert (got.accepted, got.emitted) == (expected.accepted, expected.emitted), seed
+        assert sorted(rows.rows) == list(range(got.accepted + 1))  # rows past the verdict were never computed

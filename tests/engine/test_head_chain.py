@@ -28,8 +28,8 @@ def with_oracle(proposer, committed: list[int]):
     def oracle_choose(logits):
         choice = next(proposer._upcoming, 0)
         count[0] += 1
-        token, q = choose(logits)
-        return (choice if count[0] % 4 else (choice + 1) % logits.shape[-1]), q
+        _, *rest = choose(logits)  # greedy: the rest (a column, no distribution) does not depend on the token
+        return ((choice if count[0] % 4 else (choice + 1) % logits.shape[-1]), *rest)
 
     proposer.propose, proposer._choose = oracle_propose, oracle_choose
     return proposer
