@@ -55,14 +55,21 @@ def test_position_p_at_t_is_matched_to_state_t_plus_p_and_mask_of_token_t_plus_1
                     assert mask[b, t] == 0  # nothing past the sample's end (or in its padding) counts
 
 
-def test_eagle3_agreement_is_the_targets_full_vocabulary_choice_at_each_position():
+def _eagle3(draft_vocab_size: int):
+    """A tiny target, an EAGLE-3 head of 3 TTT steps on it, and a batch of random states whose every token
+    counts."""
     torch.manual_seed(0)
     target = make_tiny_llama(400)
-    spec = HeadSpec("eagle3", last_layer=3, feature_layers=[0, 1, 2], ttt_steps=3, draft_vocab_size=50)
+    spec = HeadSpec("eagle3", last_layer=3, feature_layers=[0, 1, 2], ttt_steps=3, draft_vocab_size=draft_vocab_size)
     head = spec.family.build(spec, FrozenTarget.of(target))
     batch = _batch()
     batch["hidden"] = {k: torch.randn_like(v) for k, v in batch["hidden"].items()}
     batch["loss_mask"] = (torch.arange(7)[None] < torch.tensor(LENGTHS)[:, None]).long()
+    return target, spec, head, batch
+
+
+def test_eagle3_agreement_is_the_targets_full_vocabulary_choice_at_each_position():
+    target, spec, head, batch = _eagle3(50)
     with torch.no_grad():
         # The head always drafts draft id 0 (its final norm is zero, so all its logits tie); the target's
         # choice cycles through that token (a hit), another draft-vocabulary token and one outside it.
@@ -95,13 +102,7 @@ def test_eagle3_agreement_is_the_targets_full_vocabulary_choice_at_each_position
 def test_reachable_scores_position_p_only_where_positions_before_it_drafted_the_targets_choices():
     """Loss.reachable: position p's loss is the loss of a mask of the places where positions 1..p-1 hit (a
     greedy chain drafts position p nowhere else), and so is its gradient; the metrics stay over every place."""
-    torch.manual_seed(0)
-    target = make_tiny_llama(400)
-    spec = HeadSpec("eagle3", last_layer=3, feature_layers=[0, 1, 2], ttt_steps=3, draft_vocab_size=400)
-    head = spec.family.build(spec, FrozenTarget.of(target))
-    batch = _batch()
-    batch["hidden"] = {k: torch.randn_like(v) for k, v in batch["hidden"].items()}
-    batch["loss_mask"] = (torch.arange(7)[None] < torch.tensor(LENGTHS)[:, None]).long()
+    target, spec, head, batch = _eagle3(400)
     with torch.no_grad():  # the head's logits near the target's, so that it hits often but not always
         head.lm_head.weight.copy_(target.lm_head.weight[head.draft_to_target])
         batch["hidden"][3] = head.unroll(head.fuse([batch["hidden"][k] for k in (0, 1, 2)]), batch["input_ids"], 1)[0]
