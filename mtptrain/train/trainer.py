@@ -158,6 +158,11 @@ def trained_parameters(head: nn.Module, cfg: TrainConfig) -> list:
     return groups + ([{"params": rest, "name": "vectors"}] if rest else [])
 
 
+# train fields added after checkpoints were written, with their defaults: at the default they stay out of the
+# fingerprint, so that those checkpoints still resume
+LATER_FIELDS = {"reachable": False}
+
+
 def run_fingerprint(recipe: Recipe, manifest: dict, world_size: int) -> str:
     """What a checkpoint must share with the run resuming it (not logging or checkpoint cadence; W&B settings
     live in the recipe's tracking section, which is not part of it). The head section enters in the flat layout
@@ -165,6 +170,9 @@ def run_fingerprint(recipe: Recipe, manifest: dict, world_size: int) -> str:
     train = recipe.train.model_dump(exclude={"output_dir", "log_every", "eval_every", "checkpoint_every",
                                               "num_workers", "head_dtype", "head_snapshots", "target_check",
                                               "engine_eval"})
+    for field, default in LATER_FIELDS.items():  # absent from the fingerprints of checkpoints written before them
+        if train.get(field) == default:
+            train.pop(field)
     blob = json.dumps({"head": flat_head(recipe.head), "train": train, "store": manifest["plan_id"],
                        "world_size": world_size}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
