@@ -57,6 +57,8 @@ from mtptrain.errors import MtptrainError
 from mtptrain.io import atomic_write_json, fsync_dir
 from mtptrain.runtime.batch import Request, decode_stream
 from mtptrain.runtime.linears import fast_linears, product_for
+from mtptrain.runtime.choice import Choice
+from mtptrain.runtime.model import FastDecoder
 from mtptrain.runtime.runner import runtime_for
 from mtptrain.serving.vllm_engine import (VllmError, VllmWorker, data_parallel_devices, engine_args, on_gpu,
                                           stream_requests, vllm_python)
@@ -252,7 +254,9 @@ def run_regenerate(recipe: Recipe, show_progress: bool = True) -> dict:
     if engine == "vllm":  # vLLM holds the weights: here only the parts that identify the target, off its GPUs
         target, identity = load_identified_parts(recipe.target.model_copy(update={"device": "cpu"}))
     else:
-        target = load_target(recipe.target)
+        recorded = _recorded_runtime(output, recipe.target.dtype)
+        target = load_target(recipe.target if recorded is None else
+                             recipe.target.model_copy(update={"dtype": recorded["dtype"]}))
         identity = target.identity()
     tokenizer, model = target.tokenizer, target.model
     settings = settings_of(recipe, engine)
@@ -287,7 +291,10 @@ def run_regenerate(recipe: Recipe, show_progress: bool = True) -> dict:
         progress.update(1)
     # The transformers fallback only (the native runtime has its own products): up to 8 rows the swap is faster on
     # CPU; wider decoding batches are compute-bound and keep torch's GEMM.
-    with _decoding(recipe, engine, model, output) as source:
+    with _decoding(recipe, engine, model, output, state.get("runtime")) as source:
+        if engine == "runtime" and "runtime" not in state:
+            state["runtime"] = (source.choice.record() | {"runtime": "native"} if isinstance(source, FastDecoder)
+                                else {"runtime": "transformers", "dtype": str(model.dtype).removeprefix("torch.")})
         started = time.perf_counter()  # decoding only: a vLLM engine's start is not its throughput
         for g in range(done, len(groups)):
             group = groups[g]
@@ -319,10 +326,53 @@ def run_regenerate(recipe: Recipe, show_progress: bool = True) -> dict:
     return summary
 
 
+def _recorded_runtime(output: Path, dtype: str) -> dict | None:
+    """The runtime an unfinished regeneration into `output` started with (its state's "runtime"), where the rest
+    must decode with it too: the kernels and the dtype decide near-ties of greedy decoding, so an answer written
+    after a resume (on a requeued node, or after the machine's choice was measured again) would not be the one
+    an uninterrupted run writes. None for a new or a finished file, or one whose state predates the record."""
+    path = state_path(output)
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, ValueError):  # none yet, or unreadable: _resume_state says what to do
+        return None
+    if not isinstance(state, dict) or state.get("complete") or "runtime" not in state:
+        return None
+    record = state["runtime"]
+    why = _invalid_record(record)
+    if why is not None:
+        raise RegenerateError(f"{path}: its \"runtime\" entry is not one mtptrain wrote ({why}); delete "
+                              f"{path.name} and {output.name} to start over")
+    if dtype not in ("auto", record["dtype"]):
+        raise RegenerateError(f"{output} was begun in {record['dtype']} and this run would decode in {dtype}: one "
+                              f"file is written in one precision; set target.dtype={record['dtype']} (or auto) to "
+                              "finish it, or set data.regenerated to a new path")
+    return record
+
+
+def _invalid_record(record: object) -> str | None:
+    """Why a state's "runtime" entry (runner.runtime_record's form) cannot be decoded with, or None."""
+    if not isinstance(record, dict):
+        return "not an object"
+    if record.get("runtime") == "transformers":
+        if record.get("dtype") in ("float32", "bfloat16", "float16") and set(record) <= {"runtime", "dtype",
+                                                                                        "attention"}:
+            return None
+        return "a transformers record holds a dtype and an attention"
+    if record.get("runtime") != "native":
+        return f"runtime {record.get('runtime')!r} is neither native nor transformers"
+    try:
+        Choice.from_record({k: v for k, v in record.items() if k != "runtime"})
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 @contextmanager
-def _decoding(recipe: Recipe, engine: str, model, output: Path):
+def _decoding(recipe: Recipe, engine: str, model, output: Path, recorded: dict | None = None):
     """What decodes, for the whole run: the runtime's batched decoder (or the model, under the transformers
-    fallback), or vLLM's workers, one per data-parallel engine, each logging beside the output."""
+    fallback), with the kernels the run `recorded` when it began where the runtime runs the model, or vLLM's
+    workers, one per data-parallel engine, each logging beside the output."""
     if engine == "vllm":
         cfg = recipe.vllm
         source_dir = resolve_local_dir(recipe.target)[0]
@@ -343,7 +393,9 @@ def _decoding(recipe: Recipe, engine: str, model, output: Path):
     # The transformers fallback only (the native runtime has its own products): up to 8 rows the swap is faster on
     # CPU; wider decoding batches are compute-bound and keep torch's GEMM.
     product = product_for(recipe.regenerate.cpu_matmul, model)
-    source = runtime_for(model, recipe.target.runtime, batched=True)
+    native = recorded if recorded is not None and recorded.get("runtime") == "native" else None
+    source = runtime_for(model, recipe.target.runtime, batched=True,
+                         record=None if native is None else {k: v for k, v in native.items() if k != "runtime"})
     with fast_linears(model, product=product, max_rows=8, enabled=source is model):
         yield source
 

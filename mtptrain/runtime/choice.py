@@ -100,6 +100,25 @@ class Choice:
                 "product_batch": self.product_batch, "attention_one": self.attention_one,
                 "attention_many": self.attention_many, "attention_batch": self.attention_batch}
 
+    @classmethod
+    def from_record(cls, record: object) -> "Choice":
+        """The choice a store, a checkpoint or a regeneration recorded (`record`), to compute with the same kernels
+        again, each replaced where it does not build here (`runnable`). A record is read from a file: anything but
+        known kernels and dtypes raises ValueError, naming what is wrong."""
+        names = {"product": PRODUCTS, "product_batch": PRODUCTS, "attention_one": SECTIONS["attention_one"],
+                 "attention_many": SECTIONS["attention_many"], "attention_batch": SECTIONS["attention_batch"]}
+        if not isinstance(record, dict) or set(record) != {"dtype", *names}:
+            raise ValueError(f"not a runtime record (dtype and {', '.join(names)})")
+        if record["dtype"] not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype {record['dtype']!r} is not float32, bfloat16 or float16")
+        for name, known in names.items():
+            if record[name] not in known:
+                raise ValueError(f"{name} {record[name]!r} is not one of {', '.join(known)}")
+        if (record["attention_one"] in F32_CACHE) != (record["attention_many"] in F32_CACHE):
+            raise ValueError("attention_one and attention_many read caches of different dtypes")
+        kernels = {name: record[name] for name in names}
+        return cls(getattr(torch, record["dtype"]), source="recorded", **kernels).runnable()
+
     def runnable(self) -> "Choice":
         """This choice with each kernel that does not build here (a cached choice names the runtime's own kernels,
         and the compiler may be gone since) replaced by what runs in its place, and `fallback` saying so: reports

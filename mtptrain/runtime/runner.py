@@ -63,11 +63,14 @@ def decoder_choice(model: nn.Module) -> Choice:
     return choice
 
 
-def load_decoder(model: nn.Module, runtime: str = "auto", batched: bool = False) -> FastDecoder | None:
+def load_decoder(model: nn.Module, runtime: str = "auto", batched: bool = False,
+                 record: dict | None = None) -> FastDecoder | None:
     """The runtime's decoder of `model` (its weights read into the runtime's own, runtime/weights.py), for
     target.runtime auto or native; None for transformers, or for auto on a model the runtime does not run (the
     reason logged once). `batched`: the decoder of many rows at once (regenerate, precompute), whose products are
-    the measured batch product. Each call reads the weights again: build one per stage and pass it on."""
+    the measured batch product. `record`: the kernels an earlier run recorded (`Choice.record`, validated by the
+    caller), run again instead of this machine's pick, in the model's dtype, which must be the record's. Each call
+    reads the weights again: build one per stage and pass it on."""
     if runtime not in ("auto", "native", "transformers"):
         raise ValueError(f"target.runtime must be auto, native or transformers, not {runtime!r}")
     if runtime == "transformers":
@@ -79,7 +82,13 @@ def load_decoder(model: nn.Module, runtime: str = "auto", batched: bool = False)
                              "set target.runtime=auto or transformers")
         _report(f"target runs on transformers' forward: {why}")
         return None
-    choice = decoder_choice(model)
+    if record is None:
+        choice = decoder_choice(model)
+    else:
+        choice = Choice.from_record(record)
+        if choice.dtype != model.get_input_embeddings().weight.dtype:
+            raise ValueError(f"the recorded kernels compute in {record['dtype']}, the model is in "
+                             f"{model.get_input_embeddings().weight.dtype}: load it in the recorded dtype")
     _report(f"target runs on mtptrain's runtime: {choice.describe()}")
     product = usable_product(choice.product_batch if batched else choice.product, choice.dtype)
     return FastDecoder(model, choice, product)
@@ -91,10 +100,12 @@ def _report(line: str) -> None:
         log.info(line)
 
 
-def runtime_for(model: nn.Module, runtime: str = "auto", batched: bool = False) -> FastDecoder | nn.Module:
-    """What runs `model` in a stage: its runtime decoder (built now) or, where transformers' forward runs it,
-    the model itself; the functions that take a runner's source (`open_runner`, runtime/batch.py) take either."""
-    return load_decoder(model, runtime, batched) or model
+def runtime_for(model: nn.Module, runtime: str = "auto", batched: bool = False,
+                record: dict | None = None) -> FastDecoder | nn.Module:
+    """What runs `model` in a stage: its runtime decoder (built now, with the `record`ed kernels where given) or,
+    where transformers' forward runs it, the model itself; the functions that take a runner's source
+    (`open_runner`, runtime/batch.py) take either."""
+    return load_decoder(model, runtime, batched, record) or model
 
 
 def open_runner(source: FastDecoder | nn.Module, capture=(), runtime: str = "auto") -> "Runner":

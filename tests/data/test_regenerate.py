@@ -334,8 +334,22 @@ def _cli(recipe_path: Path, *extra: str) -> list[str]:
             *[a for item in extra for a in ("--set", item)]]
 
 
+def settle_machine_choice(target_dir: Path, monkeypatch) -> None:
+    """Cache this machine's kernel choice for `target_dir`'s shapes, as a quiet machine would have: processes that
+    start fresh then read one choice. Under load each measures its own and, on a tiny model whose dtypes and
+    kernels time alike, may pick another and round a greedy near-tie the other way."""
+    from transformers import AutoConfig
+
+    from mtptrain.runtime import choice
+
+    monkeypatch.setattr(choice, "other_load", lambda start, end: 0.0)
+    monkeypatch.setattr(choice, "_SETTLED", {})  # not a measurement this process took under load
+    assert choice.choose(AutoConfig.from_pretrained(target_dir), torch.device("cpu")).source in ("cached", "measured")
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_a_killed_regeneration_resumes_to_the_same_file(varied_target_dir, tmp_path, temperature):
+def test_a_killed_regeneration_resumes_to_the_same_file(varied_target_dir, tmp_path, temperature, monkeypatch):
+    settle_machine_choice(varied_target_dir, monkeypatch)
     source = write_sharegpt(tmp_path / "chats.json", 48)  # 3 groups of 8 batches of 2
     recipe_path = recipe_file(regen_overrides(varied_target_dir, source, tmp_path / "clean.jsonl",
                                               "regenerate.batch_size=2", "regenerate.max_new_tokens=40",
@@ -355,6 +369,43 @@ def test_a_killed_regeneration_resumes_to_the_same_file(varied_target_dir, tmp_p
     assert "regenerated" in result.stdout
     assert killed.read_bytes() == clean
     assert json.loads(state_path(killed).read_text())["complete"]
+    assert state["runtime"]["runtime"] == "native"  # what decoded the first group, for the resume to decode with
+
+
+def _unfinished(out: Path, runtime: object) -> None:
+    """Make a finished regeneration's state say that nothing was written yet, begun with `runtime`."""
+    state = json.loads(state_path(out).read_text())
+    state.update(complete=False, groups_done=0, bytes=0, runtime=runtime)
+    state["counts"] = {"conversations": 0, "answers": 0, "answer_tokens": 0, "unfinished_answers": 0, "skipped": {}}
+    state_path(out).write_text(json.dumps(state))
+
+
+def test_a_resume_decodes_with_the_runtime_the_file_was_begun_with(varied_target_dir, tmp_path, caplog):
+    out = tmp_path / "r.jsonl"
+    recipe = load_recipe(None, regen_overrides(varied_target_dir, write_sharegpt(tmp_path / "chats.json", 4), out))
+    run_regenerate(recipe, show_progress=False)
+    first = json.loads(state_path(out).read_text())["runtime"]
+    assert first["runtime"] == "native" and first["dtype"] in ("float32", "bfloat16")
+    other = "float32" if first["dtype"] == "bfloat16" else "bfloat16"
+    begun = {"runtime": "native", "dtype": other, "product": "linear", "product_batch": "linear",
+             "attention_one": "plain", "attention_many": "plain", "attention_batch": "plain"}
+    _unfinished(out, begun)
+    with caplog.at_level("INFO", logger="mtptrain"):
+        run_regenerate(recipe, show_progress=False)
+    assert f"target runs on mtptrain's runtime: {other} (recorded), products linear / linear (batches), " \
+           "attention plain (1 token) / plain / plain (batches)" in caplog.text
+    assert json.loads(state_path(out).read_text())["runtime"] == begun  # kept, not replaced by this run's
+
+    with pytest.raises(RegenerateError, match=f"begun in {other}.*set target.dtype={other}"):
+        _unfinished(out, begun)
+        run_regenerate(load_recipe(None, [*regen_overrides(varied_target_dir, tmp_path / "chats.json", out),
+                                          f"target.dtype={first['dtype']}"]), show_progress=False)
+    for hostile, why in [({**begun, "product": "os.system"}, "product 'os.system' is not one of"),
+                         ({**begun, "dtype": "int8"}, "dtype 'int8'"), ("native", "not an object"),
+                         ({"runtime": "elsewhere", "dtype": "float32"}, "neither native nor transformers")]:
+        _unfinished(out, hostile)
+        with pytest.raises(RegenerateError, match=f"r.jsonl.state.json: its \"runtime\" entry .*{why}.*start over"):
+            run_regenerate(recipe, show_progress=False)
 
 
 def test_cli_names_the_fix_for_bad_settings(varied_target_dir, tmp_path):
