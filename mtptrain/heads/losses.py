@@ -83,7 +83,7 @@ class DistillStats:
     correct: torch.Tensor  # positions where the head's top-1 equals the target's top-1
     count: int  # masked positions
     alpha: torch.Tensor | float = 0.0  # mean sum_v min(p_v, q_v): the expected acceptance at temperature 1
-    hits: torch.Tensor | None = None  # [...] as the mask: 1 where the head's top-1 is the target's (0 unmasked)
+    hits: torch.Tensor | None = None  # loss.reachable: [...] as the mask, 1 where the head's top-1 is the target's
 
 
 def _upcast(logits: torch.Tensor) -> torch.Tensor:
@@ -132,7 +132,7 @@ def distill_loss(head_logits: Callable[[torch.Tensor], torch.Tensor],
     `recompute` False keeps each chunk's logits for backward instead of computing them again (a small draft
     vocabulary, where they are cheap to hold). `loss` is what is minimised (Loss). `weight` [...] (on the device,
     0 or 1) keeps only some of the masked positions in the loss, which is then their mean; the metrics and `hits`
-    cover every masked position."""
+    (kept for `loss.reachable` only: the next position's weight) cover every masked position."""
     shape = mask.shape
     rows = mask.reshape(-1).bool().cpu().nonzero().squeeze(1)
     count = len(rows)
@@ -144,9 +144,9 @@ def distill_loss(head_logits: Callable[[torch.Tensor], torch.Tensor],
     if target_top is not None:
         target_top = target_top.reshape(-1).index_select(0, rows.to(target_top.device))
     metric = predicted.new_zeros((), dtype=torch.float64)
-    hits = torch.zeros(shape.numel(), dtype=torch.bool, device=predicted.device)
+    hits = torch.zeros(shape, dtype=torch.bool, device=predicted.device) if loss.reachable else None
     if count == 0:
-        return DistillStats(predicted.sum() * 0.0, metric, metric.long(), 0, metric, hits.view(shape))
+        return DistillStats(predicted.sum() * 0.0, metric, metric.long(), 0, metric, hits)
     total = predicted.new_zeros((), dtype=torch.promote_types(predicted.dtype, torch.float32))
     kl_total, alpha_total, chunk_hits = metric, metric, []
     for start in range(0, count, chunk):
@@ -166,9 +166,10 @@ def distill_loss(head_logits: Callable[[torch.Tensor], torch.Tensor],
         else:
             chunk_hits.append(to_target(tops[0]) == target_top[piece].to(tops.device))
     hit = torch.cat(chunk_hits)
-    hits[rows] = hit
+    if hits is not None:
+        hits.view(-1)[rows] = hit
     scored = count if weight is None else weight.sum().clamp_min(1.0)
-    return DistillStats(total / scored, kl_total / count, hit.sum(), count, alpha_total / count, hits.view(shape))
+    return DistillStats(total / scored, kl_total / count, hit.sum(), count, alpha_total / count, hits)
 
 
 def feature_loss(predicted: torch.Tensor, target_features: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -114,14 +114,14 @@ def test_reachable_scores_position_p_only_where_positions_before_it_drafted_the_
     last, reached, dropped, later = batch["hidden"][3], None, 0, 0
     for p, (a, b, out) in enumerate(zip(plain.positions, kept.positions, outputs), start=1):
         assert (a.correct, a.count) == (b.correct, b.count) and torch.allclose(a.kl, b.kl)  # metrics: every place
-        assert torch.equal(a.hits, b.hits) and int(a.hits.sum()) == int(a.correct)
+        assert a.hits is None and int(b.hits.sum()) == int(b.correct)  # kept only where the next weight needs it
         m = objective.target_mask(batch["loss_mask"], p, out.shape[1])
         mask = m if reached is None else m * reached[:, : out.shape[1]]
         dropped += int(m.sum() - mask.sum())
         later += int(mask.sum()) if p > 1 else 0
         direct = distill_loss(head.logits, head.target_logits, out, last[:, p:p + out.shape[1]], mask, 3)
         assert torch.allclose(b.loss, direct.loss, atol=1e-5), p
-        reached = a.hits.long() if reached is None else reached[:, : a.hits.shape[1]] * a.hits
+        reached = b.hits.long() if reached is None else reached[:, : b.hits.shape[1]] * b.hits
     assert dropped > 0 and later > 0  # the case is not trivial: later places dropped and kept
     # the gradient: position 2 alone, against its mask of reachable places
     head.zero_grad()
@@ -129,7 +129,7 @@ def test_reachable_scores_position_p_only_where_positions_before_it_drafted_the_
     ours = [p.grad.clone() for p in head.parameters() if p.requires_grad]
     head.zero_grad()
     outputs = head.unroll(head.fuse([batch["hidden"][k] for k in (0, 1, 2)]), batch["input_ids"], 2)
-    m = objective.target_mask(batch["loss_mask"], 2, outputs[1].shape[1]) * plain.positions[0].hits[:, : outputs[1].shape[1]]
+    m = objective.target_mask(batch["loss_mask"], 2, outputs[1].shape[1]) * kept.positions[0].hits[:, : outputs[1].shape[1]]
     distill_loss(head.logits, head.target_logits, outputs[1], last[:, 2:2 + outputs[1].shape[1]], m, 3).loss.backward()
     for g, h in zip(ours, [p.grad for p in head.parameters() if p.requires_grad]):
         assert (g is None and h is None) or torch.allclose(g, h, atol=1e-6)
