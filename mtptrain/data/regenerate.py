@@ -57,9 +57,7 @@ from mtptrain.errors import MtptrainError
 from mtptrain.io import atomic_write_json, fsync_dir
 from mtptrain.runtime.batch import Request, decode_stream
 from mtptrain.runtime.linears import fast_linears, product_for
-from mtptrain.runtime.choice import Choice
-from mtptrain.runtime.model import FastDecoder
-from mtptrain.runtime.runner import runtime_for
+from mtptrain.runtime.runner import invalid_record, runtime_for, source_record
 from mtptrain.serving.vllm_engine import (VllmError, VllmWorker, data_parallel_devices, engine_args, on_gpu,
                                           stream_requests, vllm_python)
 from mtptrain.target import (identity_mismatch, load_identified_parts, load_target, resolve_local_dir,
@@ -293,8 +291,7 @@ def run_regenerate(recipe: Recipe, show_progress: bool = True) -> dict:
     # CPU; wider decoding batches are compute-bound and keep torch's GEMM.
     with _decoding(recipe, engine, model, output, state.get("runtime")) as source:
         if engine == "runtime" and "runtime" not in state:
-            state["runtime"] = (source.choice.record() | {"runtime": "native"} if isinstance(source, FastDecoder)
-                                else {"runtime": "transformers", "dtype": str(model.dtype).removeprefix("torch.")})
+            state["runtime"] = source_record(source)
         started = time.perf_counter()  # decoding only: a vLLM engine's start is not its throughput
         for g in range(done, len(groups)):
             group = groups[g]
@@ -339,7 +336,7 @@ def _recorded_runtime(output: Path, dtype: str) -> dict | None:
     if not isinstance(state, dict) or state.get("complete") or "runtime" not in state:
         return None
     record = state["runtime"]
-    why = _invalid_record(record)
+    why = invalid_record(record)
     if why is not None:
         raise RegenerateError(f"{path}: its \"runtime\" entry is not one mtptrain wrote ({why}); delete "
                               f"{path.name} and {output.name} to start over")
@@ -348,24 +345,6 @@ def _recorded_runtime(output: Path, dtype: str) -> dict | None:
                               f"file is written in one precision; set target.dtype={record['dtype']} (or auto) to "
                               "finish it, or set data.regenerated to a new path")
     return record
-
-
-def _invalid_record(record: object) -> str | None:
-    """Why a state's "runtime" entry (runner.runtime_record's form) cannot be decoded with, or None."""
-    if not isinstance(record, dict):
-        return "not an object"
-    if record.get("runtime") == "transformers":
-        if record.get("dtype") in ("float32", "bfloat16", "float16") and set(record) <= {"runtime", "dtype",
-                                                                                        "attention"}:
-            return None
-        return "a transformers record holds a dtype and an attention"
-    if record.get("runtime") != "native":
-        return f"runtime {record.get('runtime')!r} is neither native nor transformers"
-    try:
-        Choice.from_record({k: v for k, v in record.items() if k != "runtime"})
-    except ValueError as exc:
-        return str(exc)
-    return None
 
 
 @contextmanager
@@ -393,9 +372,7 @@ def _decoding(recipe: Recipe, engine: str, model, output: Path, recorded: dict |
     # The transformers fallback only (the native runtime has its own products): up to 8 rows the swap is faster on
     # CPU; wider decoding batches are compute-bound and keep torch's GEMM.
     product = product_for(recipe.regenerate.cpu_matmul, model)
-    native = recorded if recorded is not None and recorded.get("runtime") == "native" else None
-    source = runtime_for(model, recipe.target.runtime, batched=True,
-                         record=None if native is None else {k: v for k, v in native.items() if k != "runtime"})
+    source = runtime_for(model, recipe.target.runtime, batched=True, record=recorded)
     with fast_linears(model, product=product, max_rows=8, enabled=source is model):
         yield source
 

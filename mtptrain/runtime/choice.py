@@ -109,10 +109,10 @@ class Choice:
                  "attention_many": SECTIONS["attention_many"], "attention_batch": SECTIONS["attention_batch"]}
         if not isinstance(record, dict) or set(record) != {"dtype", *names}:
             raise ValueError(f"not a runtime record (dtype and {', '.join(names)})")
-        if record["dtype"] not in ("float32", "bfloat16", "float16"):
+        if not isinstance(record["dtype"], str) or record["dtype"] not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype {record['dtype']!r} is not float32, bfloat16 or float16")
         for name, known in names.items():
-            if record[name] not in known:
+            if not isinstance(record[name], str) or record[name] not in known:
                 raise ValueError(f"{name} {record[name]!r} is not one of {', '.join(known)}")
         if (record["attention_one"] in F32_CACHE) != (record["attention_many"] in F32_CACHE):
             raise ValueError("attention_one and attention_many read caches of different dtypes")

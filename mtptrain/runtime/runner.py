@@ -102,10 +102,39 @@ def _report(line: str) -> None:
 
 def runtime_for(model: nn.Module, runtime: str = "auto", batched: bool = False,
                 record: dict | None = None) -> FastDecoder | nn.Module:
-    """What runs `model` in a stage: its runtime decoder (built now, with the `record`ed kernels where given) or,
-    where transformers' forward runs it, the model itself; the functions that take a runner's source
-    (`open_runner`, runtime/batch.py) take either."""
-    return load_decoder(model, runtime, batched, record) or model
+    """What runs `model` in a stage: its runtime decoder (built now) or, where transformers' forward runs it,
+    the model itself; the functions that take a runner's source (`open_runner`, runtime/batch.py) take either.
+    `record`: what an earlier run of the stage recorded (`source_record`, checked by `invalid_record`); a
+    native one's kernels are run again instead of this machine's pick."""
+    kernels = {k: v for k, v in record.items() if k != "runtime"} if record and record["runtime"] == "native" \
+        else None
+    return load_decoder(model, runtime, batched, kernels) or model
+
+
+def source_record(source: FastDecoder | nn.Module) -> dict:
+    """`runtime_record`'s form for a source `runtime_for` built: what a stage recorded computing with it."""
+    if isinstance(source, FastDecoder):
+        return {"runtime": "native", **source.choice.record()}
+    return {"runtime": "transformers", "dtype": str(source.get_input_embeddings().weight.dtype).removeprefix("torch."),
+            "attention": source.config._attn_implementation}
+
+
+def invalid_record(record: object) -> str | None:
+    """Why `record` (`runtime_record`'s form, read back from a file) cannot be computed with again, or None."""
+    if not isinstance(record, dict):
+        return "not an object"
+    if record.get("runtime") == "transformers":
+        if record.get("dtype") in ("float32", "bfloat16", "float16") and set(record) <= {"runtime", "dtype",
+                                                                                        "attention"}:
+            return None
+        return "a transformers record holds a dtype and an attention"
+    if record.get("runtime") != "native":
+        return f"runtime {record.get('runtime')!r} is neither native nor transformers"
+    try:
+        Choice.from_record({k: v for k, v in record.items() if k != "runtime"})
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def open_runner(source: FastDecoder | nn.Module, capture=(), runtime: str = "auto") -> "Runner":
@@ -123,8 +152,7 @@ def runtime_record(model: nn.Module, runtime: str = "auto") -> dict:
     if runtime not in ("auto", "native", "transformers") or (runtime == "native" and why is not None):
         load_decoder(model, runtime)  # refuses, naming why
     if runtime == "transformers" or why is not None:
-        dtype = str(model.get_input_embeddings().weight.dtype).removeprefix("torch.")
-        return {"runtime": "transformers", "dtype": dtype, "attention": model.config._attn_implementation}
+        return source_record(model)
     return {"runtime": "native", **decoder_choice(model).record()}
 
 

@@ -402,6 +402,7 @@ def test_a_resume_decodes_with_the_runtime_the_file_was_begun_with(varied_target
                                           f"target.dtype={first['dtype']}"]), show_progress=False)
     for hostile, why in [({**begun, "product": "os.system"}, "product 'os.system' is not one of"),
                          ({**begun, "dtype": "int8"}, "dtype 'int8'"), ("native", "not an object"),
+                         ({**begun, "product": ["linear"]}, "product \\['linear'\\] is not one of"),
                          ({"runtime": "elsewhere", "dtype": "float32"}, "neither native nor transformers")]:
         _unfinished(out, hostile)
         with pytest.raises(RegenerateError, match=f"r.jsonl.state.json: its \"runtime\" entry .*{why}.*start over"):
