@@ -17,6 +17,7 @@ and, by name (--arms), one change each to the EAGLE-3 head at the same training 
   eagle3-speculators-method               the three above together
   eagle3-fp8-store                        features stored as float8 with a scale per row (precompute.dtype)
   eagle3-reachable                        positions 2.. scored only where the earlier ones hit (train.reachable)
+  eagle3-lr1e-3 / -lr2e-3 / -lr4e-3       the peak learning rate (train.lr)
 and a learning curve: tau of the reference run's head snapshots (train.head_snapshots) against the
 training tokens each had seen.
 
@@ -71,6 +72,10 @@ ARMS = {
     "eagle3-fp8-store": ["precompute.dtype=float8_e4m3fn"],
     # GRIFFIN's token-alignable training: a later draft position learns only where a greedy chain reaches it
     "eagle3-reachable": ["train.reachable=true"],
+    # the peak learning rate (under Muon also the base of its matrices' rates), by value
+    "eagle3-lr1e-3": ["train.lr=1e-3"],
+    "eagle3-lr2e-3": ["train.lr=2e-3"],
+    "eagle3-lr4e-3": ["train.lr=4e-3"],
 }
 DEFAULT_ARMS = ["eagle3", "eagle3-original", "eagle-restored", "eagle-stripped", "mtp"]
 

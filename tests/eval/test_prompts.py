@@ -20,6 +20,20 @@ def test_mtbench_has_80_two_turn_questions_in_8_categories():
     assert len(load_prompts("mtbench", limit=5)) == 5
 
 
+def test_the_unseen_prompt_set_mirrors_mtbench_categories_without_its_questions():
+    """benchmarks/prompts/unseen-40.jsonl, the check that a head's MT-bench tau is no artefact of those 80
+    questions: two turns each, five per MT-bench category, and not one turn that MT-bench asks."""
+    from collections import Counter
+    from pathlib import Path
+
+    unseen = load_prompts(str(Path(__file__).resolve().parents[2] / "benchmarks" / "prompts" / "unseen-40.jsonl"))
+    mtbench = load_prompts("mtbench")
+    assert len(unseen) == 40 and all(len(p.turns) == 2 for p in unseen)
+    assert Counter(p.category for p in unseen) == {c: 5 for c in {p.category for p in mtbench}}
+    asked = {" ".join(t.lower().split()) for p in mtbench for t in p.turns}
+    assert not [t for p in unseen for t in p.turns if " ".join(t.lower().split()) in asked]
+
+
 def test_jsonl_prompt_files(tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_text('{"prompt": "hello"}\n\n{"id": "x", "turns": ["a", "b"]}\n')
