@@ -74,6 +74,24 @@ def regenerate(recipe: RecipeOpt = None, overrides: SetOpt = None,
     typer.echo(format_summary(_guarded(lambda: run_regenerate(cfg, show_progress=progress))))
 
 
+@app.command("self-prompts")
+def self_prompts(recipe: RecipeOpt = None, overrides: SetOpt = None,
+                 progress: Annotated[bool, typer.Option(help="Show the progress bar.")] = True) -> None:
+    """Sample user requests from the target itself, to regenerate answers to (Magpie, arXiv:2406.08464).
+
+    The target is given its chat template up to a user turn's text and samples the request
+    (self_prompts.temperature, at most self_prompts.max_new_tokens); self_prompts.count are sampled in
+    batches of self_prompts.batch_size. Requests cut by the token budget, shorter than self_prompts.min_chars
+    or repeating one already kept are dropped. Writes self_prompts.output (JSONL of one-turn conversations):
+    set data.source to it for `mtptrain regenerate`. Rerunning the same command resumes after the last finished
+    group.
+    """
+    from mtptrain.data.self_prompts import format_summary, run_self_prompts
+
+    cfg = _recipe(recipe, overrides)
+    typer.echo(format_summary(_guarded(lambda: run_self_prompts(cfg, show_progress=progress))))
+
+
 @app.command()
 def precompute(recipe: RecipeOpt = None, overrides: SetOpt = None,
                no_wandb: Annotated[bool, typer.Option("--no-wandb", help="Do not log to W&B.")] = False,

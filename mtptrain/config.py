@@ -156,6 +156,19 @@ class RegenerateConfig(_Truncation):
         "(mtptrain/runtime/linears.py).")
 
 
+class SelfPromptsConfig(_Truncation):
+    """`mtptrain self-prompts`: user requests written by the target itself (mtptrain/data/self_prompts.py)."""
+    output: str | None = Field(None, description="JSONL file of the requests kept ({\"id\", \"messages\"} rows, a "
+                               "data.source for `mtptrain regenerate`), with its state file beside it.")
+    count: Int = Field(1000, ge=1, description="Requests sampled; fewer are kept (filters below, duplicates).")
+    max_new_tokens: Int = Field(96, ge=1, description="Longest request, in tokens; one the budget cuts is dropped.")
+    min_chars: Int = Field(12, ge=1, description="Shortest request kept, in characters.")
+    temperature: Float = Field(1.0, gt=0, description="Sampling temperature (above 0: every request is a draw).")
+    seed: Int = Field(0, description="Seed of the sampling streams (one per request).")
+    batch_size: Int = Field(128, ge=1, description="Rows decoded together; requests are written (and resumed) in "
+                            "groups of 8 x batch_size.")
+
+
 class PrecomputeConfig(_Section):
     output_dir: str = Field("runs/quickstart/features", description="Feature store directory.")
     layers: list[Int] | Literal["eagle3", "last"] = Field(
@@ -623,6 +636,7 @@ class Recipe(_Section):
     target: TargetConfig = TargetConfig()
     data: DataConfig = DataConfig()
     regenerate: RegenerateConfig = RegenerateConfig()
+    self_prompts: SelfPromptsConfig = SelfPromptsConfig()
     precompute: PrecomputeConfig = PrecomputeConfig()
     head: AnyHeadConfig = Eagle3HeadConfig()
     train: TrainConfig = TrainConfig()

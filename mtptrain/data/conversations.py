@@ -37,7 +37,10 @@ class Conversation:
     messages: list[dict[str, str]]  # [{"role": ..., "content": ...}], roles normalised
 
 
-def normalise(row: Any, ref: str, fmt: str = "auto", messages_column: str | None = None) -> Conversation:
+def normalise(row: Any, ref: str, fmt: str = "auto", messages_column: str | None = None,
+              answered: bool = True) -> Conversation:
+    """One row as a conversation of role/content messages. `answered` False takes rows with user turns only (what
+    `mtptrain regenerate` answers, such as `mtptrain self-prompts`' requests); training needs an answer."""
     if not isinstance(row, dict):
         raise BadRow("wrong type", f"row is a {type(row).__name__}, expected an object")
     layout = fmt if fmt != "auto" else _detect(row, messages_column)
@@ -53,7 +56,7 @@ def normalise(row: Any, ref: str, fmt: str = "auto", messages_column: str | None
     # cut from longer chats) has nothing to answer: drop those opening turns.
     while turns and turns[0][0] == "assistant":
         turns.pop(0)
-    if not any(role == "assistant" for role, _ in turns):
+    if answered and not any(role == "assistant" for role, _ in turns):
         raise BadRow("no assistant turn")
     conv_id = row.get("id") or row.get("prompt_id") or ref
     return Conversation(str(conv_id), [{"role": r, "content": c} for r, c in turns])

@@ -66,7 +66,7 @@ from mtptrain.target import (identity_mismatch, load_identified_parts, load_targ
 log = logging.getLogger(__name__)
 HOW = ("version", "batch_size")  # settings that change how the work is cut, not what is asked of the target
 GROUP_BATCHES = 8  # a group (the unit written and resumed) holds this many batches of conversations
-STATE_VERSION = 2
+STATE_VERSION = 3  # 3: rows with user turns only are answered (a self-prompts file), no longer skipped
 
 
 class RegenerateError(MtptrainError, RuntimeError):
@@ -134,7 +134,7 @@ def read_jobs(recipe: Recipe, tokenizer, stats: RowStats) -> list[tuple[Job, int
             stats.skip(row.ref, *row.problem)
             continue
         try:
-            conversation = normalise(row.value, row.ref, d.format, d.messages_column)
+            conversation = normalise(row.value, row.ref, d.format, d.messages_column, answered=False)
         except BadRow as bad:
             stats.skip(row.ref, bad.reason, bad.detail)
             continue
@@ -252,7 +252,7 @@ def run_regenerate(recipe: Recipe, show_progress: bool = True) -> dict:
     if engine == "vllm":  # vLLM holds the weights: here only the parts that identify the target, off its GPUs
         target, identity = load_identified_parts(recipe.target.model_copy(update={"device": "cpu"}))
     else:
-        recorded = _recorded_runtime(output, recipe.target.dtype)
+        recorded = recorded_runtime(output, recipe.target.dtype)
         target = load_target(recipe.target if recorded is None else
                              recipe.target.model_copy(update={"dtype": recorded["dtype"]}))
         identity = target.identity()
@@ -276,7 +276,7 @@ def run_regenerate(recipe: Recipe, show_progress: bool = True) -> dict:
         raise RegenerateError(f"{output}: the source no longer yields the conversations of the {done} groups "
                               "already written (the file, dataset or chat template changed); write to a new "
                               "data.regenerated path")
-    _truncate(output, state["bytes"])
+    truncate_to(output, state["bytes"])
     state["plan"], state["complete"] = digests, done == len(groups)
     stops = stop_tokens(tokenizer, model) | generation_stops(recipe.target)
     counts = state["counts"]
@@ -289,7 +289,7 @@ def run_regenerate(recipe: Recipe, show_progress: bool = True) -> dict:
         progress.update(1)
     # The transformers fallback only (the native runtime has its own products): up to 8 rows the swap is faster on
     # CPU; wider decoding batches are compute-bound and keep torch's GEMM.
-    with _decoding(recipe, engine, model, output, state.get("runtime")) as source:
+    with decoding(recipe, engine, model, output, state.get("runtime")) as source:
         if engine == "runtime" and "runtime" not in state:
             state["runtime"] = source_record(source)
         started = time.perf_counter()  # decoding only: a vLLM engine's start is not its throughput
@@ -309,7 +309,7 @@ def run_regenerate(recipe: Recipe, show_progress: bool = True) -> dict:
                 lines.append(json.dumps({"id": job.id, "messages": job.system + job.messages,
                                          "meta": {"source": job.ref, "new_tokens": job.new_tokens,
                                                   "finished": job.finished}}, ensure_ascii=False) + "\n")
-            state["bytes"] = _append(output, lines)
+            state["bytes"] = append_lines(output, lines)
             state["groups_done"] = g + 1
             atomic_write_json(state_path(output), state)
             progress.set_postfix_str(f"{tokens_now / (time.perf_counter() - started):.0f} tok/s")
@@ -323,7 +323,7 @@ def run_regenerate(recipe: Recipe, show_progress: bool = True) -> dict:
     return summary
 
 
-def _recorded_runtime(output: Path, dtype: str) -> dict | None:
+def recorded_runtime(output: Path, dtype: str, setting: str = "data.regenerated") -> dict | None:
     """The runtime an unfinished regeneration into `output` started with (its state's "runtime"), where the rest
     must decode with it too: the kernels and the dtype decide near-ties of greedy decoding, so an answer written
     after a resume (on a requeued node, or after the machine's choice was measured again) would not be the one
@@ -343,12 +343,12 @@ def _recorded_runtime(output: Path, dtype: str) -> dict | None:
     if dtype not in ("auto", record["dtype"]):
         raise RegenerateError(f"{output} was begun in {record['dtype']} and this run would decode in {dtype}: one "
                               f"file is written in one precision; set target.dtype={record['dtype']} (or auto) to "
-                              "finish it, or set data.regenerated to a new path")
+                              f"finish it, or set {setting} to a new path")
     return record
 
 
 @contextmanager
-def _decoding(recipe: Recipe, engine: str, model, output: Path, recorded: dict | None = None):
+def decoding(recipe: Recipe, engine: str, model, output: Path, recorded: dict | None = None):
     """What decodes, for the whole run: the runtime's batched decoder (or the model, under the transformers
     fallback), with the kernels the run `recorded` when it began where the runtime runs the model, or vLLM's
     workers, one per data-parallel engine, each logging beside the output."""
@@ -428,7 +428,7 @@ def _resume_state(output: Path, settings: dict, identity: dict) -> dict:
     return state
 
 
-def _truncate(output: Path, size: int) -> None:
+def truncate_to(output: Path, size: int) -> None:
     """Drop whatever a killed run appended after the last recorded batch."""
     output.parent.mkdir(parents=True, exist_ok=True)
     with open(output, "ab") as fh:
@@ -437,7 +437,8 @@ def _truncate(output: Path, size: int) -> None:
             fh.truncate(size)
 
 
-def _append(output: Path, lines: list[str]) -> int:
+def append_lines(output: Path, lines: list[str]) -> int:
+    """Append and fsync `lines`; the file's new length, for the state to record."""
     with open(output, "ab") as fh:
         fh.write("".join(lines).encode("utf-8"))
         fh.flush()
@@ -456,7 +457,15 @@ def check_complete(path: Path, data, tokenizer) -> None:
                               "recipe first, or unset data.regenerated to use the original answers")
     if not state_file.is_file():
         return
-    state = json.loads(state_file.read_text())
+    try:
+        state = json.loads(state_file.read_text())
+    except (OSError, ValueError) as exc:
+        state = exc
+    if not isinstance(state, dict) or not isinstance(state.get("settings", {}), dict) or \
+            not isinstance(state.get("target", {}), dict):
+        raise RegenerateError(f"{state_file} is not a state `mtptrain regenerate` wrote: rerun `mtptrain regenerate` "
+                              f"to a new data.regenerated path (or delete {state_file.name} to take {path.name} as "
+                              "it is)")
     if not state.get("complete"):
         raise RegenerateError(f"{path} is unfinished ({state.get('groups_done', 0)} groups of conversations so far): rerun "
                               "`mtptrain regenerate` with the same recipe to finish it")

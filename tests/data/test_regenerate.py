@@ -319,6 +319,10 @@ def test_precompute_refuses_a_missing_unfinished_or_stale_regeneration(varied_ta
     state_path(out).write_text(json.dumps({**state, "complete": False}))
     with pytest.raises(RegenerateError, match="unfinished"):
         prepare_samples(recipe.data, tok, show_progress=False)
+    for hostile in ("[1]", "{torn", json.dumps({**state, "target": "x"}), json.dumps({**state, "settings": [1]})):
+        state_path(out).write_text(hostile)
+        with pytest.raises(RegenerateError, match=r"r.jsonl.state.json is not a state `mtptrain regenerate` wrote"):
+            prepare_samples(recipe.data, tok, show_progress=False)
     state_path(out).write_text(json.dumps(state))
     prepare_samples(recipe.data, tok, show_progress=False)
     with pytest.raises(RegenerateError, match=r"other data \(data.max_length: 200 there, 120 here\)"):
