@@ -262,7 +262,7 @@ def run_regenerate(recipe: Recipe, show_progress: bool = True) -> dict:
     if state["complete"] and state["settings"] != settings:
         log.info("regenerate: %s is complete (written with %s); nothing to do", output,
                  ", ".join(f"{k}={state['settings'].get(k)!r}" for k in HOW))
-        return {"output": str(output), "groups": 0, **state["counts"], "read": state["read"],
+        return {"output": str(output), "groups": 0, **state["counts"], "read": state.get("read", {}),
                 "tokens_this_run": 0, "seconds_this_run": 0.0}
 
     stats = RowStats()
@@ -394,20 +394,14 @@ def _reason(job: Job) -> str:
 
 
 def _resume_state(output: Path, settings: dict, identity: dict) -> dict:
-    path = state_path(output)
     fresh = {"settings": settings, "target": identity, "groups_done": 0, "bytes": 0, "complete": False,
              "counts": {"conversations": 0, "answers": 0, "answer_tokens": 0, "unfinished_answers": 0,
                         "skipped": {}}}
-    if not path.is_file():
-        if output.exists() and output.stat().st_size:
-            raise RegenerateError(f"{output} exists but has no {path.name}: it was not written by `mtptrain "
-                                  "regenerate`; move it away or choose another data.regenerated path")
+    # the first state format counted batches, not groups: a finished file of it stands (below)
+    state = load_state(output, fresh, "data.regenerated", "regenerate", optional=("groups_done",))
+    if state is fresh:
         return fresh
-    try:
-        state = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise RegenerateError(f"{path} is not valid JSON ({exc}); delete it and {output} to start over") from None
-    before = {"engine": "runtime", **state.get("settings", {})}  # written before regenerate.engine: the runtime
+    before = {"engine": "runtime", **state["settings"]}  # written before regenerate.engine: the runtime
     changed = [k for k in sorted(set(settings) | set(before)) if settings.get(k) != before.get(k)]
     kept = state.get("complete") and set(changed) <= set(HOW)  # finished: however its work was cut, it stands
     if changed and not kept:
@@ -419,13 +413,46 @@ def _resume_state(output: Path, settings: dict, identity: dict) -> dict:
         detail = ", ".join(f"{k}: {before.get(k)!r} -> {settings.get(k)!r}" for k in changed)
         raise RegenerateError(f"{output} was written with other settings ({detail}); keep the old settings to "
                               "resume, or set data.regenerated to a new path")
-    if identity_mismatch(state.get("target", {}), identity) is not None:
-        raise RegenerateError(f"{output} was written by another target or tokenizer "
-                              f"({state.get('target', {}).get('name')}); set data.regenerated to a new path")
-    if not output.is_file() or output.stat().st_size < state["bytes"]:
-        raise RegenerateError(f"{output} is shorter than {path.name} records ({state['bytes']} bytes): the file was "
-                              f"changed outside mtptrain; delete both to start over")
+    if not kept and ("groups_done" not in state or not isinstance(state.get("plan", []), list)):
+        raise RegenerateError(f"{state_path(output)} is not a state mtptrain wrote; delete it and {output} to start "
+                              "over")
+    check_written(state, output, identity, "data.regenerated")
     return state
+
+
+def load_state(output: Path, fresh: dict, setting: str, command: str, optional: tuple[str, ...] = ()) -> dict:
+    """The state file beside `output` (a regeneration's or a self-prompts run's), or `fresh` where there is none
+    yet. A state is refused, naming its file, unless each entry of `fresh` (and of its counts) has the type it has
+    there, entries named in `optional` only where present: a hostile or torn file neither crashes the run nor
+    steers its resume."""
+    path = state_path(output)
+    if not path.is_file():
+        if output.exists() and output.stat().st_size:
+            raise RegenerateError(f"{output} exists but has no {path.name}: it was not written by `mtptrain "
+                                  f"{command}`; move it away or choose another {setting} path")
+        return fresh
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise RegenerateError(f"{path} is not valid JSON ({exc}); delete it and {output} to start over") from None
+
+    def typed(entries: object, like: dict) -> bool:
+        return isinstance(entries, dict) and all(type(entries.get(k)) is type(v) for k, v in like.items()
+                                                 if k in entries or k not in optional)
+    if not typed(state, {k: v for k, v in fresh.items() if k != "counts"}) or \
+            not typed(state.get("counts"), fresh["counts"]):
+        raise RegenerateError(f"{path} is not a state mtptrain wrote; delete it and {output} to start over")
+    return state
+
+
+def check_written(state: dict, output: Path, identity: dict, setting: str) -> None:
+    """A state to resume must come from this target, and its output hold at least the bytes it records."""
+    if identity_mismatch(state["target"], identity) is not None:
+        raise RegenerateError(f"{output} was written by another target or tokenizer "
+                              f"({state['target'].get('name')}); set {setting} to a new path")
+    if not output.is_file() or output.stat().st_size < state["bytes"]:
+        raise RegenerateError(f"{output} is shorter than {state_path(output).name} records ({state['bytes']} bytes): "
+                              "the file was changed outside mtptrain; delete both to start over")
 
 
 def truncate_to(output: Path, size: int) -> None:
@@ -459,8 +486,8 @@ def check_complete(path: Path, data, tokenizer) -> None:
         return
     try:
         state = json.loads(state_file.read_text())
-    except (OSError, ValueError) as exc:
-        state = exc
+    except (OSError, ValueError):
+        state = None
     if not isinstance(state, dict) or not isinstance(state.get("settings", {}), dict) or \
             not isinstance(state.get("target", {}), dict):
         raise RegenerateError(f"{state_file} is not a state `mtptrain regenerate` wrote: rerun `mtptrain regenerate` "

@@ -32,13 +32,14 @@ from tqdm import tqdm
 
 from mtptrain.config import Recipe
 from mtptrain.data.chat import render, stop_tokens
-from mtptrain.data.regenerate import (GROUP_BATCHES, RegenerateError, append_lines, decoding, generation_stops,
-                                      recorded_runtime, sampler, state_path, truncate_to, turn_seed)
+from mtptrain.data.regenerate import (GROUP_BATCHES, RegenerateError, append_lines, check_written, decoding,
+                                      generation_stops, load_state, recorded_runtime, sampler, state_path,
+                                      truncate_to, turn_seed)
 from mtptrain.engine.verify import Sampling
 from mtptrain.io import atomic_write_json
 from mtptrain.runtime.batch import Request, decode_stream
 from mtptrain.runtime.runner import source_record
-from mtptrain.target import identity_mismatch, load_target
+from mtptrain.target import load_target
 
 log = logging.getLogger(__name__)
 VERSION = 1
@@ -66,35 +67,18 @@ def settings_of(recipe: Recipe) -> dict:
 
 
 def _state(output: Path, settings: dict, identity: dict) -> dict:
-    path = state_path(output)
-    if not path.is_file():
-        if output.exists() and output.stat().st_size:
-            raise RegenerateError(f"{output} exists but has no {path.name}: it was not written by `mtptrain "
-                                  "self-prompts`; move it away or choose another self_prompts.output")
-        return {"settings": settings, "target": identity, "groups_done": 0, "bytes": 0, "complete": False,
-                "counts": {"sampled": 0, "kept": 0, "dropped": {}}}
-    try:
-        state = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise RegenerateError(f"{path} is not valid JSON ({exc}); delete it and {output} to start over") from None
-    counts = state.get("counts") if isinstance(state, dict) else None
-    if not isinstance(state, dict) or not isinstance(state.get("target"), dict) or not isinstance(counts, dict) or \
-            not all(type(state.get(k)) is int for k in ("groups_done", "bytes")) or \
-            not all(type(counts.get(k)) is int for k in ("sampled", "kept")) or \
-            not isinstance(counts.get("dropped"), dict):
-        raise RegenerateError(f"{path} is not a state mtptrain wrote; delete it and {output} to start over")
-    if state.get("settings") != settings:
-        before = state.get("settings") or {}
+    fresh = {"settings": settings, "target": identity, "groups_done": 0, "bytes": 0, "complete": False,
+             "counts": {"sampled": 0, "kept": 0, "dropped": {}}}
+    state = load_state(output, fresh, "self_prompts.output", "self-prompts")
+    if state is fresh:
+        return fresh
+    if state["settings"] != settings:
+        before = state["settings"]
         changed = ", ".join(f"{k}: {before.get(k)!r} -> {settings.get(k)!r}"
                             for k in sorted(set(settings) | set(before)) if settings.get(k) != before.get(k))
         raise RegenerateError(f"{output} was written with other settings ({changed}); keep them to resume, or set "
                               "self_prompts.output to a new path")
-    if identity_mismatch(state.get("target", {}), identity) is not None:
-        raise RegenerateError(f"{output} was written by another target or tokenizer; set self_prompts.output to a "
-                              "new path")
-    if not output.is_file() or output.stat().st_size < state["bytes"]:
-        raise RegenerateError(f"{output} is shorter than {path.name} records ({state['bytes']} bytes): the file was "
-                              "changed outside mtptrain; delete both to start over")
+    check_written(state, output, identity, "self_prompts.output")
     return state
 
 

@@ -447,3 +447,18 @@ def test_a_huge_question_is_skipped_without_being_tokenized_whole(tiny_target_di
     assert regenerate_jobs(None, tok, [job], recipe, set()) == 0
     assert job.stopped == "context full" and not job.messages
     assert 0 < longest_text() < 10_000  # rendered or tokenized: something, never the whole question  # of a 400,000-character question
+
+
+def test_a_hostile_state_file_is_refused_naming_it(varied_target_dir, tmp_path):
+    out = tmp_path / "r.jsonl"
+    recipe = load_recipe(None, regen_overrides(varied_target_dir, write_sharegpt(tmp_path / "chats.json", 4), out))
+    run_regenerate(recipe, show_progress=False)
+    state = json.loads(state_path(out).read_text())
+    kept = out.read_bytes()
+    for hostile in ("[1]", json.dumps({**state, "counts": {**state["counts"], "answers": "7"}}),
+                    json.dumps({**state, "complete": 1}), json.dumps({**state, "target": None}),
+                    json.dumps({**state, "complete": False, "plan": {"a": 1}})):
+        state_path(out).write_text(hostile)
+        with pytest.raises(RegenerateError, match="r.jsonl.state.json is not a state mtptrain wrote"):
+            run_regenerate(recipe, show_progress=False)
+        assert out.read_bytes() == kept
