@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 
 from mtptrain.config import MTPHeadConfig, Recipe, load_recipe
-from mtptrain.features.store import FeatureStore
+from mtptrain.features.stores import open_stores
 from mtptrain.train.data import BatchPlan
 
 REPO = Path(__file__).resolve().parents[1]
@@ -107,7 +107,7 @@ def tokens_seen(run: Path, steps: int) -> int:
     """Training tokens of a finished single-process run, from its batch plan (as the trainer draws it)."""
     recipe = load_recipe(run / "recipe.yaml")
     cfg = recipe.train
-    lengths = FeatureStore(cfg.features, "train", verify="size").lengths()
+    lengths = open_stores(cfg.features, "train", verify="size").lengths()
     plan = BatchPlan(lengths, cfg.micro_batch_size, cfg.seed, 1, 0, steps, cfg.grad_accum)
     return plan.tokens_through(steps)
 

@@ -23,6 +23,7 @@ import torch
 from mtptrain.config import load_recipe
 from mtptrain.features.precompute import run_precompute
 from mtptrain.features.store import FeatureStore
+from mtptrain.features.stores import open_stores
 from mtptrain.heads import FrozenTarget
 from mtptrain.heads.objective import step_weights
 from mtptrain.export.source import load_head_directory
@@ -71,7 +72,7 @@ def main() -> None:
     head.float().eval()
     layers = spec.layers
     stores = {"held-out ShareGPT (training's validation split)":
-              FeatureStore(recipe.train.features, "validation", target=target, layers=layers, verify="size"),
+              open_stores(recipe.train.features, "validation", target=target, layers=layers, verify="size"),
               "MT-bench: the eval's baseline answers":
               FeatureStore(out / "features", "train", target=target, layers=layers, verify="size")}
     lines = [f"Teacher-forced top-1 agreement of {args.head} with the target, per draft position", "",

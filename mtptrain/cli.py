@@ -278,6 +278,9 @@ def speculators_data(out: Annotated[Path, typer.Option(help="New directory for s
     head = cfg.head if isinstance(cfg.head, Eagle3HeadConfig) else Eagle3HeadConfig()
 
     def run():
+        if not isinstance(cfg.train.features, str):
+            raise MtptrainError(f"train.features lists {len(cfg.train.features)} stores; `mtptrain speculators data` "
+                              "writes one store: set train.features to one of them")
         spec = HeadSpec.of(head, load_manifest(Path(cfg.train.features)))
         return write_offline_data(Path(cfg.train.features), out, list(spec.feature_layers), spec.draft_vocab_size,
                                   progress)

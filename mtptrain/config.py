@@ -316,7 +316,10 @@ class EngineEvalConfig(_Section):
 
 
 class TrainConfig(_Section):
-    features: str = Field("runs/quickstart/features", description="Feature store written by precompute.")
+    features: str | list[str] = Field(
+        "runs/quickstart/features", description="Feature store written by precompute, or a list of stores trained "
+        "on as one (the same target and layers; their samples shuffled together: a mix of data sources without "
+        "precomputing the mix).")
     online: bool = Field(
         False, description="Compute the features while training instead of reading a store: the whole target "
         "is loaded in the trainer and runs over each micro-batch (its layers from precompute.layers, narrowed to "
@@ -382,6 +385,19 @@ class TrainConfig(_Section):
         "loaded whole instead). frozen = the frozen parts training reads (embedding, final norm, LM head), the "
         "tokenizer and the architecture only; the head then records the store's fingerprint unchecked, and says "
         "so in its config (target_checked).")
+
+    @field_validator("features")
+    @classmethod
+    def _stores(cls, value: str | list[str]) -> str | list[str]:
+        if isinstance(value, list):
+            if not value:
+                raise ValueError("an empty list: name at least one feature store")
+            repeated = sorted({d for d in value if value.count(d) > 1})
+            if repeated:
+                raise ValueError(f"{repeated} listed more than once: its samples would be trained on twice")
+            if len(value) == 1:
+                return value[0]
+        return value
 
     @field_validator("zero_stage")
     @classmethod

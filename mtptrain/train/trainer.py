@@ -46,7 +46,8 @@ from mtptrain.errors import MtptrainError
 from mtptrain.export.run import export_head
 from mtptrain.export.sidecar import ExportError
 from mtptrain.features.online import ONLINE, OnlineFeatures, prepare_online
-from mtptrain.features.store import FeatureStore, load_manifest
+from mtptrain.features.store import FeatureStore
+from mtptrain.features.stores import FeatureStores, combined_manifest, features_runtime, open_stores, store_dirs
 from mtptrain.heads import FrozenTarget
 from mtptrain.heads.checkpoint import save_head
 from mtptrain.heads.losses import Loss
@@ -280,16 +281,18 @@ class Trainer:
         if self.cfg.online:  # the target computes the features as batches are read (features/online.py)
             manifest = self._online(recipe, dist)
         else:
-            manifest = load_manifest(Path(self.cfg.features))
+            stores = store_dirs(self.cfg.features)
+            manifest = combined_manifest(stores)  # several stores: checked to hold the same model's layers
             self.spec = HeadSpec.of(recipe.head, manifest)
             self.target = _load_frozen_parts(recipe, manifest, dist)
             layers = self.spec.layers
             identity = _identity_to_check(recipe, self.target, dist, device)
             # Refused here, before any training: a store of another target, or without the layers the head reads.
-            self.train_store = FeatureStore(self.cfg.features, "train", target=identity, layers=layers)
-            self.target_checked = _log_checked(identity, manifest, Path(self.cfg.features), self.cfg.target_check)
-            self.val_store = FeatureStore(self.cfg.features, "validation", target=self.target, layers=layers,
-                                          verify="size")
+            self.train_store = open_stores(self.cfg.features, "train", target=identity, layers=layers)
+            for store in stores:
+                self.target_checked = _log_checked(identity, manifest, store, self.cfg.target_check)
+            self.val_store = open_stores(self.cfg.features, "validation", target=self.target, layers=layers,
+                                         verify="size")
         self.weights = step_weights(recipe.head.step_weights, self.spec.draft_positions)
         self.feature_weight = self.spec.family.feature_weight(recipe.head)
         self.loss = Loss(self.cfg.loss, self.cfg.loss_eta, self.cfg.reachable)
@@ -302,7 +305,7 @@ class Trainer:
         log.info("training precision: %s%s", self.precision, " (auto)" if self.cfg.precision == "auto" else "")
         # What computed the features the head learns from, recorded with it: the store's, or here the target's own.
         self.features_runtime = runtime_record(self.target.model, recipe.target.runtime) \
-            if self.cfg.online else manifest.get("runtime")
+            if self.cfg.online else features_runtime(store_dirs(self.cfg.features))
         self.stop_file = self.run_dir / STOP_FILE
         # The store's check above compared the frozen parts of a partly loaded target; the features, and so the
         # head, belong to the model the store names.
@@ -310,7 +313,8 @@ class Trainer:
         # Validation through the engine (train/drafting.py): held-out prompts, drafted for on the main rank.
         engine_eval = self.cfg.engine_eval
         count = min(engine_eval.prompts, len(self.val_store)) if dist.is_main else 0
-        self.prompts = [p for p in (self.val_store.prompt_ids(i) for i in range(count)) if p]
+        chosen = self.val_store.spread(count) if isinstance(self.val_store, FeatureStores) else range(count)
+        self.prompts = [p for p in (self.val_store.prompt_ids(i) for i in chosen) if p]
         self.stops = stop_tokens(self.target.tokenizer, self.target.model) if self.prompts else set()
         self.engine_source = None
         self.best = BestHead(self.run_dir)
@@ -481,7 +485,7 @@ class Trainer:
         train.head_dtype when `exported` (a snapshot keeps the weights' own dtype)."""
         save_head(directory, head, self.spec, self.target_identity,
                   {"target_checked": self.target_checked,
-                   "features": {"store": ONLINE if self.cfg.online else str(self.cfg.features),
+                   "features": {"store": ONLINE if self.cfg.online else self.cfg.features,
                                 "layers": self.train_store.layers, "runtime": self.features_runtime},
                    "precision": self.precision,
                    "train": {"steps": step, "tokens": self.plan.tokens_through(step),
@@ -625,7 +629,7 @@ class _Window:
 
 
 @torch.no_grad()
-def score_store(head, spec: HeadSpec, store: FeatureStore, batch_size: int, weights: list[float], feature_weight: float,
+def score_store(head, spec: HeadSpec, store: FeatureStore | FeatureStores, batch_size: int, weights: list[float], feature_weight: float,
                 loss_chunk: int, device: torch.device, dtype: torch.dtype, dist: DistInfo | None = None,
                 loss: Loss = Loss()) -> "_Window":
     """Teacher-forced loss and top-1 agreement of `head` over every sample of `store` (with `dist`, this rank's
