@@ -383,6 +383,13 @@ def check_manifest(manifest: dict[str, Any], path: Path) -> None:
         if not _is_count(target.get(field)) or target[field] < 1:
             raise FeatureStoreError(f"{path}: target.{field} is {target.get(field)!r}, not a positive integer; "
                                     + REWRITE_MANIFEST)
+    layers = manifest["layers"]
+    if not isinstance(layers, list) or not layers or not all(_is_count(i) and i >= 0 for i in layers) \
+            or len(set(layers)) != len(layers):
+        raise FeatureStoreError(f"{path}: layers is {layers!r}, not a list of distinct layer numbers (0-based); "
+                                + REWRITE_MANIFEST)
+    if not isinstance(manifest["plan_id"], str):
+        raise FeatureStoreError(f"{path}: plan_id is {manifest['plan_id']!r}, not a string; " + REWRITE_MANIFEST)
     if not isinstance(manifest["shards"], list):
         raise FeatureStoreError(f"{path}: shards must be a list of shard entries; " + REWRITE_MANIFEST)
     listed: dict[Path, int] = {}  # shard file, every link resolved -> its first entry

@@ -54,9 +54,10 @@ def combined_manifest(directories: list[Path]) -> dict[str, Any]:
     return {**first, "plan_id": "+".join(m["plan_id"] for m in manifests)}
 
 
-def features_runtime(directories: list[Path]) -> Any:
-    """What computed the stores' features (each manifest's `runtime`): one record when they agree, else the list."""
-    records = [load_manifest(d).get("runtime") for d in directories]
+def features_runtime(store: FeatureStore | FeatureStores) -> Any:
+    """What computed the features of an opened store or list (each manifest's `runtime`): one record when they
+    agree, else the list."""
+    records = [s.manifest.get("runtime") for s in getattr(store, "stores", [store])]
     return records[0] if all(r == records[0] for r in records) else records
 
 

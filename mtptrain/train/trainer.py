@@ -305,7 +305,7 @@ class Trainer:
         log.info("training precision: %s%s", self.precision, " (auto)" if self.cfg.precision == "auto" else "")
         # What computed the features the head learns from, recorded with it: the store's, or here the target's own.
         self.features_runtime = runtime_record(self.target.model, recipe.target.runtime) \
-            if self.cfg.online else features_runtime(store_dirs(self.cfg.features))
+            if self.cfg.online else features_runtime(self.train_store)
         self.stop_file = self.run_dir / STOP_FILE
         # The store's check above compared the frozen parts of a partly loaded target; the features, and so the
         # head, belong to the model the store names.

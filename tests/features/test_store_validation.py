@@ -179,3 +179,12 @@ def test_train_refuses_a_tampered_shard_before_training_with_exit_1(store, tiny_
     assert result.exit_code == 1, result.output
     assert f"error: {store / name}" in result.output and "offsets" in result.output
     assert "Traceback" not in result.output and not (tmp_path / "t" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize(("field", "value"), [("layers", 5), ("layers", []), ("layers", [0, "1"]), ("layers", [0, 0]),
+                                              ("layers", [-1, 2]), ("plan_id", 7)])
+def test_a_manifest_whose_layers_or_plan_are_not_what_precompute_writes_is_refused(store, field, value):
+    manifest = _manifest(store)
+    manifest[field] = value
+    _write_manifest(store, manifest)
+    _refused(store, "manifest.json", field)
