@@ -2,8 +2,10 @@
 PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
-# Overrides for the quickstart, e.g. make quickstart SET="data.max_conversations=50"
+# Overrides for the quickstart and the reference run, e.g. make quickstart SET="data.max_conversations=50"
 SET     ?=
+# Options of the reference run's commands, e.g. make reference OPTS=--no-progress (a log file, not a terminal)
+OPTS    ?=
 
 .PHONY: setup quickstart reference pretrained test bench gpu-check clean
 
@@ -18,11 +20,22 @@ quickstart: setup
 	$(BIN)/mtptrain train --recipe recipes/quickstart.yaml $(foreach s,$(SET),--set $(s))
 	$(BIN)/mtptrain eval --recipe recipes/quickstart.yaml $(foreach s,$(SET),--set $(s))
 
-# The reference run (about 3 hours on a 2-core CPU, docs/reference-run.md): self-distilled data, EAGLE-3 head, MT-bench
-# eval at temperature 0 (both turns), then the chain again at temperature 1 (first turns).
+# The reference run (about 5 h 15 min on a 2-core CPU, docs/reference-run.md): the target's requests (self-prompts) and
+# their answers in a second feature store, then the pipeline (ShareGPT answered by the target, EAGLE-3 head trained
+# on both stores, MT-bench eval at temperature 0, both turns), then the chain again at temperature 1 (first turns).
+# Every command resumes where it stopped: rerun make reference.
+# The second store's directory (prompts.jsonl, regenerated.jsonl, features/), as recipes/reference.yaml names it.
+SELF_DIR ?= runs/reference/self
+SELF := --set self_prompts.output=$(SELF_DIR)/prompts.jsonl --set data.source=$(SELF_DIR)/prompts.jsonl \
+	--set data.max_conversations=100000 --set data.regenerated=$(SELF_DIR)/regenerated.jsonl \
+	--set precompute.output_dir=$(SELF_DIR)/features
+STORES := --set "train.features=[runs/reference/features, $(SELF_DIR)/features]"
 reference: setup
-	$(BIN)/mtptrain pipeline --recipe recipes/reference.yaml $(foreach s,$(SET),--set $(s))
-	$(BIN)/mtptrain eval --recipe recipes/reference.yaml --set eval.temperature=1 --set eval.methods=[chain] \
+	$(BIN)/mtptrain self-prompts --recipe recipes/reference.yaml $(OPTS) $(SELF) $(foreach s,$(SET),--set $(s))
+	$(BIN)/mtptrain regenerate --recipe recipes/reference.yaml $(OPTS) $(SELF) $(foreach s,$(SET),--set $(s))
+	$(BIN)/mtptrain precompute --recipe recipes/reference.yaml $(OPTS) $(SELF) $(foreach s,$(SET),--set $(s))
+	$(BIN)/mtptrain pipeline --recipe recipes/reference.yaml $(OPTS) $(STORES) $(foreach s,$(SET),--set $(s))
+	$(BIN)/mtptrain eval --recipe recipes/reference.yaml $(OPTS) $(STORES) --set eval.temperature=1 --set eval.methods=[chain] \
 		--set eval.k=[3] --set eval.max_turns=1 --set eval.output_dir=runs/reference/eval-t1 $(foreach s,$(SET),--set $(s))
 
 # Replace the head shipped in pretrained/ by the one the reference run just trained (its README, eval results).

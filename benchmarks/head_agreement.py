@@ -71,7 +71,7 @@ def main() -> None:
     head, spec = load_head_directory(Path(args.head), FrozenTarget.of(target.model), target.identity())
     head.float().eval()
     layers = spec.layers
-    stores = {"held-out ShareGPT (training's validation split)":
+    stores = {"held-out: the training stores' validation split":
               open_stores(recipe.train.features, "validation", target=target, layers=layers, verify="size"),
               "MT-bench: the eval's baseline answers":
               FeatureStore(out / "features", "train", target=target, layers=layers, verify="size")}

@@ -38,9 +38,10 @@ def readme(config: dict, curve: list[dict], evals: dict[str, dict], size: int) -
         f"norms {norms}, {head['ttt_steps']} training-time-test steps, a draft vocabulary of "
         f"{head['draft_vocab_size']} tokens. Weights in bfloat16, {size / 2**20:.1f} MiB.",
         "",
-        "Reproduce it with `make reference` (recipes/reference.yaml: self-distilled ShareGPT answers, precompute, "
-        "train, eval), then `python scripts/ship_reference_head.py`. `mtptrain eval` on the embedded default "
-        "uses this head whenever the recipe's own head has not been trained yet.",
+        "Reproduce it with `make pretrained`: `make reference` (recipes/reference.yaml: ShareGPT conversations and "
+        "requests the target wrote itself, all answered by the target; precompute, train, eval), then "
+        "`python scripts/ship_reference_head.py`. `mtptrain eval` on the embedded default uses this head whenever "
+        "the recipe's own head has not been trained yet.",
         "",
         f"Training: optimizer {recipe['optimizer']}, lr {recipe['lr']}, {train['steps']} steps, "
         f"{train['tokens']:,} tokens seen."

@@ -334,7 +334,7 @@ def test_the_shipped_head_drafts_the_same_tokens_from_its_exports(tmp_path):
         summary = export_head(PRETRAINED_HEAD, tmp_path / fmt, ExportConfig(format=fmt))
         readme = (tmp_path / fmt / "README.md").read_text()
         assert quoted in readme  # the shipped eval.json, quoted
-        assert "4 training-time-test steps, draft vocabulary 8192 tokens" in readme
+        assert f"{spec.ttt_steps} training-time-test steps, draft vocabulary {spec.draft_vocab_size} tokens" in readme
         assert summary["notes"] and all(mode == 0o644 for mode in
                                         (p.stat().st_mode & 0o777 for p in (tmp_path / fmt).iterdir()))
         exported, exported_spec = load_head_directory(tmp_path / fmt, frozen, target.identity())
