@@ -40,11 +40,25 @@ def eval_conversations(results: Path, out: Path) -> None:
             f.write(json.dumps({"id": cid, "messages": messages}) + "\n")
 
 
-def agreement(head, spec, store: FeatureStore, recipe, batch_size: int) -> list[float]:
-    """Top-1 agreement per draft position, scored as training validates (float32, on the CPU)."""
+def answer_prefix(n: int):
+    """A loss-mask transform keeping the first `n` tokens of every answer (each run of assistant tokens)."""
+    def keep(mask: torch.Tensor) -> torch.Tensor:
+        on = mask.bool()
+        starts = on & ~torch.nn.functional.pad(on[:, :-1], (1, 0))  # the first token of each answer
+        run = torch.cumsum(starts.long(), dim=1)  # which answer a token belongs to (0 before the first)
+        index = torch.arange(on.shape[1]).expand_as(on)
+        first = torch.zeros_like(index).masked_scatter_(starts, index[starts])  # each answer's start, at its start
+        first = torch.cummax(first, dim=1).values  # ... carried along the row
+        return (on & (index - first < n) & (run > 0)).to(mask.dtype)
+    return keep
+
+
+def agreement(head, spec, store: FeatureStore, recipe, batch_size: int, prefix: int | None = None) -> list[float]:
+    """Top-1 agreement per draft position, scored as training validates (float32, on the CPU); with `prefix`, on
+    the first `prefix` tokens of each answer only."""
     window = score_store(head, spec, store, batch_size, step_weights(recipe.head.step_weights, spec.draft_positions),
                          spec.family.feature_weight(recipe.head), recipe.train.loss_chunk, torch.device("cpu"),
-                         torch.float32)
+                         torch.float32, keep=answer_prefix(prefix) if prefix else None)
     sums = window.reduce(None)
     return [sums[f"train/acc_{p + 1}"] for p in range(spec.draft_positions)]
 
@@ -57,6 +71,9 @@ def main() -> None:
     parser.add_argument("--out", default="runs/analysis/eval-answers", help="where the answers' features go")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--report", help="where the JSON result goes (default: <out>/agreement.json)")
+    parser.add_argument("--answer-prefix", type=int, default=None,
+                        help="also score the first N tokens of every answer only (the eval's answers are "
+                        "eval.max_new_tokens long; training answers run longer, and later tokens draft more easily)")
     args = parser.parse_args()
     recipe = load_recipe(args.recipe)
     out = Path(args.out)
@@ -79,9 +96,11 @@ def main() -> None:
              "| data | conversations | agreement per position |", "|---|---|---|"]
     report = {}
     for name, store in stores.items():
-        acc = agreement(head, spec, store, recipe, args.batch_size)
-        report[name] = acc
-        lines.append(f"| {name} | {len(store)} | {' / '.join(f'{a:.3f}' for a in acc)} |")
+        for prefix in (None, args.answer_prefix) if args.answer_prefix else (None,):
+            acc = agreement(head, spec, store, recipe, args.batch_size, prefix)
+            label = f"{name}, first {prefix} tokens of each answer" if prefix else name
+            report[label] = acc
+            lines.append(f"| {label} | {len(store)} | {' / '.join(f'{a:.3f}' for a in acc)} |")
     eval_results = json.loads((Path(args.eval) / "results.json").read_text())
     lines += ["", "Acceptance while drafting in that eval run (conditional on the previous position accepted):", ""]
     for m in eval_results["methods"]:

@@ -282,6 +282,13 @@ def test_ablations(ablation):
     assert re.search(row, printed)
 
 
+def test_head_agreement_scores_the_first_tokens_of_each_answer():
+    keep = runpy.run_path(str(ROOT / "benchmarks" / "head_agreement.py"))["answer_prefix"]
+    mask = torch.tensor([[0, 1, 1, 1, 1, 0, 0, 1, 1, 1, 0], [1, 1, 1, 0, 1, 1, 1, 1, 1, 1, 1]], dtype=torch.uint8)
+    assert keep(2)(mask).tolist() == [[0, 1, 1, 0, 0, 0, 0, 1, 1, 0, 0], [1, 1, 0, 0, 1, 1, 0, 0, 0, 0, 0]]
+    assert keep(11)(mask).tolist() == mask.tolist() and keep(2)(mask).dtype == mask.dtype
+
+
 def test_head_agreement(ablation, head_recipe):
     """The ablation's head scored teacher-forced on the store's validation split and on its eval's answers."""
     from mtptrain.config import load_recipe
@@ -289,7 +296,7 @@ def test_head_agreement(ablation, head_recipe):
     out, printed = ablation
     head = out / "eagle3" / "train" / "head"
     scores = json.loads((out / "eagle3" / "agreement.json").read_text())
-    assert list(scores) == ["held-out ShareGPT (training's validation split)", "MT-bench: the eval's baseline answers"]
+    assert list(scores) == ["held-out: the training stores' validation split", "MT-bench: the eval's baseline answers"]
     assert all(len(acc) == 2 and all(0 <= a <= 1 for a in acc) for acc in scores.values())
     manifest = json.loads((Path(load_recipe(head_recipe).train.features) / "manifest.json").read_text())
     text = (out / "eval-answers" / "agreement.md").read_text()

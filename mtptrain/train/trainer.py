@@ -32,6 +32,7 @@ import os
 import shutil
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import deepspeed
@@ -631,14 +632,17 @@ class _Window:
 @torch.no_grad()
 def score_store(head, spec: HeadSpec, store: FeatureStore | FeatureStores, batch_size: int, weights: list[float], feature_weight: float,
                 loss_chunk: int, device: torch.device, dtype: torch.dtype, dist: DistInfo | None = None,
-                loss: Loss = Loss()) -> "_Window":
+                loss: Loss = Loss(), keep: Callable[[torch.Tensor], torch.Tensor] | None = None) -> "_Window":
     """Teacher-forced loss and top-1 agreement of `head` over every sample of `store` (with `dist`, this rank's
-    share of the batches); reduce the returned window for the numbers."""
+    share of the batches); reduce the returned window for the numbers. `keep` maps a batch's loss mask [B, T] to
+    the one scored (a subset of its tokens: benchmarks/head_agreement.py scores each answer's first tokens)."""
     window = _Window(spec.draft_positions, device)
     batches = [list(range(i, min(i + batch_size, len(store)))) for i in range(0, len(store), batch_size)]
     if dist is not None:
         batches = batches[dist.rank :: dist.world_size]
     for batch in loader(store, batches, 0):
+        if keep is not None:
+            batch["loss_mask"] = keep(batch["loss_mask"])
         window.add(spec.family.objective(head, _to_device(batch, device, dtype), spec, weights, feature_weight,
                                          loss_chunk, loss))
     return window
