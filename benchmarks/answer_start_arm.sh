@@ -1,0 +1,79 @@
+#!/bin/bash
+# The answer-start arm (docs/reference-run.md, "What limits it"): MT-bench scores 64-token answers, whose first
+# tokens draft worst, while a regenerated answer runs to 192 tokens. This arm trains on the first turns of the
+# reference regeneration with every answer cut to its first 64 tokens (what `mtptrain regenerate` would have written
+# with max_new_tokens 64, greedy), so the same training tokens hold about three times as many answer starts. It
+# trains for the tokens of the 5,000-conversation ShareGPT arm at 2 TTT steps and lr 4e-3 (runs/ablations-5k-v2,
+# arm ttt2-lr4x: 604 steps, 1,295,419 tokens; its MT-bench chain tau 1.73, unseen-40 1.75) with the same
+# validation and selection, and is evaluated the same way: chain K=3 on the first 40 MT-bench first turns and on
+# the 40 first turns of benchmarks/prompts/unseen-40.jsonl (64 tokens, greedy, one repeat). Every stage resumes:
+# rerun the script.
+#
+#   REFERENCE=runs/reference/regenerated.jsonl bash benchmarks/answer_start_arm.sh [OUT=runs/answer-start]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-runs/answer-start}
+REFERENCE=${REFERENCE:?set REFERENCE to a file written by mtptrain regenerate}
+TOKENS=${TOKENS:-1295419}  # training tokens of the arm compared against (and CONVERSATIONS, below)
+CUT=${CUT:-64}
+PY=${PY:-.venv/bin/python}
+CLI=("$PY" -m mtptrain.cli)
+R=(--recipe recipes/reference.yaml --no-progress)
+mkdir -p "$OUT"
+
+# every conversation's first request and the first CUT tokens of its answer
+if [ ! -s "$OUT/first-turns.jsonl" ]; then
+  "$PY" - "$REFERENCE" "$OUT/first-turns.tmp" "$CUT" <<'EOF'
+import json, sys
+from mtptrain.config import load_recipe
+from mtptrain.target.loading import load_tokenizer
+source, out, cut = sys.argv[1], sys.argv[2], int(sys.argv[3])
+tokenizer = load_tokenizer(load_recipe("recipes/reference.yaml").target)
+kept = 0
+with open(source) as f, open(out, "w") as w:
+    for line in f:
+        row = json.loads(line)
+        messages = row["messages"]
+        first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), None)
+        if first is None:
+            continue
+        ids = tokenizer(messages[first]["content"], add_special_tokens=False)["input_ids"][:cut]
+        answer = {"role": "assistant", "content": tokenizer.decode(ids)}
+        w.write(json.dumps({"id": row["id"], "messages": messages[:first] + [answer]}) + "\n")
+        kept += 1
+print(f"{kept} first turns, answers cut at {cut} tokens -> {out}")
+EOF
+  mv "$OUT/first-turns.tmp" "$OUT/first-turns.jsonl"
+fi
+# about 130 tokens a sample: 10,600 first turns hold a little more than TOKENS in their training split
+DATA=(--set data.source="$OUT/first-turns.jsonl" --set data.regenerated=null
+      --set data.max_conversations="${CONVERSATIONS:-10600}"
+      --set precompute.output_dir="$OUT/features")
+"${CLI[@]}" precompute "${R[@]}" --no-wandb "${DATA[@]}"
+
+# the step count whose batch plan comes nearest to TOKENS training tokens
+STEPS=$("$PY" - "$OUT" "$TOKENS" <<'EOF'
+import sys
+from mtptrain.features.stores import open_stores
+from mtptrain.train.data import BatchPlan
+out, wanted = sys.argv[1], int(sys.argv[2])
+lengths = open_stores(f"{out}/features", "train", verify="size").lengths()
+sequence = BatchPlan(lengths, 8, 0, 1, 0, 4 * len(lengths) // 8, 1).global_sequence()
+seen = [0]
+for batch in sequence:
+    seen.append(seen[-1] + sum(lengths[i] for i in batch))
+print(min(range(1, len(seen)), key=lambda n: abs(seen[n] - wanted)))
+EOF
+)
+TRAIN=(--set "train.features=$OUT/features" --set train.output_dir="$OUT/train" --set train.max_steps="$STEPS"
+       --set train.head_snapshots=false --set train.lr=4.0e-3 --set train.eval_every=200
+       --set train.engine_eval.select_best=true)
+"${CLI[@]}" train "${R[@]}" --no-wandb "${DATA[@]}" "${TRAIN[@]}"
+for set in mtbench unseen; do
+  prompts=mtbench; [ $set = unseen ] && prompts=benchmarks/prompts/unseen-40.jsonl
+  if [ ! -s "$OUT/eval-$set/results.json" ]; then
+    "${CLI[@]}" eval "${R[@]}" --no-wandb "${DATA[@]}" "${TRAIN[@]}" --set eval.head="$OUT/train/head" \
+      --set eval.prompts=$prompts --set eval.methods=[chain] --set "eval.k=[3]" --set eval.max_prompts=40 \
+      --set eval.max_turns=1 --set eval.repeats=1 --set eval.output_dir="$OUT/eval-$set"
+  fi
+done
