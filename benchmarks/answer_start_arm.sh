@@ -25,21 +25,27 @@ mkdir -p "$OUT"
 if [ ! -s "$OUT/first-turns.jsonl" ]; then
   "$PY" - "$REFERENCE" "$OUT/first-turns.tmp" "$CUT" <<'EOF'
 import json, sys
+from pathlib import Path
 from mtptrain.config import load_recipe
+from mtptrain.data.readers import read_jsonl
 from mtptrain.target.loading import load_tokenizer
-source, out, cut = sys.argv[1], sys.argv[2], int(sys.argv[3])
+source, out, cut = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 tokenizer = load_tokenizer(load_recipe("recipes/reference.yaml").target)
 kept = 0
-with open(source) as f, open(out, "w") as w:
-    for line in f:
-        row = json.loads(line)
-        messages = row["messages"]
-        first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), None)
+with open(out, "w") as w:
+    for row in read_jsonl(source):  # a damaged line is named by file and line, never guessed at
+        if row.problem:
+            sys.exit(f"error: {row.ref}: {row.problem[0]} ({row.problem[1]}); give a file written by mtptrain regenerate")
+        messages = row.value.get("messages") if isinstance(row.value, dict) else None
+        if not isinstance(messages, list) or not all(isinstance(m, dict) and isinstance(m.get("content"), str)
+                                                     for m in messages):
+            sys.exit(f"error: {row.ref}: not a conversation (a line with a list of role/content messages)")
+        first = next((i for i, m in enumerate(messages) if m.get("role") == "assistant"), None)
         if first is None:
             continue
         ids = tokenizer(messages[first]["content"], add_special_tokens=False)["input_ids"][:cut]
         answer = {"role": "assistant", "content": tokenizer.decode(ids)}
-        w.write(json.dumps({"id": row["id"], "messages": messages[:first] + [answer]}) + "\n")
+        w.write(json.dumps({"id": row.value.get("id", row.ref), "messages": messages[:first] + [answer]}) + "\n")
         kept += 1
 print(f"{kept} first turns, answers cut at {cut} tokens -> {out}")
 EOF
@@ -51,18 +57,14 @@ DATA=(--set data.source="$OUT/first-turns.jsonl" --set data.regenerated=null
       --set precompute.output_dir="$OUT/features")
 "${CLI[@]}" precompute "${R[@]}" --no-wandb "${DATA[@]}"
 
-# the step count whose batch plan comes nearest to TOKENS training tokens
+# the step count whose micro-batches come nearest to TOKENS training tokens
 STEPS=$("$PY" - "$OUT" "$TOKENS" <<'EOF'
 import sys
+from mtptrain.config import load_recipe
 from mtptrain.features.stores import open_stores
-from mtptrain.train.data import BatchPlan
-out, wanted = sys.argv[1], int(sys.argv[2])
-lengths = open_stores(f"{out}/features", "train", verify="size").lengths()
-sequence = BatchPlan(lengths, 8, 0, 1, 0, 4 * len(lengths) // 8, 1).global_sequence()
-seen = [0]
-for batch in sequence:
-    seen.append(seen[-1] + sum(lengths[i] for i in batch))
-print(min(range(1, len(seen)), key=lambda n: abs(seen[n] - wanted)))
+from mtptrain.train.data import steps_for_tokens
+lengths = open_stores(f"{sys.argv[1]}/features", "train", verify="size").lengths()
+print(steps_for_tokens(lengths, 8, load_recipe("recipes/reference.yaml").train.seed, int(sys.argv[2])))
 EOF
 )
 TRAIN=(--set "train.features=$OUT/features" --set train.output_dir="$OUT/train" --set train.max_steps="$STEPS"

@@ -36,16 +36,12 @@ SELF=(--set data.source="$OUT/self-prompts.jsonl" --set data.max_conversations=1
 STEPS=$("$PY" - "$OUT" <<'EOF'
 import sys
 from mtptrain.features.stores import open_stores
-from mtptrain.train.data import BatchPlan
+from mtptrain.config import load_recipe
+from mtptrain.train.data import steps_for_tokens
 out = sys.argv[1]
 wanted = sum(open_stores(f"{out}/sharegpt-features", "train", verify="size").lengths())
 lengths = open_stores([f"{out}/sharegpt-features", f"{out}/self-features"], "train", verify="size").lengths()
-sequence = BatchPlan(lengths, 8, 0, 1, 0, 2 * len(lengths) // 8, 1).global_sequence()
-seen = [0]
-for batch in sequence:
-    seen.append(seen[-1] + sum(lengths[i] for i in batch))
-steps = min(range(1, len(seen)), key=lambda n: abs(seen[n] - wanted))  # the nearest step count
-print(steps)
+print(steps_for_tokens(lengths, 8, load_recipe("recipes/reference.yaml").train.seed, wanted))
 EOF
 )
 

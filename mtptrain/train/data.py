@@ -79,6 +79,21 @@ def steps_for(num_samples: int, micro_batch_size: int, world_size: int, grad_acc
     return steps
 
 
+def steps_for_tokens(lengths: list[int], micro_batch_size: int, seed: int, tokens: int) -> int:
+    """The step count (one process, no accumulation) whose micro-batches, in the trainer's order, hold the number of
+    tokens nearest to `tokens`: how arms of an ablation on different stores train for equal tokens."""
+    if not lengths or tokens < 1:
+        raise ValueError(f"no step count reaches {tokens} tokens in a store of {len(lengths)} samples")
+    seen, steps, epoch = 0, 0, 0
+    while True:
+        for batch in epoch_batches(lengths, micro_batch_size, seed, epoch):
+            size = sum(lengths[i] for i in batch)
+            if seen + size >= tokens:  # this step crosses the mark: keep it if that lands nearer
+                return steps + 1 if steps == 0 or seen + size - tokens <= tokens - seen else steps
+            seen, steps = seen + size, steps + 1
+        epoch += 1
+
+
 class BatchDataset(Dataset):
     """Micro-batch k of a list, padded: input_ids / loss_mask [B, T], hidden {layer: [B, T, H]}."""
 

@@ -2,6 +2,7 @@
 
 import json
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -267,6 +268,21 @@ def test_head_snapshots_record_their_tokens_and_load_like_the_final_head(tiny_ta
     target = load_target(recipe.target)
     head, spec = load_head(tmp_path / "run" / "head", FrozenTarget.of(target.model), target.identity())
     assert spec.kind == "eagle3" and next(head.parameters()).dtype == torch.float32
+
+
+def test_the_step_count_for_a_token_budget_is_the_nearest_in_the_trainers_order():
+    from mtptrain.train.data import BatchPlan, steps_for_tokens
+
+    lengths = [random.Random(i).randint(20, 300) for i in range(50)]
+    plan = BatchPlan(lengths, 4, 7, world_size=1, rank=0, steps=40, grad_accum=1).global_sequence()
+    seen = [0]
+    for batch in plan:
+        seen.append(seen[-1] + sum(lengths[i] for i in batch))
+    for tokens in (1, seen[3], seen[3] + 1, (seen[10] + seen[11]) // 2, seen[30] - 1, seen[39]):  # 30: a 3rd epoch
+        steps = steps_for_tokens(lengths, 4, 7, tokens)
+        assert steps >= 1 and abs(seen[steps] - tokens) == min(abs(t - tokens) for t in seen[1:]), tokens
+    with pytest.raises(ValueError):
+        steps_for_tokens([], 4, 7, 100)
 
 
 def test_rerunning_a_finished_run_keeps_its_summary_and_export_settings_do_not_split_runs(tiny_target_dir, tiny_store,
