@@ -40,16 +40,22 @@ def eval_conversations(results: Path, out: Path) -> None:
             f.write(json.dumps({"id": cid, "messages": messages}) + "\n")
 
 
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text}: give a number of tokens, 1 or more")
+    return value
+
+
 def answer_prefix(n: int):
     """A loss-mask transform keeping the first `n` tokens of every answer (each run of assistant tokens)."""
     def keep(mask: torch.Tensor) -> torch.Tensor:
         on = mask.bool()
         starts = on & ~torch.nn.functional.pad(on[:, :-1], (1, 0))  # the first token of each answer
-        run = torch.cumsum(starts.long(), dim=1)  # which answer a token belongs to (0 before the first)
         index = torch.arange(on.shape[1]).expand_as(on)
-        first = torch.zeros_like(index).masked_scatter_(starts, index[starts])  # each answer's start, at its start
-        first = torch.cummax(first, dim=1).values  # ... carried along the row
-        return (on & (index - first < n) & (run > 0)).to(mask.dtype)
+        # each token's latest answer start, carried along the row (an answer token's own answer's start)
+        first = torch.cummax(torch.where(starts, index, torch.zeros_like(index)), dim=1).values
+        return (on & (index - first < n)).to(mask.dtype)
     return keep
 
 
@@ -71,7 +77,7 @@ def main() -> None:
     parser.add_argument("--out", default="runs/analysis/eval-answers", help="where the answers' features go")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--report", help="where the JSON result goes (default: <out>/agreement.json)")
-    parser.add_argument("--answer-prefix", type=int, default=None,
+    parser.add_argument("--answer-prefix", type=positive_int, default=None,
                         help="also score the first N tokens of every answer only (the eval's answers are "
                         "eval.max_new_tokens long; training answers run longer, and later tokens draft more easily)")
     args = parser.parse_args()
