@@ -9,17 +9,27 @@
 # the 40 first turns of benchmarks/prompts/unseen-40.jsonl (64 tokens, greedy, one repeat). Every stage resumes:
 # rerun the script.
 #
-#   REFERENCE=runs/reference/regenerated.jsonl bash benchmarks/answer_start_arm.sh [OUT=runs/answer-start]
+# Without REFERENCE the arm regenerates its answers itself: `mtptrain regenerate` on the first ROWS ShareGPT rows
+# with regenerate.max_turns 1 and max_new_tokens CUT, greedy (the same text as a cut 192-token greedy answer, at
+# about a third of the decoding).
+#
+#   [REFERENCE=runs/reference/regenerated.jsonl] bash benchmarks/answer_start_arm.sh [OUT=runs/answer-start]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/answer-start}
-REFERENCE=${REFERENCE:?set REFERENCE to a file written by mtptrain regenerate}
+REFERENCE=${REFERENCE:-}
 TOKENS=${TOKENS:-1295419}  # training tokens of the arm compared against (and CONVERSATIONS, below)
 CUT=${CUT:-64}
 PY=${PY:-.venv/bin/python}
 CLI=("$PY" -m mtptrain.cli)
 R=(--recipe recipes/reference.yaml --no-progress)
 mkdir -p "$OUT"
+if [ -z "$REFERENCE" ]; then
+  # 12,500 rows give a little more than the 10,600 first turns used below (14% of ShareGPT rows have none that fits)
+  REFERENCE="$OUT/regenerated.jsonl"
+  "${CLI[@]}" regenerate "${R[@]}" --set data.max_conversations="${ROWS:-12500}" --set regenerate.max_turns=1 \
+    --set regenerate.max_new_tokens="$CUT" --set data.regenerated="$REFERENCE"
+fi
 
 # every conversation's first request and the first CUT tokens of its answer
 if [ ! -s "$OUT/first-turns.jsonl" ]; then

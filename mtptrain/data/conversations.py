@@ -56,6 +56,8 @@ def normalise(row: Any, ref: str, fmt: str = "auto", messages_column: str | None
     # cut from longer chats) has nothing to answer: drop those opening turns.
     while turns and turns[0][0] == "assistant":
         turns.pop(0)
+    if not any(role == "user" for role, _ in turns):
+        raise BadRow("no user turn", "only assistant or system turns: nothing was asked")
     if answered and not any(role == "assistant" for role, _ in turns):
         raise BadRow("no assistant turn")
     conv_id = row.get("id") or row.get("prompt_id") or ref

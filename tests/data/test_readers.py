@@ -86,6 +86,18 @@ def test_bad_rows_raise_with_a_reason(row, reason):
     assert bad.value.reason == reason
 
 
+@pytest.mark.parametrize("answered", [True, False])
+def test_rows_with_nothing_asked_are_refused(answered):
+    # ShareGPT holds rows cut from longer chats that keep only the assistant's side: nothing is left to answer or
+    # to train on once the opening assistant turns are dropped (regenerate used to crash on such a row)
+    only_gpt = {"conversations": [{"from": "gpt", "value": "the rest of the code"}]}
+    only_system = {"messages": [{"role": "system", "content": "be brief"}, {"role": "assistant", "content": "a"}]}
+    for row in (only_gpt, only_system):
+        with pytest.raises(BadRow) as bad:
+            normalise(row, "ref", answered=answered)
+        assert bad.value.reason == "no user turn"
+
+
 def test_leading_assistant_turns_are_dropped():
     row = {"conversations": [{"from": "gpt", "value": "x"}, {"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}
     assert [m["role"] for m in normalise(row, "r").messages] == ["user", "assistant"]
