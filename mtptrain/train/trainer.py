@@ -375,8 +375,7 @@ class Trainer:
         state = self._resume(engine)
         finished = self.run_dir / "summary.json"
         if state["step"] >= self.steps and finished.is_file() and (self.run_dir / "head" / "config.json").is_file():
-            log.info("%s already finished its %d steps; nothing to do", self.run_dir, self.steps)
-            return {**json.loads(finished.read_text()), "rank": self.dist.rank}
+            return self._finished(engine.module, state["step"], json.loads(finished.read_text()))
         metrics = MetricsLog(self.run_dir, self.dist.is_main, self.recipe, self.wandb_mode,
                              resume_id=state.get("wandb_id"))
         step = state["step"]
@@ -544,20 +543,41 @@ class Trainer:
                    "checkpoint": last_checkpoint, "head": str(self.run_dir / "head")}
         if self.dist.is_main:
             summary.update(getattr(self, "last_validation", {}))
-            exported = self.run_dir / "head"
-            if self.cfg.engine_eval.select_best and self.best.step is not None:
-                # the head of the best validated chain tau, which may be an earlier step's
-                shutil.rmtree(exported, ignore_errors=True)
-                shutil.copytree(self.best.directory, exported)
-                summary["selected"] = {"step": self.best.step, "tau_chain": self.best.tau}
-                log.info("exported the head of step %d (best validated chain tau %.3f) to %s", self.best.step,
-                         self.best.tau, exported)
-            else:
-                self._save(exported, head, step)
-            atomic_write_json(self.run_dir / "summary.json", summary)
+            self._export(head, step, summary)
         if torch_dist.is_initialized():
             torch_dist.barrier()
         return summary
+
+    def _finished(self, head, step: int, summary: dict) -> dict:
+        """A run that has trained all its steps: its summary as written, after exporting again where the recipe
+        now asks for the other head (engine_eval.select_best switched since, or a better step kept since): the
+        last step's head is the checkpoint just loaded, the best one is in best-head/."""
+        want = self.best.step if self.cfg.engine_eval.select_best and self.best.step is not None else None
+        if (summary.get("selected") or {}).get("step") == want:
+            log.info("%s already finished its %d steps; nothing to do", self.run_dir, self.steps)
+        elif self.dist.is_main:
+            log.info("%s already finished its %d steps; exporting the %s head as engine_eval.select_best now asks",
+                     self.run_dir, self.steps, "last step's" if want is None else f"step {want}")
+            self._export(head, step, summary)
+        if torch_dist.is_initialized():
+            torch_dist.barrier()
+        return {**summary, "rank": self.dist.rank}
+
+    def _export(self, head, step: int, summary: dict) -> None:
+        """Write <run>/head (the best validated head under engine_eval.select_best, else `head` at `step`) and
+        summary.json, which records the step of a selected head under "selected"."""
+        exported = self.run_dir / "head"
+        summary.pop("selected", None)
+        if self.cfg.engine_eval.select_best and self.best.step is not None:
+            # the head of the best validated chain tau, which may be an earlier step's
+            shutil.rmtree(exported, ignore_errors=True)
+            shutil.copytree(self.best.directory, exported)
+            summary["selected"] = {"step": self.best.step, "tau_chain": self.best.tau}
+            log.info("exported the head of step %d (best validated chain tau %.3f) to %s", self.best.step,
+                     self.best.tau, exported)
+        else:
+            self._save(exported, head, step)
+        atomic_write_json(self.run_dir / "summary.json", summary)
 
 
 def log_head_artifact(run, recipe: Recipe, head_dir: Path, summary: dict) -> None:

@@ -20,9 +20,9 @@ from mtptrain.train.trainer import run_train
 def test_the_head_drafts_while_training_and_the_best_validated_head_is_exported(tiny_target_dir, tiny_store,
                                                                                 tmp_path):
     out = tmp_path / "run"
-    recipe = train_recipe(tiny_target_dir, tiny_store, out, "head.kind=eagle3", "train.max_steps=12",
-                          "train.eval_every=4", "train.engine_eval.prompts=3", "train.engine_eval.max_new_tokens=12",
-                          "train.engine_eval.k=2", "train.engine_eval.tree_budget=4")
+    settings = ("head.kind=eagle3", "train.max_steps=12", "train.eval_every=4", "train.engine_eval.prompts=3",
+                "train.engine_eval.max_new_tokens=12", "train.engine_eval.k=2", "train.engine_eval.tree_budget=4")
+    recipe = train_recipe(tiny_target_dir, tiny_store, out, *settings)
     summary = run_train(recipe, show_progress=False)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     drafted = [r for r in rows if "val/tau_chain" in r]
@@ -51,6 +51,19 @@ def test_the_head_drafts_while_training_and_the_best_validated_head_is_exported(
     again = drafting_metrics(target.model, head, spec, prompts, recipe.train.engine_eval,
                              stop_tokens(target.tokenizer, target.model))
     assert again["val/tau_chain"] == best_tau
+
+    # The finished run asked again with select_best switched off exports its last step and keeps its summary
+    # (the training rate, the last validation); switched back on, the best step's head again.
+    last = run_train(train_recipe(tiny_target_dir, tiny_store, out, *settings, "train.engine_eval.select_best=false"),
+                     show_progress=False)
+    assert "selected" not in last and json.loads((out / "head" / "config.json").read_text())["train"]["steps"] == 12
+    assert last["tokens_per_second"] == summary["tokens_per_second"] > 0
+    assert last["val/tau_chain"] == summary["val/tau_chain"]
+    assert json.loads((out / "summary.json").read_text()) == {k: v for k, v in last.items()}
+    again = run_train(recipe, show_progress=False)
+    assert again["selected"] == summary["selected"]
+    exported = load_file(out / "head" / "model.safetensors")
+    assert all(torch.equal(exported[k], kept[k]) for k in exported)
 
 
 def test_a_prompt_is_the_samples_tokens_before_its_first_answer_token(tiny_store):
