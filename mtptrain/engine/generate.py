@@ -35,6 +35,7 @@ class GenerationStats:
     verified: int = 0  # draft tokens scored by the target (a tree's nodes, a chain's length)
     draft_seconds: float = 0.0  # proposing, and a drafter catching up on the target's states
     verify_seconds: float = 0.0
+    prefill_seconds: float = 0.0  # up to the first token: the prompt's forward, and a drafter reading its states
 
     @property
     def tau(self) -> float:
@@ -68,6 +69,7 @@ class GenerationStats:
         self.verified += other.verified
         self.draft_seconds += other.draft_seconds
         self.verify_seconds += other.verify_seconds
+        self.prefill_seconds += other.prefill_seconds
         for i, (proposed, accepted) in enumerate(zip(other.proposed, other.accepted)):
             if i == len(self.proposed):
                 self.proposed.append(0)
@@ -84,6 +86,7 @@ class Generation:
 
 def generate(runner: Runner, prompt: list[int], max_new_tokens: int, proposer: Proposer | None = None, k: int = 4,
              sampling: Sampling = Sampling(), eos: set[int] = frozenset(), seed: int = 0) -> Generation:
+    started = time.perf_counter()
     generator = torch.Generator().manual_seed(seed)  # on the CPU whatever the target's device: see verify.draw
     stats = GenerationStats()
     runner.reset()
@@ -95,6 +98,8 @@ def generate(runner: Runner, prompt: list[int], max_new_tokens: int, proposer: P
     if observes:  # drafters that read the target's states see them for every committed position
         proposer.observe(0, runner.hidden, prompt[1:] + [first])
     sync = _synchronizer(runner)  # honest step timings
+    sync()
+    stats.prefill_seconds = time.perf_counter() - started
     while len(out) < max_new_tokens and out[-1] not in eos:
         started = time.perf_counter()
         budget = min(k, max_new_tokens - len(out))

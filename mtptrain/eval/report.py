@@ -167,6 +167,19 @@ def timing_lines(results: dict) -> list[str]:
     return lines
 
 
+def decoding_line(results: dict) -> str | None:
+    """The speedups with each request's time to its first token left out (the prompt's forward, and a drafter
+    reading its states), which the same prompts cost every method about alike, and that time per request; None
+    for results that predate it."""
+    timed = [m for m in results["methods"] if "decoding_speedup" in m]
+    if not any(m["method"] != "baseline" for m in timed):
+        return None
+    return ("after the first token (the time to it left out): " + ", ".join(
+        f"{m['label']} {m['decoding_speedup']:.2f}x" for m in timed if m["method"] != "baseline")
+        + "; time to the first token, ms per request: " + ", ".join(
+        f"{m['label']} {m['prefill_ms_per_request']:.0f}" for m in timed))
+
+
 def methods_table(results: dict) -> list[str]:
     """The per-configuration table of an eval run, as markdown lines."""
     lines = ["| method | tau | tokens/s | speedup | speedup spread | draft ms/step | verify ms/step | "
@@ -213,7 +226,10 @@ def markdown(results: dict) -> str:
               "step (its token budget or an end of sequence); not the share of the steps that got as far as "
               "position i.", ""]
     lines += [f"{line[0].upper()}{line[1:]}." for line in timing_lines(results)]
-    lines += ["", *methods_table(results), "", "## Best configuration per method", ""]
+    lines += ["", *methods_table(results)]
+    if decoding_line(results):
+        lines += ["", f"{decoding_line(results)[0].upper()}{decoding_line(results)[1:]}."]
+    lines += ["", "## Best configuration per method", ""]
     by_label = {m["label"]: m for m in results["methods"]}
     for method, label in results["best"].items():
         m = by_label[label]
@@ -321,6 +337,8 @@ def format_results(results: dict) -> str:
             f"{' !' if by_label[label].get('unreliable') else ''})" for label in best.values()))
     if any(m["exactness"]["near_ties"] for m in results["methods"]):
         lines.append("* some outputs diverge from the baseline at float near-ties (see report.md)")
+    if decoding_line(results):
+        lines.append(decoding_line(results))
     lines += timing_lines(results) + [f"CPU: {cpu_text(results['machine'])}"]
     if serving_line(results):
         lines.append(serving_line(results))

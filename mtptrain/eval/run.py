@@ -49,6 +49,8 @@ class Tally:
     tokens: int = 0  # the first repeat's (greedy decoding repeats them exactly)
     repeat_tokens: list[int] = field(default_factory=list)  # per repeat, summed over the requests
     repeat_seconds: list[float] = field(default_factory=list)
+    repeat_prefill: list[float] = field(default_factory=list)  # per repeat: seconds up to each request's first token
+    repeat_requests: list[int] = field(default_factory=list)
     outputs: list[list[int]] = field(default_factory=list)  # the first repeat's, per request
     stats: GenerationStats = field(default_factory=GenerationStats)
     categories: dict = field(default_factory=dict)  # category -> [emitted, steps]
@@ -60,10 +62,12 @@ class Tally:
     def __post_init__(self):
         self.exactness = Exactness(self.config.label)
 
-    def add_timing(self, tokens: int, seconds: float) -> None:
-        """One generation of the current repeat."""
+    def add_timing(self, tokens: int, seconds: float, prefill: float = 0.0) -> None:
+        """One generation of the current repeat, `prefill` of its `seconds` spent up to its first token."""
         self.repeat_tokens[-1] += tokens
         self.repeat_seconds[-1] += seconds
+        self.repeat_prefill[-1] += prefill
+        self.repeat_requests[-1] += 1
 
     def add(self, tokens: list[int], stats: GenerationStats, category: str) -> None:
         """One generation of the first repeat, whose statistics stand for every repeat."""
@@ -77,14 +81,29 @@ class Tally:
     def tokens_per_second(self) -> list[float]:
         return [t / s if s else 0.0 for t, s in zip(self.repeat_tokens, self.repeat_seconds)]
 
-    def summary(self, baseline_tps: list[float]) -> dict:
+    def decoding_tokens_per_second(self) -> list[float]:
+        """Per repeat, the tokens after each request's first over the time after it (the inverse of the time
+        per output token that serving benchmarks report beside the time to the first one)."""
+        return [(t - n) / (s - p) if s > p else 0.0 for t, s, p, n in
+                zip(self.repeat_tokens, self.repeat_seconds, self.repeat_prefill, self.repeat_requests)]
+
+    def summary(self, baseline: Tally) -> dict:
         """tau and acceptance pooled over all steps of all requests (as vLLM and SGLang report them), and the
-        same averaged per request (as SpecForge reports them); timings against `baseline_tps`, its engine's."""
+        same averaged per request (as SpecForge reports them); timings against `baseline`, its engine's."""
         s, c = self.stats, self.config
         timed = c.serve is None  # a serving engine's split of a step into drafting and verifying is not read
+        decoding = {}
+        if timed and self.repeat_requests and all(self.repeat_requests):
+            ours, theirs = self.decoding_tokens_per_second(), baseline.decoding_tokens_per_second()
+            decoding = {"prefill_ms_per_request": round(1000 * statistics.median(
+                            p / n for p, n in zip(self.repeat_prefill, self.repeat_requests)), 3),
+                        "decoding_speedup": round(statistics.median(a / b if b else 0.0
+                                                                    for a, b in zip(ours, theirs)), 4)}
         return {
             "label": c.label, "method": c.method, "engine": c.engine, "k": c.k, "budget": c.budget,
-            "tokens": self.tokens, **timing_summary(self.repeat_tokens, self.repeat_seconds, baseline_tps),
+            "tokens": self.tokens, **timing_summary(self.repeat_tokens, self.repeat_seconds,
+                                                    baseline.tokens_per_second()),
+            **decoding,
             "tau": round(s.tau, 4), "steps": s.steps,
             "acceptance": [round(a, 4) for a in s.acceptance()],
             **(per_request_means(self.requests) if c.method != "baseline" else {}),
@@ -188,7 +207,7 @@ def run_eval(recipe: Recipe, wandb: str | None = None, show_progress: bool = Tru
                      "max_spread": ev.max_spread, "max_other_load": ev.max_other_load},
         "machine": _machine(target, plain, product, *measured),
         "notes": notes,
-        "methods": [t.summary(tallies[t.reference].tokens_per_second()) for t in tallies],
+        "methods": [t.summary(tallies[t.reference]) for t in tallies],
         "conversations": answers,  # the baseline's answers: the context of every later turn
     }
     if serving is not None:
@@ -269,6 +288,7 @@ def _measure(requests, tallies, kept, engine: _Engine, show_progress) -> dict[st
         proposers = [kept.get(i) or (t.config.make() if t.config.make else None) for i, t in enumerate(tallies)]
         for tally in tallies:
             tally.repeat_tokens.append(0), tally.repeat_seconds.append(0.0)
+            tally.repeat_prefill.append(0.0), tally.repeat_requests.append(0)
         for index, (prompt, turn) in enumerate(requests):
             if repeat == 0:
                 messages = answers.get(prompt.id, []) + [{"role": "user", "content": prompt.turns[turn]}]
@@ -292,7 +312,7 @@ def _request(tallies, i, proposer, engine: _Engine, ids, index, repeat, prompt, 
     own first repeat (later ones)."""
     tally, ev = tallies[i], engine.ev
     result, seconds = engine.run(tally.config, proposer, ids, ev.seed + index)
-    tally.add_timing(len(result.tokens), seconds)
+    tally.add_timing(len(result.tokens), seconds, result.stats.prefill_seconds)
     where = f"{prompt.id}/{turn + 1}"
     if repeat == 0:
         tally.add(result.tokens, result.stats, prompt.category or "all")

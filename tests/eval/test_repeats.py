@@ -13,7 +13,8 @@ from mtptrain.eval.report import markdown, methods_table
 from mtptrain.report_lines import run_line
 from mtptrain.eval.report import format_results
 from mtptrain.eval.exactness import exactness_failures
-from mtptrain.eval.run import flag_unreliable, run_order, timing_summary
+from mtptrain.eval.methods import Config
+from mtptrain.eval.run import Tally, flag_unreliable, run_order, timing_summary
 from mtptrain.cli import app
 from mtptrain.engine.generate import GenerationStats
 
@@ -140,6 +141,25 @@ def test_acceptance_counts_steps_that_drafted_less_as_not_reaching_the_position(
     assert merged.acceptance() == stats.acceptance()
 
 
+def test_the_decoding_speedup_leaves_out_each_requests_time_to_its_first_token():
+    # two requests of 65 tokens a repeat: the baseline spends 2 s, 0.4 s of it before the first tokens; the chain
+    # 1.5 s, 0.5 s of it there (its drafter reads the prompt's states too)
+    baseline, chain = Tally(Config("baseline", "baseline")), Tally(Config("chain K=3", "chain", k=3))
+    for tally, seconds, prefill in ((baseline, 1.0, 0.2), (chain, 0.75, 0.25)):
+        for _ in range(2):  # repeats
+            tally.repeat_tokens.append(0), tally.repeat_seconds.append(0.0)
+            tally.repeat_prefill.append(0.0), tally.repeat_requests.append(0)
+            for _ in range(2):
+                tally.add_timing(65, seconds, prefill)
+    assert baseline.decoding_tokens_per_second() == [pytest.approx(128 / 1.6)] * 2
+    assert chain.decoding_tokens_per_second() == [pytest.approx(128 / 1.0)] * 2
+    summary = chain.summary(baseline)
+    assert summary["speedup"] == pytest.approx(2.0 / 1.5, abs=1e-4)  # end to end
+    assert summary["decoding_speedup"] == pytest.approx(1.6, abs=1e-4)
+    assert summary["prefill_ms_per_request"] == pytest.approx(250.0)
+    assert baseline.summary(baseline)["decoding_speedup"] == 1.0
+
+
 def test_every_request_is_timed_repeats_times_in_rotated_orders(tiny_target_dir, eagle3_head, tmp_path, monkeypatch):
     calls = []
     generate = run_module.generate
@@ -167,6 +187,11 @@ def test_every_request_is_timed_repeats_times_in_rotated_orders(tiny_target_dir,
         assert m["exactness"]["checked"] == (0 if m["method"] == "baseline" else 2)  # the first repeat's
     baseline, ngram, chain = results["methods"]
     assert baseline["speedup_per_repeat"] == [1.0, 1.0, 1.0] and baseline["unreliable"] in ([], ["load"])
+    assert baseline["decoding_speedup"] == 1.0 and chain["decoding_speedup"] > 0
+    for m in results["methods"]:  # the first token's share of each request's time, measured
+        assert 0 < m["prefill_ms_per_request"] < 1000 * min(m["seconds_per_repeat"]) / 2
+    assert f"chain K=2 {chain['decoding_speedup']:.2f}x" in next(
+        line for line in result.output.splitlines() if line.startswith("after the first token"))
     assert "spread" in ngram["unreliable"] and "spread" in chain["unreliable"]  # eval.max_spread=0
     assert any("ngram K=2" in w for w in results["warnings"])
     machine = results["machine"]
