@@ -134,7 +134,9 @@ def test_speculators_runs_the_shipped_head_on_smollm2_as_we_do(interop, tmp_path
     from mtptrain.config import TargetConfig
     from mtptrain.target import load_target, resolve_local_dir
 
-    cfg = TargetConfig()
+    # bfloat16, not the machine's measured choice: the export's embeddings are the verifier's in bfloat16, which a
+    # float32 target (what a measurement taken under load may pick) holds unrounded, 0.015 apart in the logits
+    cfg = TargetConfig(dtype="bfloat16")
     verifier, _ = resolve_local_dir(cfg)
     export_head(PRETRAINED_HEAD, tmp_path / "export", ExportConfig(format="speculators", verifier=verifier))
     target = load_target(cfg)
