@@ -375,7 +375,7 @@ class Trainer:
         state = self._resume(engine)
         finished = self.run_dir / "summary.json"
         if state["step"] >= self.steps and finished.is_file() and (self.run_dir / "head" / "config.json").is_file():
-            return self._finished(engine.module, state["step"], json.loads(finished.read_text()))
+            return self._finished(engine.module, state["step"], read_summary(finished))
         metrics = MetricsLog(self.run_dir, self.dist.is_main, self.recipe, self.wandb_mode,
                              resume_id=state.get("wandb_id"))
         step = state["step"]
@@ -550,10 +550,10 @@ class Trainer:
 
     def _finished(self, head, step: int, summary: dict) -> dict:
         """A run that has trained all its steps: its summary as written, after exporting again where the recipe
-        now asks for the other head (engine_eval.select_best switched since, or a better step kept since): the
-        last step's head is the checkpoint just loaded, the best one is in best-head/."""
+        now asks for the other head (engine_eval.select_best switched since): the last step's head is the
+        checkpoint just loaded, the best one is in best-head/."""
         want = self.best.step if self.cfg.engine_eval.select_best and self.best.step is not None else None
-        if (summary.get("selected") or {}).get("step") == want:
+        if summary.get("selected", {}).get("step") == want:
             log.info("%s already finished its %d steps; nothing to do", self.run_dir, self.steps)
         elif self.dist.is_main:
             log.info("%s already finished its %d steps; exporting the %s head as engine_eval.select_best now asks",
@@ -578,6 +578,20 @@ class Trainer:
         else:
             self._save(exported, head, step)
         atomic_write_json(self.run_dir / "summary.json", summary)
+
+
+def read_summary(path: Path) -> dict:
+    """A finished run's summary.json, refused naming the file if it is not a JSON object (or its "selected" not
+    one): a damaged summary would otherwise crash the rerun, or stand for a head it does not describe."""
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        summary = exc
+    if not isinstance(summary, dict) or not isinstance(summary.get("selected", {}), dict):
+        why = summary if isinstance(summary, Exception) else "not an object of the fields it writes"
+        raise MtptrainError(f"{path}: not a summary written by mtptrain train ({why}); delete it and rerun the "
+                            "same command to export the head again")
+    return summary
 
 
 def log_head_artifact(run, recipe: Recipe, head_dir: Path, summary: dict) -> None:

@@ -3,12 +3,14 @@ exported head is the one with the best validated chain tau."""
 
 import json
 
+import pytest
 import torch
 from safetensors.torch import load_file
 from train_helpers import train_recipe
 
 from mtptrain.config import TargetConfig
 from mtptrain.data.chat import stop_tokens
+from mtptrain.errors import MtptrainError
 from mtptrain.features.store import FeatureStore
 from mtptrain.heads import FrozenTarget
 from mtptrain.heads.checkpoint import load_head
@@ -59,11 +61,17 @@ def test_the_head_drafts_while_training_and_the_best_validated_head_is_exported(
     assert "selected" not in last and json.loads((out / "head" / "config.json").read_text())["train"]["steps"] == 12
     assert last["tokens_per_second"] == summary["tokens_per_second"] > 0
     assert last["val/tau_chain"] == summary["val/tau_chain"]
-    assert json.loads((out / "summary.json").read_text()) == {k: v for k, v in last.items()}
+    assert json.loads((out / "summary.json").read_text()) == last
     again = run_train(recipe, show_progress=False)
     assert again["selected"] == summary["selected"]
     exported = load_file(out / "head" / "model.safetensors")
     assert all(torch.equal(exported[k], kept[k]) for k in exported)
+
+    # A damaged summary is refused naming it, not trusted or crashed on.
+    for damaged in ('{"steps": 12, "selected": 4}', "[1]", '{"steps": 1'):
+        (out / "summary.json").write_text(damaged)
+        with pytest.raises(MtptrainError, match="summary.json: not a summary written by mtptrain train"):
+            run_train(recipe, show_progress=False)
 
 
 def test_a_prompt_is_the_samples_tokens_before_its_first_answer_token(tiny_store):
