@@ -86,7 +86,7 @@ class Generation:
 
 def generate(runner: Runner, prompt: list[int], max_new_tokens: int, proposer: Proposer | None = None, k: int = 4,
              sampling: Sampling = Sampling(), eos: set[int] = frozenset(), seed: int = 0) -> Generation:
-    started = time.perf_counter()
+    opened = time.perf_counter()
     generator = torch.Generator().manual_seed(seed)  # on the CPU whatever the target's device: see verify.draw
     stats = GenerationStats()
     runner.reset()
@@ -99,7 +99,7 @@ def generate(runner: Runner, prompt: list[int], max_new_tokens: int, proposer: P
         proposer.observe(0, runner.hidden, prompt[1:] + [first])
     sync = _synchronizer(runner)  # honest step timings
     sync()
-    stats.prefill_seconds = time.perf_counter() - started
+    stats.prefill_seconds = time.perf_counter() - opened
     while len(out) < max_new_tokens and out[-1] not in eos:
         started = time.perf_counter()
         budget = min(k, max_new_tokens - len(out))

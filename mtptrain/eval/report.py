@@ -227,8 +227,9 @@ def markdown(results: dict) -> str:
               "position i.", ""]
     lines += [f"{line[0].upper()}{line[1:]}." for line in timing_lines(results)]
     lines += ["", *methods_table(results)]
-    if decoding_line(results):
-        lines += ["", f"{decoding_line(results)[0].upper()}{decoding_line(results)[1:]}."]
+    decoding = decoding_line(results)
+    if decoding:
+        lines += ["", f"{decoding[0].upper()}{decoding[1:]}."]
     lines += ["", "## Best configuration per method", ""]
     by_label = {m["label"]: m for m in results["methods"]}
     for method, label in results["best"].items():
@@ -337,8 +338,9 @@ def format_results(results: dict) -> str:
             f"{' !' if by_label[label].get('unreliable') else ''})" for label in best.values()))
     if any(m["exactness"]["near_ties"] for m in results["methods"]):
         lines.append("* some outputs diverge from the baseline at float near-ties (see report.md)")
-    if decoding_line(results):
-        lines.append(decoding_line(results))
+    decoding = decoding_line(results)
+    if decoding:
+        lines.append(decoding)
     lines += timing_lines(results) + [f"CPU: {cpu_text(results['machine'])}"]
     if serving_line(results):
         lines.append(serving_line(results))

@@ -62,6 +62,11 @@ class Tally:
     def __post_init__(self):
         self.exactness = Exactness(self.config.label)
 
+    def new_repeat(self) -> None:
+        """Open the next repeat's timings."""
+        self.repeat_tokens.append(0), self.repeat_seconds.append(0.0)
+        self.repeat_prefill.append(0.0), self.repeat_requests.append(0)
+
     def add_timing(self, tokens: int, seconds: float, prefill: float = 0.0) -> None:
         """One generation of the current repeat, `prefill` of its `seconds` spent up to its first token."""
         self.repeat_tokens[-1] += tokens
@@ -287,8 +292,7 @@ def _measure(requests, tallies, kept, engine: _Engine, show_progress) -> dict[st
         # Fresh proposers, so that a repeat replays the first: a suffix index would draft from answers it saw.
         proposers = [kept.get(i) or (t.config.make() if t.config.make else None) for i, t in enumerate(tallies)]
         for tally in tallies:
-            tally.repeat_tokens.append(0), tally.repeat_seconds.append(0.0)
-            tally.repeat_prefill.append(0.0), tally.repeat_requests.append(0)
+            tally.new_repeat()
         for index, (prompt, turn) in enumerate(requests):
             if repeat == 0:
                 messages = answers.get(prompt.id, []) + [{"role": "user", "content": prompt.turns[turn]}]

@@ -147,8 +147,7 @@ def test_the_decoding_speedup_leaves_out_each_requests_time_to_its_first_token()
     baseline, chain = Tally(Config("baseline", "baseline")), Tally(Config("chain K=3", "chain", k=3))
     for tally, seconds, prefill in ((baseline, 1.0, 0.2), (chain, 0.75, 0.25)):
         for _ in range(2):  # repeats
-            tally.repeat_tokens.append(0), tally.repeat_seconds.append(0.0)
-            tally.repeat_prefill.append(0.0), tally.repeat_requests.append(0)
+            tally.new_repeat()
             for _ in range(2):
                 tally.add_timing(65, seconds, prefill)
     assert baseline.decoding_tokens_per_second() == [pytest.approx(128 / 1.6)] * 2
