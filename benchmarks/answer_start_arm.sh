@@ -14,7 +14,10 @@
 # about a third of the decoding). Result (docs/reference-run.md, "Answer starts"): MT-bench chain tau 1.78 against
 # 1.73, unseen-40 1.82 against 1.75, at equal training tokens.
 #
-#   [REFERENCE=runs/reference/regenerated.jsonl] bash benchmarks/answer_start_arm.sh [OUT=runs/answer-start]
+# A training-only arm on the same store: ARM names its train/eval directories (train-ARM, eval-ARM-*) and EXTRA
+# holds its overrides, e.g. ARM=vocab16k EXTRA="--set head.draft_vocab_size=16384".
+#
+#   [REFERENCE=runs/reference/regenerated.jsonl] [ARM=name EXTRA="--set ..."] bash benchmarks/answer_start_arm.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/answer-start}
@@ -24,6 +27,8 @@ CUT=${CUT:-64}
 PY=${PY:-.venv/bin/python}
 CLI=("$PY" -m mtptrain.cli)
 R=(--recipe recipes/reference.yaml --no-progress)
+ARM=${ARM:+-$ARM}
+read -r -a EXTRA <<< "${EXTRA:-}"
 mkdir -p "$OUT"
 if [ -z "$REFERENCE" ]; then
   # 12,500 rows give a little more than the 10,600 first turns used below (14% of ShareGPT rows have none that fits)
@@ -78,15 +83,15 @@ lengths = open_stores(f"{sys.argv[1]}/features", "train", verify="size").lengths
 print(steps_for_tokens(lengths, 8, load_recipe("recipes/reference.yaml").train.seed, int(sys.argv[2])))
 EOF
 )
-TRAIN=(--set "train.features=$OUT/features" --set train.output_dir="$OUT/train" --set train.max_steps="$STEPS"
+TRAIN=(--set "train.features=$OUT/features" --set train.output_dir="$OUT/train$ARM" --set train.max_steps="$STEPS"
        --set train.head_snapshots=false --set train.lr=4.0e-3 --set train.eval_every=200
-       --set train.engine_eval.select_best=true)
+       --set train.engine_eval.select_best=true "${EXTRA[@]}")
 "${CLI[@]}" train "${R[@]}" --no-wandb "${DATA[@]}" "${TRAIN[@]}"
 for set in mtbench unseen; do
   prompts=mtbench; [ $set = unseen ] && prompts=benchmarks/prompts/unseen-40.jsonl
-  if [ ! -s "$OUT/eval-$set/results.json" ]; then
-    "${CLI[@]}" eval "${R[@]}" --no-wandb "${DATA[@]}" "${TRAIN[@]}" --set eval.head="$OUT/train/head" \
+  if [ ! -s "$OUT/eval$ARM-$set/results.json" ]; then
+    "${CLI[@]}" eval "${R[@]}" --no-wandb "${DATA[@]}" "${TRAIN[@]}" --set eval.head="$OUT/train$ARM/head" \
       --set eval.prompts=$prompts --set eval.methods=[chain] --set "eval.k=[3]" --set eval.max_prompts=40 \
-      --set eval.max_turns=1 --set eval.repeats=1 --set eval.output_dir="$OUT/eval-$set"
+      --set eval.max_turns=1 --set eval.repeats=1 --set eval.output_dir="$OUT/eval$ARM-$set"
   fi
 done
