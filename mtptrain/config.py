@@ -427,6 +427,22 @@ class TreeConfig(_Section):
     budgets: DistinctPositive = Field([8, 16, 32], description="Node budgets swept (tokens the target verifies).")
 
 
+class ChainConfig(_Section):
+    """The chain method: the head drafts K tokens, or fewer where it is unsure."""
+    stops: list[Float] = Field(
+        [0.0], min_length=1, description="Early stops measured, one configuration per stop and K (K > 1): a chain "
+        "ends once the product of the head's probabilities for its drafts so far falls below the stop (the first "
+        "token is always drafted), so K is its longest; 0 = always K tokens. The product estimates the chance "
+        "the whole chain is accepted, as EAGLE-2's tree scores do (arXiv:2406.16858).")
+
+    @field_validator("stops")
+    @classmethod
+    def _stops(cls, value: list[float]) -> list[float]:
+        if any(not 0.0 <= stop < 1.0 for stop in value):
+            raise ValueError("a stop is a probability: at least 0 (0 = always K tokens) and below 1")
+        return list(dict.fromkeys(value))
+
+
 class NgramConfig(_Section):
     """The ngram method: prompt lookup, drafting what followed an earlier occurrence of the last n tokens."""
     min: Int = Field(2, ge=1, description="Shortest suffix matched. 1 also drafts after a single repeated token: "
@@ -489,6 +505,7 @@ class EvalConfig(_Truncation):
     k: DistinctPositive = Field([1, 2, 3, 4, 5], description="Draft lengths K swept for chain-style methods.")
     head: str | None = Field(None, description="Trained head directory (default: <train.output_dir>/head; on the "
                              "embedded default, the head shipped in pretrained/ until one is trained).")
+    chain: ChainConfig = ChainConfig()
     tree: TreeConfig = TreeConfig()
     ngram: NgramConfig = NgramConfig()
     draft: DraftConfig = DraftConfig()

@@ -152,6 +152,13 @@ def test_ngram_min_above_max_is_refused_when_the_recipe_is_validated():
     assert "eval.ngram:" in str(err.value) and "min (4) is above max (3)" in str(err.value)
 
 
+def test_a_chain_stop_is_a_probability_below_1_and_given_once():
+    assert load_recipe(None, ["eval.chain.stops=[0,0.3,0.3]"]).eval.chain.stops == [0.0, 0.3]
+    for stops in ("[1.0]", "[-0.1]", "[]"):
+        with pytest.raises(RecipeError, match="eval.chain.stops"):
+            load_recipe(None, [f"eval.chain.stops={stops}"])
+
+
 def test_one_tracking_section_holds_the_wandb_settings_of_every_stage():
     recipe = load_recipe(None, ["tracking.wandb=offline", "tracking.project=p", "tracking.group=g"])
     assert (recipe.tracking.wandb, recipe.tracking.project, recipe.tracking.group) == ("offline", "p", "g")

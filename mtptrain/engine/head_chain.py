@@ -25,15 +25,17 @@ from __future__ import annotations
 import torch
 
 from mtptrain.engine.proposer import ProposerBase
-from mtptrain.engine.verify import DraftProbs, Sampling, distribution, draw, greedy_choice
+from mtptrain.engine.verify import DraftProbs, Sampling, chosen_probability, distribution, draw, greedy_choice
 
 
 class HeadChainProposer(ProposerBase):
     name = "head-chain"
     reads_states = True  # it carries the target's states over, as EAGLE and MTP heads do
 
-    def __init__(self, head, spec, sampling: Sampling = Sampling(), seed: int = 0):
-        self.head, self.spec, self.sampling = head.eval(), spec, sampling
+    def __init__(self, head, spec, sampling: Sampling = Sampling(), seed: int = 0, stop: float = 0.0):
+        """stop > 0: the chain ends early once the product of the head's probabilities for its drafts so far
+        falls below it (the first token is always drafted); 0: always the K tokens asked for."""
+        self.head, self.spec, self.sampling, self.stop = head.eval(), spec, sampling, stop
         self.stepper = head.stepper()  # a copy of the head's layer weights: the head as it is now
         self.generator = torch.Generator().manual_seed(seed)
 
@@ -55,12 +57,15 @@ class HeadChainProposer(ProposerBase):
     def propose(self, tokens: list[int], k: int) -> tuple[list[int], DraftProbs | None]:
         draft, probs, columns = [], [], []
         feature, logits = self.last_feature, self.last_logits
+        confidence = 1.0
         for step in range(k):
             token, column, q = self._choose(logits)
             draft.append(token)
             probs.append(q)
             columns.append(column)
-            if step + 1 == k:
+            if self.stop:
+                confidence *= chosen_probability(logits, column, q)
+            if step + 1 == k or confidence < self.stop:
                 break
             ids = torch.tensor([[token]], device=feature.device)
             feature = self.stepper.step(feature, ids)

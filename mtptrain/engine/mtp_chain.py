@@ -21,15 +21,16 @@ import torch
 from transformers import DynamicCache
 
 from mtptrain.engine.proposer import ProposerBase
-from mtptrain.engine.verify import Sampling, choose
+from mtptrain.engine.verify import Sampling, choose, chosen_probability
 
 
 class MTPChainProposer(ProposerBase):
     name = "mtp-chain"
     reads_states = True  # it carries the target's states over, as EAGLE and MTP heads do
 
-    def __init__(self, head, spec, sampling: Sampling = Sampling(), seed: int = 0):
-        self.head, self.spec, self.sampling = head.eval(), spec, sampling
+    def __init__(self, head, spec, sampling: Sampling = Sampling(), seed: int = 0, stop: float = 0.0):
+        """stop: as the head chain's (engine/head_chain.py), over the depths' probabilities."""
+        self.head, self.spec, self.sampling, self.stop = head.eval(), spec, sampling, stop
         self.generator = torch.Generator().manual_seed(seed)
         self.depths = head.depths
 
@@ -71,6 +72,7 @@ class MTPChainProposer(ProposerBase):
         device = self.states[0].device
         draft, probs = [], []
         fresh: dict[int, torch.Tensor] = {}  # depth -> states at positions beyond its committed ones
+        confidence = 1.0
         for depth in range(1, min(k, self.depths) + 1):
             done = self._count(depth)
             if depth > 1:  # run depth over positions done .. last with drafts for the missing tokens
@@ -80,9 +82,14 @@ class MTPChainProposer(ProposerBase):
                 ids = torch.tensor([known[done + depth : last + 1 + depth]], device=device)
                 fresh[depth] = self.head.step(depth, previous[None], ids, cache=self.caches[depth - 1])[0]
             state = fresh[depth][-1] if depth in fresh else self.states[depth][last]
-            token, q = self._choose(self.head.logits(state[None, None], depth)[0, -1])
+            logits = self.head.logits(state[None, None], depth)[0, -1]
+            token, q = self._choose(logits)
             draft.append(token)
             probs.append(q)
+            if self.stop:
+                confidence *= chosen_probability(logits, token, q)
+                if confidence < self.stop:
+                    break
         return draft, None if self.sampling.greedy else torch.stack(probs)
 
     def _choose(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:

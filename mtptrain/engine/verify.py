@@ -69,6 +69,14 @@ def choose(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator)
     return draw(q, generator), q
 
 
+def chosen_probability(logits: torch.Tensor, choice: int, q: torch.Tensor | None) -> float:
+    """The drafter's probability of the token it chose: q's where it sampled from q, the softmax's at the
+    argmax where it chose greedily (q None). A chain that stops early multiplies these along its drafts."""
+    if q is not None:
+        return float(q[choice])
+    return float(1.0 / torch.exp(logits.float() - logits[choice].float()).sum())
+
+
 def uniform(generator: torch.Generator) -> float:
     """u ~ U[0, 1) from the seeded CPU generator, read back as a Python float (53 random bits)."""
     return float(torch.rand((), generator=generator, dtype=torch.float64))

@@ -46,6 +46,7 @@ class Config:
     k: int = 0  # draft length; a tree's depth
     budget: int | None = None  # tree nodes
     make: Callable[[], object] | None = None  # a fresh proposer (None: the baseline)
+    stop: float = 0.0  # a chain's early stop (eval.chain.stops; 0: always K tokens)
     uses_head: bool = False
     threads: int | None = None  # the target's CPU threads while this runs (ssd: the drafter has the others)
     keeps_proposer: bool = False  # one proposer for warm-up and measurement (ssd: a worker process each)
@@ -128,19 +129,23 @@ class Suffix(EvalMethod):
 
 
 class Chain(EvalMethod):
-    """The head's chain drafter (its family's), for every K up to the longest chain the head drafts."""
+    """The head's chain drafter (its family's), for every K up to the longest chain the head drafts, and each
+    early stop of eval.chain.stops ("chain K=6 stop 0.3": at most 6 tokens, fewer where the head is unsure; a
+    stop means nothing at K=1, whose one token is always drafted)."""
 
     name = "chain"
     head = True
 
     def configs(self, drafting):
-        ks, spec = drafting.recipe.eval.k, drafting.spec
+        ev, spec = drafting.recipe.eval, drafting.spec
         limit = spec.family.chain_limit(spec)
-        drafted = [k for k in ks if limit is None or k <= limit.tokens]
-        if len(drafted) < len(ks):
+        drafted = [k for k in ev.k if limit is None or k <= limit.tokens]
+        if len(drafted) < len(ev.k):
             drafting.notes.append(f"chain: {limit.why}; K > {limit.tokens} skipped")
-        make = functools.partial(spec.family.chain, drafting.head, spec, drafting.sampling, drafting.seed)
-        return self.per_k(drafted, make)
+        return [Config(f"{self.name} K={k}" + (f" stop {stop:g}" if stop else ""), self.name, k, uses_head=True,
+                       make=functools.partial(spec.family.chain, drafting.head, spec, drafting.sampling,
+                                              drafting.seed, stop), stop=stop)
+                for stop in ev.chain.stops for k in drafted if k > 1 or not stop]
 
 
 class Tree(EvalMethod):

@@ -110,9 +110,11 @@ def tau_vs_k_figure(results: dict):
 
 
 def _key(m: dict) -> str:
-    """A row's method with its engine where that is not the embedded one (as eval/run.py's method_key)."""
+    """A line of the tau-vs-K plot: a row's method with its chain stop, and its engine where that is not the
+    embedded one (as eval/run.py's method_key)."""
     engine = m.get("engine", "embedded")
-    return m["method"] if engine == "embedded" else f"{engine} {m['method']}"
+    method = m["method"] + (f" stop {m['stop']:g}" if m.get("stop") else "")
+    return method if engine == "embedded" else f"{engine} {method}"
 
 
 def _ms(value) -> str:

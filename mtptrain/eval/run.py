@@ -106,6 +106,7 @@ class Tally:
                                                                     for a, b in zip(ours, theirs)), 4)}
         return {
             "label": c.label, "method": c.method, "engine": c.engine, "k": c.k, "budget": c.budget,
+            **({"stop": c.stop} if c.stop else {}),
             "tokens": self.tokens, **timing_summary(self.repeat_tokens, self.repeat_seconds,
                                                     baseline.tokens_per_second()),
             **decoding,

@@ -90,8 +90,9 @@ class HeadFamily(ABC):
         """The target layers whose states the drafter reads while drafting."""
 
     @abstractmethod
-    def chain(self, head: nn.Module, spec: HeadSettings, sampling: Sampling = Sampling(), seed: int = 0) -> Proposer:
-        """The engine's chain drafter for this head."""
+    def chain(self, head: nn.Module, spec: HeadSettings, sampling: Sampling = Sampling(), seed: int = 0,
+              stop: float = 0.0) -> Proposer:
+        """The engine's chain drafter for this head; stop > 0 ends a chain early (eval.chain.stops)."""
 
     def chain_limit(self, spec: HeadSettings) -> ChainLimit | None:
         """The longest chain the head drafts, where it is bounded; None where it drafts any K."""
@@ -119,8 +120,8 @@ class EagleStyleFamily(HeadFamily):
     no_tree = None
     no_ssd = None
 
-    def chain(self, head, spec, sampling=Sampling(), seed=0):
-        return HeadChainProposer(head, spec, sampling, seed)
+    def chain(self, head, spec, sampling=Sampling(), seed=0, stop=0.0):
+        return HeadChainProposer(head, spec, sampling, seed, stop)
 
     def tree(self, head, spec, branch, depth, budget, sampling=Sampling(), seed=0):
         return HeadTreeProposer(head, spec, branch, depth, budget, sampling, seed)

@@ -117,8 +117,8 @@ class MTPFamily(HeadFamily):
     def draft_layers(self, spec):
         return [spec.last_layer]
 
-    def chain(self, head, spec, sampling=Sampling(), seed=0):
-        return MTPChainProposer(head, spec, sampling, seed)
+    def chain(self, head, spec, sampling=Sampling(), seed=0, stop=0.0):
+        return MTPChainProposer(head, spec, sampling, seed, stop)
 
     def chain_limit(self, spec):
         depths = spec.mtp_depths

@@ -3,7 +3,7 @@
 import pytest
 import torch
 from conftest import make_tiny_llama
-from law import engine_two_token_law, exact_two_token_law
+from law import engine_two_token_law, exact_law_after_the_first
 
 from mtptrain.engine.generate import generate
 from mtptrain.engine.head_chain import HeadChainProposer
@@ -93,9 +93,11 @@ def _head_kv(proposer, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(k[:, :, :length], v[:, :, :length]) for k, v in zip(cache.keys, cache.values)]
 
 
-@pytest.mark.parametrize("kind", ["eagle", "mtp"])
-def test_sampling_with_head_drafts_stays_exact_in_law(kind):
-    """Temperature 1, 12-token vocabulary: law of the first two tokens equals the target's exact law."""
+@pytest.mark.parametrize(("kind", "stop"), [("eagle", 0.085), ("mtp", 0.0)])
+def test_sampling_with_head_drafts_stays_exact_in_law(kind, stop):
+    """Temperature 1, 12-token vocabulary: the law of the two tokens a chain of two drafts decides in its first
+    verification equals the target's exact law. The eagle head's chain has a stop near the median probability of
+    its first draft, so about half its chains end after one draft: a length that depends on its own draws."""
     from mtptrain.engine.mtp_chain import MTPChainProposer
 
     vocab = 12
@@ -105,10 +107,14 @@ def test_sampling_with_head_drafts_stays_exact_in_law(kind):
     torch.manual_seed(0)
     head = spec.family.build(spec, FrozenTarget.of(model)).double()
     prompt, sampling = [1, 5, 7, 2], Sampling(temperature=1.0)
-    exact = exact_two_token_law(model, prompt, sampling)
-    make = lambda seed: drafter(head, spec, sampling, seed=seed)  # noqa: E731
-    empirical, drafted, rejected = engine_two_token_law(model, prompt, sampling, make, 2500, capture=[3])
-    assert drafted == 2500 and rejected > 0
+    exact = exact_law_after_the_first(model, prompt, sampling)
+    make = lambda seed: drafter(head, spec, sampling, seed=seed, stop=stop)  # noqa: E731
+    first: list[int] = []
+    empirical, drafted, rejected = engine_two_token_law(model, prompt, sampling, make, 2500, capture=[3], after=1,
+                                                        first_steps=first)
+    assert rejected > 0 and set(first) == ({1, 2} if stop else {2})
+    if stop:
+        assert 0.1 < first.count(1) / len(first) < 0.9
     assert 0.5 * (empirical - exact).abs().sum() < 0.15
 
 
@@ -231,3 +237,53 @@ def test_mtp_chain_drafts_from_a_one_token_prompt():
     reference = generate(open_runner(model), [7], 12).tokens
     result = generate(open_runner(model, capture=[3]), [7], 12, MTPChainProposer(head, spec), k=3)
     assert result.tokens == reference and result.stats.proposed[0] > 0
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "mtp"])
+@torch.no_grad()
+def test_a_chain_with_a_stop_ends_where_its_drafts_probability_falls_below_it_and_stays_exact(kind):
+    """The stop ends a chain after the draft whose running product of the head's probabilities falls below
+    it; the output is still the target's greedy output, from fewer verified tokens."""
+    from mtptrain.engine.mtp_chain import MTPChainProposer
+    from mtptrain.engine.verify import chosen_probability
+
+    model = make_tiny_llama(400, seed=3, initializer_range=0.2).double()
+    spec = SPECS["eagle3"] if kind == "eagle3" else HeadSpec("mtp", last_layer=3, mtp_depths=4)
+    drafter = HeadChainProposer if kind == "eagle3" else MTPChainProposer
+    torch.manual_seed(0)
+    head = spec.family.build(spec, FrozenTarget.of(model)).double()
+    prompt = torch.randint(0, 400, (9,), generator=torch.Generator().manual_seed(1)).tolist()
+
+    def opened(stop):  # a drafter that has read the prompt, and the probabilities of what it drafts
+        runner = open_runner(model, capture=spec.layers)
+        runner.reset()
+        first = int(runner.forward(prompt, last_only=True)[-1].argmax())
+        proposer, seen = drafter(head, spec, stop=stop), []
+        proposer.reset(prompt)
+        proposer.observe(0, runner.hidden, prompt[1:] + [first])
+        choose = proposer._choose
+
+        def recording(logits):
+            chosen = choose(logits)
+            column = chosen[1] if kind == "eagle3" else chosen[0]
+            seen.append(chosen_probability(logits, column, None))
+            return chosen
+        proposer._choose = recording
+        return proposer, prompt + [first], seen
+
+    proposer, tokens, probabilities = opened(0.0)
+    full, _ = proposer.propose(tokens, 4)
+    running = torch.tensor(probabilities).cumprod(0)
+    assert len(full) == 4 and (running[1:] < running[:-1]).all()
+    for i in (1, 2):  # a stop between running products i-1 and i: the draft that brings it below is the last
+        stop = float((running[i - 1] * running[i]).sqrt())
+        short, _ = opened(stop)[0].propose(tokens, 4)
+        assert short == full[: i + 1]
+    # one token is always drafted, and the greedy output does not depend on the stop
+    assert opened(0.999)[0].propose(tokens, 4)[0] == full[:1]
+    reference = generate(open_runner(model), prompt, 30).tokens
+    stop = float(running[1])  # about two drafts a step
+    result = generate(open_runner(model, capture=spec.layers), prompt, 30, drafter(head, spec, stop=stop), k=4)
+    assert result.tokens == reference
+    assert result.stats.verified < 4 * result.stats.steps
+

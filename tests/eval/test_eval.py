@@ -46,20 +46,27 @@ def eagle3_head(tiny_target_dir, tmp_path_factory):
 def test_eval_measures_every_method_on_the_same_prompts_and_writes_the_report(tiny_target_dir, eagle3_head, tmp_path):
     out = tmp_path / "eval"
     args = eval_args(tiny_target_dir, eagle3_head, write_prompts(tmp_path / "p.jsonl"), out,
-                     "eval.methods=[ngram,suffix,chain,tree,draft]", "eval.draft.layers=2")
+                     "eval.methods=[ngram,suffix,chain,tree,draft]", "eval.draft.layers=2", "eval.chain.stops=[0,0.5]")
     result = CliRunner().invoke(app, [*args, "--no-wandb"])
     assert result.exit_code == 0, result.output
     results = json.loads((out / "results.json").read_text())
     labels = [m["label"] for m in results["methods"]]
     assert labels == ["baseline", "ngram K=1", "ngram K=3", "suffix K=1", "suffix K=3", "chain K=1", "chain K=3",
-                      "tree N=4", "tree N=8", "draft K=1", "draft K=3"]
+                      "chain K=3 stop 0.5", "tree N=4", "tree N=8", "draft K=1", "draft K=3"]
     baseline = results["methods"][0]
     assert baseline["tau"] == 1.0 and baseline["speedup"] == 1.0
     for m in results["methods"][1:]:
         assert m["exactness"] == {"checked": 6, "identical": 6, "near_ties": [], "failures": []}, m["label"]
         assert m["tokens"] == baseline["tokens"]  # the same text, so the same token count
         assert m["speedup"] == pytest.approx(m["tokens_per_second"] / baseline["tokens_per_second"], rel=1e-3)
-        assert len(m["acceptance"]) == (m["k"] if m["method"] != "tree" else len(m["acceptance"])) >= 1
+        # a tree's depth and a stopped chain's length vary: at most K
+        assert len(m["acceptance"]) == m["k"] if m["method"] != "tree" and "stop" not in m else \
+            1 <= len(m["acceptance"]) <= m["k"]
+    chain3, stopped = (next(m for m in results["methods"] if m["label"] == label)
+                       for label in ("chain K=3", "chain K=3 stop 0.5"))
+    # a random head is unsure (its top probability over 64 tokens is far below 0.5): its chains end early
+    assert stopped["stop"] == 0.5 and "stop" not in chain3
+    assert 1.0 <= stopped["verified_tokens_per_step"] < 2.0 < chain3["verified_tokens_per_step"]
     draft3 = next(m for m in results["methods"] if m["label"] == "draft K=3")
     assert draft3["tau"] > 1.0 and draft3["verified_tokens_per_step"] > 1.0
     tree8 = next(m for m in results["methods"] if m["label"] == "tree N=8")
