@@ -16,6 +16,8 @@
 
 A second run of ours against the same speculators head, with settings of our trainer only:
     ... --ours mtptrain-muon --ours-set train.optimizer=muon
+speculators at another learning rate, against the same run of ours (the ablation of docs/reference-run.md):
+    ... --lr 4e-3
 """
 
 from __future__ import annotations
@@ -44,7 +46,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--out", default="runs/peer")
     parser.add_argument("--epochs", type=int, default=1, help="passes over the train split, both trainers")
     parser.add_argument("--total-seq-len", type=int, default=2048, help="speculators: tokens per packed row")
-    parser.add_argument("--lr", type=float, default=None, help="speculators' learning rate (default: its own)")
+    parser.add_argument("--lr", type=float, default=None, help="speculators' learning rate (default: its own); its "
+                        "run, head and eval get their own names under --out (speculators-lr4e-3), so an arm at "
+                        "another rate reuses the store, its data and our run")
     parser.add_argument("--prompts", type=int, default=80, help="MT-bench questions evaluated")
     parser.add_argument("--k", default="[2,3,4]", help="chain lengths evaluated")
     parser.add_argument("--set", action="append", default=[], dest="sets", help="recipe override, both trainers")
@@ -82,7 +86,8 @@ def main() -> None:
     from mtptrain.target import resolve_local_dir
 
     verifier, _ = resolve_local_dir(recipe.target)
-    save = out / "speculators"
+    theirs_name = "speculators" if args.lr is None else f"speculators-lr{args.lr:g}"
+    save = out / theirs_name
     if not (save / "checkpoint_best").exists() and not (save / f"epoch{args.epochs - 1}_end").exists():
         cmd = [str(SPECULATORS_PYTHON), "scripts/speculators_train_cpu.py", "--verifier-name-or-path", str(verifier),
                "--data-path", str(data), "--save-path", str(save), "--epochs", str(args.epochs),
@@ -95,7 +100,7 @@ def main() -> None:
                "--checkpoint-freq", "1", *(["--lr", str(args.lr)] if args.lr else [])]
         print("$", " ".join(cmd), flush=True)
         subprocess.run(cmd, cwd=REPO, check=True)
-    theirs = out / "speculators-head"
+    theirs = out / f"{theirs_name}-head"
     last = save / f"epoch{args.epochs - 1}_end"
     cli("speculators", "import", str(last), "--out", str(theirs), "--recipe", args.recipe, sets=args.sets)
     ours_run = out / args.ours
@@ -103,7 +108,7 @@ def main() -> None:
         sets=args.sets + args.ours_sets + [f"train.output_dir={ours_run}", f"train.epochs={args.epochs}",
                                            "train.head_snapshots=false", "train.engine_eval.select_best=false"])
     rows = []
-    for name, head_dir in ((args.ours, ours_run / "head"), ("speculators", theirs)):
+    for name, head_dir in ((args.ours, ours_run / "head"), (theirs_name, theirs)):
         eval_dir = out / f"eval-{name}"
         if not evaluated(eval_dir, head_dir, args):
             cli("eval", "--recipe", args.recipe, "--no-wandb", "--no-progress",
