@@ -115,7 +115,7 @@ def tokens_seen(run: Path, steps: int) -> int:
 
 
 def chain_rows(results: dict) -> list[dict]:
-    return [m for m in results["methods"] if m["method"] == "chain"]
+    return [m for m in results["methods"] if m["method"] == "chain" and "stop" not in m]  # all K drafted
 
 
 def parse_args() -> argparse.Namespace:

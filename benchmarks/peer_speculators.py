@@ -40,13 +40,20 @@ def cli(*args: str, sets: list[str] = ()) -> None:
     subprocess.run(cmd, cwd=REPO, check=True)
 
 
+def rate(text: str) -> str:
+    """A learning rate as typed (it names speculators' run: speculators-lr4e-3), once it reads as a number."""
+    if float(text) <= 0:
+        raise argparse.ArgumentTypeError(f"{text}: a learning rate is above 0")
+    return text
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipe", default="recipes/reference.yaml")
     parser.add_argument("--out", default="runs/peer")
     parser.add_argument("--epochs", type=int, default=1, help="passes over the train split, both trainers")
     parser.add_argument("--total-seq-len", type=int, default=2048, help="speculators: tokens per packed row")
-    parser.add_argument("--lr", type=float, default=None, help="speculators' learning rate (default: its own); its "
+    parser.add_argument("--lr", type=rate, default=None, help="speculators' learning rate (default: its own); its "
                         "run, head and eval get their own names under --out (speculators-lr4e-3), so an arm at "
                         "another rate reuses the store, its data and our run")
     parser.add_argument("--prompts", type=int, default=80, help="MT-bench questions evaluated")
@@ -65,7 +72,7 @@ def evaluated(eval_dir: Path, head: Path, args) -> bool:
     if not path.is_file():
         return False
     results = json.loads(path.read_text())
-    chains = sorted(m["k"] for m in results["methods"] if m["method"] == "chain")
+    chains = sorted(m["k"] for m in results["methods"] if m["method"] == "chain" and "stop" not in m)
     return (results["head"] or {}).get("path") == str(head) and results["settings"]["prompt_count"] == args.prompts \
         and chains == sorted(json.loads(args.k))
 
@@ -86,7 +93,7 @@ def main() -> None:
     from mtptrain.target import resolve_local_dir
 
     verifier, _ = resolve_local_dir(recipe.target)
-    theirs_name = "speculators" if args.lr is None else f"speculators-lr{args.lr:g}"
+    theirs_name = "speculators" if args.lr is None else f"speculators-lr{args.lr}"
     save = out / theirs_name
     if not (save / "checkpoint_best").exists() and not (save / f"epoch{args.epochs - 1}_end").exists():
         cmd = [str(SPECULATORS_PYTHON), "scripts/speculators_train_cpu.py", "--verifier-name-or-path", str(verifier),

@@ -130,8 +130,8 @@ class Suffix(EvalMethod):
 
 class Chain(EvalMethod):
     """The head's chain drafter (its family's), for every K up to the longest chain the head drafts, and each
-    early stop of eval.chain.stops ("chain K=6 stop 0.3": at most 6 tokens, fewer where the head is unsure; a
-    stop means nothing at K=1, whose one token is always drafted)."""
+    early stop of eval.chain.stops ("chain K=6 stop 0.3": at most 6 tokens, fewer where the head is unsure). K=1
+    is measured once, without a stop: its one token is always drafted."""
 
     name = "chain"
     head = True
@@ -145,7 +145,7 @@ class Chain(EvalMethod):
         return [Config(f"{self.name} K={k}" + (f" stop {stop:g}" if stop else ""), self.name, k, uses_head=True,
                        make=functools.partial(spec.family.chain, drafting.head, spec, drafting.sampling,
                                               drafting.seed, stop), stop=stop)
-                for stop in ev.chain.stops for k in drafted if k > 1 or not stop]
+                for k in drafted for stop in ((0.0,) if k == 1 else ev.chain.stops)]
 
 
 class Tree(EvalMethod):

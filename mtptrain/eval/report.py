@@ -111,7 +111,7 @@ def tau_vs_k_figure(results: dict):
 
 def _key(m: dict) -> str:
     """A line of the tau-vs-K plot: a row's method with its chain stop, and its engine where that is not the
-    embedded one (as eval/run.py's method_key)."""
+    embedded one (eval/run.py's method_key names the same without the stop: the best per method)."""
     engine = m.get("engine", "embedded")
     method = m["method"] + (f" stop {m['stop']:g}" if m.get("stop") else "")
     return method if engine == "embedded" else f"{engine} {method}"
@@ -325,11 +325,12 @@ def _category_section(results: dict) -> list[str]:
 def format_results(results: dict) -> str:
     """The CLI's summary: the table (a ! on unreliable speedups), the best configurations, and what the marks,
     the repeats and the machine's load mean."""
-    rows = [f"{'method':<14}{'tau':>7}{'tok/s':>9}{'speedup':>9}  {'spread':<12}{'exact':<10}"
+    width = max([14] + [len(m["label"]) + 1 for m in results["methods"]])  # "chain K=5 stop 0.15" fits
+    rows = [f"{'method':<{width}}{'tau':>7}{'tok/s':>9}{'speedup':>9}  {'spread':<12}{'exact':<10}"
             f"acceptance per position ({ACCEPTANCE_KIND})"]
     for m in results["methods"]:
         accept = " ".join(f"{a:.2f}" for a in m["acceptance"])
-        rows.append(f"{m['label']:<14}{m['tau']:>7.2f}{m['tokens_per_second']:>9.1f}{m['speedup']:>8.2f}x  "
+        rows.append(f"{m['label']:<{width}}{m['tau']:>7.2f}{m['tokens_per_second']:>9.1f}{m['speedup']:>8.2f}x  "
                     f"{spread_cell(m):<12}{_exact_cell(m['exactness']):<10}{accept}")
     best = results["best"]
     lines = ["\n".join(rows)]

@@ -282,8 +282,7 @@ def test_a_chain_with_a_stop_ends_where_its_drafts_probability_falls_below_it_an
     # one token is always drafted, and the greedy output does not depend on the stop
     assert opened(0.999)[0].propose(tokens, 4)[0] == full[:1]
     reference = generate(open_runner(model), prompt, 30).tokens
-    stop = float(running[1])  # about two drafts a step
+    stop = float(running[1])  # where the first step's chain ends after its third draft
     result = generate(open_runner(model, capture=spec.layers), prompt, 30, drafter(head, spec, stop=stop), k=4)
     assert result.tokens == reference
     assert result.stats.verified < 4 * result.stats.steps
-

@@ -65,3 +65,20 @@ def test_the_ssd_drafter_goes_to_a_second_gpu_only_when_there_is_one():
     assert ssd_device("cuda:3", torch.device("cpu")) == "cuda:3"
     expected = "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
     assert ssd_device("auto", torch.device("cuda:0")) == expected
+
+
+def test_chains_take_every_stop_at_each_k_and_k1_once_without_one(tiny_target_dir, tmp_path):
+    from mtptrain.heads import FrozenTarget
+    from mtptrain.heads.checkpoint import save_head
+    from mtptrain.heads.spec import HeadSpec
+
+    target = load_target(TargetConfig(model=str(tiny_target_dir)))
+    spec = HeadSpec("eagle3", last_layer=3, feature_layers=[0, 1, 2], ttt_steps=2, draft_vocab_size=64)
+    save_head(tmp_path / "head", spec.family.build(spec, FrozenTarget.of(target.model)), spec, target.identity())
+    for stops, labels in (("[0,0.3]", ["chain K=1", "chain K=3", "chain K=3 stop 0.3"]),
+                          ("[0.3]", ["chain K=1", "chain K=3 stop 0.3"])):
+        configs = build_configs(recipe(tiny_target_dir, "eval.methods=[chain]", f"eval.head={tmp_path / 'head'}",
+                                       f"eval.chain.stops={stops}"), target, Sampling())[0]
+        assert [c.label for c in configs[1:]] == labels
+        assert [c.make().stop for c in configs[1:]] == [c.stop for c in configs[1:]] == [
+            0.3 if "stop" in label else 0.0 for label in labels]

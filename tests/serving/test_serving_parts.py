@@ -65,8 +65,10 @@ def test_vllm_counters_become_the_engines_statistics():
     assert baseline.tau == 1.0 and baseline.acceptance() == []
 
 
-def _tally(engine: str, method: str, k: int, requests: list[tuple[list[int], int, list[int]]]) -> Tally:
-    tally = Tally(Config(f"{'vllm ' if engine == 'vllm' else ''}{method} K={k}", method, k, engine=engine))
+def _tally(engine: str, method: str, k: int, requests: list[tuple[list[int], int, list[int]]],
+           stop: float = 0.0) -> Tally:
+    label = f"{'vllm ' if engine == 'vllm' else ''}{method} K={k}" + (f" stop {stop:g}" if stop else "")
+    tally = Tally(Config(label, method, k, engine=engine, stop=stop))
     for tokens, steps, accepted in requests:
         stats = GenerationStats(steps=steps, emitted=len(tokens), proposed=[steps] * k, accepted=accepted)
         tally.add(tokens, stats, "all")
@@ -87,6 +89,12 @@ def test_the_serving_check_compares_like_with_like():
     [entry] = agreement([ours, other_text])
     assert entry["same_answers"] == 2 and entry["identical_share"] == 1.0
     assert any("differs" in f for f in conforms(entry))  # but its pooled acceptance is off by 0.22
+    # a stopped chain (eval.chain.stops) of the same K is not what vLLM drafts: compared with the row without one
+    stopped = _tally("embedded", "chain", 3, [([1, 2, 3], 10, [2, 0, 0]), ([4, 5], 8, [1, 0, 0]), ([6], 5, [0, 0, 0])],
+                     stop=0.3)
+    [entry] = agreement([ours, stopped, same])
+    assert entry["against"] == "chain K=3" and entry["max_gap"] == 0
+    assert agreement([stopped, same]) == []  # no row that drafts all K: nothing to compare with
 
 
 def test_per_request_means_average_what_each_request_drafted():
