@@ -27,29 +27,20 @@ def exact_law_after_the_first(model, prompt: list[int], sampling) -> torch.Tenso
 
 
 def engine_two_token_law(model, prompt: list[int], sampling, make_proposer, trials: int, k: int = 2,
-                         capture: list[int] = (), after: int = 0, first_steps: list | None = None):
+                         capture: list[int] = (), after: int = 0, longest: list | None = None):
     """Empirical law of (x_{after+1}, x_{after+2}) over `trials` seeds, and how many drafts were proposed and
-    rejected; `first_steps` gets the number of drafts of each trial's first verification."""
+    rejected; `longest` gets each trial's longest draft (with after=1 the first verification's: the budget of
+    any later one is a single token)."""
     vocab = model.config.vocab_size
     runner = open_runner(model, capture=capture)  # the layers a head-chain drafter reads
     counts = torch.zeros(vocab * vocab, dtype=torch.float64)
     drafted = rejected = 0
     for seed in range(trials):
         # the drafter draws from its own stream: sharing the engine's seed would correlate draft and choice
-        proposer, first_drafted = make_proposer(10**6 + seed), []
-        if first_steps is not None:  # the length of the first draft it proposes
-            propose = proposer.propose
-            proposer.propose = lambda tokens, k, propose=propose: _noting(propose(tokens, k), first_drafted)
-        result = generate(runner, prompt, after + 2, proposer, k=k, sampling=sampling, seed=seed)
+        result = generate(runner, prompt, after + 2, make_proposer(10**6 + seed), k=k, sampling=sampling, seed=seed)
         counts[result.tokens[after] * vocab + result.tokens[after + 1]] += 1
-        if first_steps is not None:
-            first_steps.append(first_drafted[0])
+        if longest is not None:
+            longest.append(len(result.stats.proposed))
         drafted += sum(result.stats.proposed)
         rejected += sum(result.stats.proposed) - sum(result.stats.accepted)
     return counts / trials, drafted, rejected
-
-
-def _noting(proposal, lengths: list):
-    if not lengths:
-        lengths.append(len(proposal[0]))
-    return proposal

@@ -111,7 +111,7 @@ def test_sampling_with_head_drafts_stays_exact_in_law(kind, stop):
     make = lambda seed: drafter(head, spec, sampling, seed=seed, stop=stop)  # noqa: E731
     first: list[int] = []
     empirical, drafted, rejected = engine_two_token_law(model, prompt, sampling, make, 2500, capture=[3], after=1,
-                                                        first_steps=first)
+                                                        longest=first)
     assert rejected > 0 and set(first) == ({1, 2} if stop else {2})
     if stop:
         assert 0.1 < first.count(1) / len(first) < 0.9
