@@ -431,10 +431,10 @@ class ChainConfig(_Section):
     """The chain method: the head drafts K tokens, or fewer where it is unsure."""
     stops: list[Float] = Field(
         [0.0], min_length=1, description="Early stops measured, one configuration per stop and K (K=1 once, "
-        "without one: its token is always drafted): a chain "
-        "ends once the product of the head's probabilities for its drafts so far falls below the stop (the first "
-        "token is always drafted), so K is its longest; 0 = always K tokens. The product estimates the chance "
-        "the whole chain is accepted, as EAGLE-2's tree scores do (arXiv:2406.16858).")
+        "without one): a chain ends once the product of the head's probabilities for its drafts so far falls "
+        "below the stop, so K is its longest and the first token is always drafted; 0 = always K tokens. The "
+        "product estimates the chance the whole chain is accepted, as EAGLE-2's tree scores do "
+        "(arXiv:2406.16858).")
 
     @field_validator("stops")
     @classmethod

@@ -64,8 +64,10 @@ class Tally:
 
     def new_repeat(self) -> None:
         """Open the next repeat's timings."""
-        self.repeat_tokens.append(0), self.repeat_seconds.append(0.0)
-        self.repeat_prefill.append(0.0), self.repeat_requests.append(0)
+        self.repeat_tokens.append(0)
+        self.repeat_seconds.append(0.0)
+        self.repeat_prefill.append(0.0)
+        self.repeat_requests.append(0)
 
     def add_timing(self, tokens: int, seconds: float, prefill: float = 0.0) -> None:
         """One generation of the current repeat, `prefill` of its `seconds` spent up to its first token."""
