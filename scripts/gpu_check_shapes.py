@@ -215,6 +215,7 @@ def check_decode_8b(args) -> dict:
 
     from mtptrain.engine.generate import generate
     from mtptrain.machine import memory_bandwidth
+    from mtptrain.runtime.attention import decoding_kernels
     from mtptrain.runtime.runner import load_decoder, open_runner, runtime_description
 
     device, dtype = device_and_dtype(args)
@@ -234,7 +235,8 @@ def check_decode_8b(args) -> dict:
     engine_seconds = time.perf_counter() - started
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     read_gbs = memory_bandwidth(device, repeats=2 if args.dry_run else 9)[1]
-    split = host_and_device(runner, prompt, steps, device)
+    with decoding_kernels(device):  # the attention kernels generate() decodes with
+        split = host_and_device(runner, prompt, steps, device)
     step_ms = 1000 * result.stats.verify_seconds / max(result.stats.steps, 1)
     details = {"runtime": runtime_description(runner), "prompt_tokens": prompt_len, "new_tokens": len(result.tokens),
                "tokens_per_s": round(len(result.tokens) / engine_seconds, 1), "engine_step_ms": round(step_ms, 3),

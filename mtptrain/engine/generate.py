@@ -23,6 +23,7 @@ from mtptrain.engine.proposer import Proposer
 from mtptrain.engine.tree import DraftTree, verify_tree_greedy, verify_tree_sampling
 from mtptrain.engine.verify import (Sampling, TargetRows, distribution, draw, greedy_choice, verify_greedy,
                                     verify_sampling)
+from mtptrain.runtime.attention import decoding_kernels
 from mtptrain.runtime.runner import Runner
 
 
@@ -86,6 +87,15 @@ class Generation:
 
 def generate(runner: Runner, prompt: list[int], max_new_tokens: int, proposer: Proposer | None = None, k: int = 4,
              sampling: Sampling = Sampling(), eos: set[int] = frozenset(), seed: int = 0) -> Generation:
+    """Up to `max_new_tokens` after `prompt`: the proposer's drafts (k at most) verified by the target, exactly
+    (its greedy decoding at temperature 0, its own distribution otherwise). On CUDA the target's and the drafter's
+    attention run without cuDNN's kernel, which plans anew for every length (runtime/attention.py)."""
+    with decoding_kernels(runner.device):
+        return _generate(runner, prompt, max_new_tokens, proposer, k, sampling, eos, seed)
+
+
+def _generate(runner: Runner, prompt: list[int], max_new_tokens: int, proposer: Proposer | None, k: int,
+              sampling: Sampling, eos: set[int], seed: int) -> Generation:
     opened = time.perf_counter()
     generator = torch.Generator().manual_seed(seed)  # on the CPU whatever the target's device: see verify.draw
     stats = GenerationStats()

@@ -9,10 +9,28 @@ Every kernel takes q [B, H, T, D], k and v [B, Hkv, S, D], a mask (or None) and 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mtptrain.runtime.native_kernels import causal_attention_kernel, decode_attention_kernel, tree_attention_kernel
+
+
+# cuDNN's attention, which torch's SDPA tries first on Hopper GPUs, builds an execution plan for each new shape,
+# and decoding meets a new key length at every step: each length's first step pays for a plan. On an NVIDIA H200
+# (torch 2.11, cuDNN attention on by default) a temperature-0 eval of 4 prompts x 64 tokens, the first over those
+# lengths, verified at 16.4 ms a step, and the same eval at temperature 1 right after it at 1.8 ms; with cuDNN left
+# out, the first 64-token generation's steps took 0.150 s, later ones 0.119 s (docs/benchmarks.md, GPU check).
+# Flash, mem-efficient and math kernels choose per call, with no plan to build.
+DECODING_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def decoding_kernels(device: torch.device | str) -> contextlib.AbstractContextManager:
+    """Within it, SDPA on CUDA leaves cuDNN's attention out (a plan per new length, see DECODING_BACKENDS): for
+    decoding and drafting, whose shapes change every step. Elsewhere it changes nothing."""
+    return sdpa_kernel(DECODING_BACKENDS) if torch.device(device).type == "cuda" else contextlib.nullcontext()
 
 
 def causal_mask(count: int, past: int = 0, device=None) -> torch.Tensor:

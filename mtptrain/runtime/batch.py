@@ -21,7 +21,7 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
-from mtptrain.runtime.attention import causal_mask
+from mtptrain.runtime.attention import causal_mask, decoding_kernels
 from mtptrain.runtime.cache import NoCache
 from mtptrain.runtime.model import FastDecoder
 from mtptrain.runtime.runner import load_decoder
@@ -81,10 +81,16 @@ def decode_stream(source, requests: Iterable[Request], done: Done, rows: int, st
     if not first:  # nothing to decode: the model is not even looked at
         return
     decoder = source if isinstance(source, FastDecoder) else load_decoder(source, runtime, batched=True)
-    if decoder is not None:
-        _stream_native(decoder, first, pending, done, stops)
-        return
-    model = source
+    with decoding_kernels(decoder.device if decoder is not None else source.device):
+        if decoder is not None:
+            _stream_native(decoder, first, pending, done, stops)
+        else:
+            _stream_waves(source, first, pending, done, rows, pad_id, stops)
+
+
+def _stream_waves(model, first: list[Request], pending: Iterator[Request], done: Done, rows: int, pad_id: int,
+                  stops: set[int]) -> None:
+    """transformers' forward: waves of `rows` requests, each finished before the next starts."""
     follow: deque[Request] = deque()
     wave = first
     while wave:

@@ -115,3 +115,43 @@ def test_the_torch_floor_has_what_the_code_calls():
     dependencies = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
     floor = next(re.fullmatch(r"torch>=(\d+)\.(\d+)(?:\.\d+)?", d) for d in dependencies if d.startswith("torch"))
     assert floor and (int(floor[1]), int(floor[2])) >= (2, 5), dependencies
+
+
+def test_on_cuda_decoding_and_drafting_attend_without_cudnn(monkeypatch):
+    """cuDNN's attention plans anew for every shape and a decoding step's key length is new each time (measured on
+    an H200: runtime/attention.py). generate() (the target's steps and the drafter's) and batched decoding run
+    within decoding_kernels of their device, which on CUDA leaves cuDNN out, and hand the setting back after."""
+    from mtptrain.engine import generate as generate_module
+    from mtptrain.engine.ngram import NgramProposer
+    from mtptrain.runtime import batch
+
+    real = attention.decoding_kernels
+    devices, flags = [], []
+
+    def as_on_cuda(device):  # the device each caller names, and the context CUDA gets
+        devices.append(torch.device(device).type)
+        return real("cuda")
+
+    class Recording(NgramProposer):
+        def propose(self, tokens, k):
+            flags.append(("draft", torch.backends.cuda.cudnn_sdp_enabled()))
+            return super().propose(tokens, k)
+
+    sdpa = F.scaled_dot_product_attention
+
+    def recorded(q, k, v, **kwargs):
+        flags.append(("attention", torch.backends.cuda.cudnn_sdp_enabled()))
+        return sdpa(q, k, v, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recorded)
+    monkeypatch.setattr(generate_module, "decoding_kernels", as_on_cuda)
+    monkeypatch.setattr(batch, "decoding_kernels", as_on_cuda)
+    decoder = FastDecoder(_model(2), Choice(torch.float32, "linear", "sdpa", "sdpa", "cuda"), "linear")
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    generate_module.generate(FastRunner(decoder), [3, 4, 5, 3, 4, 5, 3, 4], 12, Recording(1, 2), k=3)
+    decode_stream(decoder, [Request(list(range(3, 3 + n)), 6) for n in (5, 9)], lambda request: None, 2, set(), 0)
+    assert devices == ["cpu", "cpu"]  # each asked for its own device's kernels
+    assert {kind for kind, _ in flags} == {"draft", "attention"} and not any(on for _, on in flags)
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before
+    with real("cpu"):  # elsewhere nothing changes
+        assert torch.backends.cuda.cudnn_sdp_enabled() == before
