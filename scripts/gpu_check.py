@@ -30,6 +30,10 @@ logs/ beside them. Exit status 1 when a part failed ("not run" is no failure: it
 shapes, gloo and 2 processes for torchrun, float32) and records which parts ran as CPU substitutes; it checks the
 command's own plumbing, not the GPU. --tiny-target and --tiny-store give it a tiny target and a feature store of
 that target to use (the test suite's); without them it builds both under the output directory.
+
+On a GPU, --tiny-target (with or without --tiny-store) puts that target in the embedded one's place for the eval
+and training parts, in bfloat16 on CUDA with NCCL: for a GPU machine where the embedded target's wheel cannot be
+installed. Its taus say nothing (a random head); the exactness, sampling, NCCL and resume checks hold as they are.
 """
 
 from __future__ import annotations
@@ -76,8 +80,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="the JSON record (the table goes beside it)")
     parser.add_argument("--parts", default=",".join(p.name for p in PARTS), help="comma-separated part names")
     parser.add_argument("--dry-run", action="store_true", help="every part on the CPU at a tiny size")
-    parser.add_argument("--tiny-target", type=Path, help="dry run: a tiny target model directory to use")
-    parser.add_argument("--tiny-store", type=Path, help="dry run: a feature store of --tiny-target to train on")
+    parser.add_argument("--tiny-target", type=Path, help="a tiny target model directory to use (a dry run; on a GPU, in the embedded target's place)")
+    parser.add_argument("--tiny-store", type=Path, help="a feature store of --tiny-target to train on")
     parser.add_argument("--child", help=argparse.SUPPRESS)  # runs one part in this process, writing --record
     parser.add_argument("--record", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -193,6 +197,7 @@ def record_of(args: argparse.Namespace, parts: list[dict], seconds: float) -> di
     substitutes = {p["name"]: p["details"].get("cpu_substitute") for p in parts if p["details"].get("cpu_substitute")}
     device = next((p["details"].get("device") for p in parts if p["name"] == "environment"), None)
     return {"schema": SCHEMA, "dry_run": args.dry_run, "cpu_substitutes": substitutes if args.dry_run else {},
+            "tiny_target": str(args.tiny_target) if args.tiny_target is not None else None,
             "command": [Path(sys.argv[0]).name, *sys.argv[1:]], "device": device,
             "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - seconds)),
             "seconds": round(seconds, 1), "budget_s": sum(p["budget_s"] for p in parts), "counts": counts,
@@ -201,6 +206,8 @@ def record_of(args: argparse.Namespace, parts: list[dict], seconds: float) -> di
 
 def markdown(record: dict) -> str:
     kind = "dry run on the CPU (tiny sizes; not a GPU result)" if record["dry_run"] else "GPU run"
+    if not record["dry_run"] and record.get("tiny_target"):
+        kind += f", with --tiny-target {record['tiny_target']} in the embedded target's place"
     lines = [f"# GPU check: {kind}", "",
              f"{record['device'] or 'device unknown'}; {record['seconds']:.0f} s of a {record['budget_s']} s budget; "
              f"{record['counts']['pass']} passed, {record['counts']['fail']} failed, "

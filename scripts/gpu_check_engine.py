@@ -15,6 +15,11 @@ GPU_EVAL = ["eval.prompts=mtbench", "eval.max_prompts=6", "eval.max_turns=1", "e
 DRY_EVAL = ["target.dtype=float32", "eval.max_turns=1", "eval.max_new_tokens=8", "eval.repeats=1", "eval.k=[2]",
             "eval.tree.budgets=[4]", "eval.tree.depth=3", "eval.tree.branch=2"]
 DRY_PROMPTS = ["the word is hot and you see"]
+# A GPU run given --tiny-target (a machine where the embedded target cannot be installed): that target and a random
+# head in bfloat16 on CUDA, four prompts, 64 new tokens each.
+TINY_GPU_EVAL = ["target.dtype=bfloat16", "eval.max_turns=1", "eval.max_new_tokens=64", "eval.repeats=1",
+                 "eval.k=[3]", "eval.tree.budgets=[8]", "eval.tree.depth=3", "eval.tree.branch=2"]
+TINY_GPU_PROMPTS = DRY_PROMPTS + ["tell me about the sea", "1 2 3 4 5 6", "write a short poem about a cat"]
 RUNS = {"T=0": ["eval.temperature=0", "eval.methods=[chain,tree]"],
         "T=1": ["eval.temperature=1", "eval.methods=[chain]"]}
 SUBSTITUTE = "a tiny random Llama and a random EAGLE-3 head on the CPU in float32, 1 prompt x 8 tokens"
@@ -40,6 +45,8 @@ def check_runtime_vs_transformers(args) -> dict:
     details["headline"] = headline(runs) + f"; native and transformers baselines identical {same}/{compared}"
     if args.dry_run:
         details["cpu_substitute"] = SUBSTITUTE
+    elif args.tiny_target is not None:
+        details["target"] = f"--tiny-target {args.tiny_target} and a random EAGLE-3 head, not the embedded target"
     return details
 
 
@@ -72,12 +79,13 @@ def eval_settings(args) -> list[str]:
     from mtptrain.heads.checkpoint import PRETRAINED_HEAD
 
     common = ["tracking.wandb=disabled"]
-    if not args.dry_run:
+    if not args.dry_run and args.tiny_target is None:
         return common + GPU_EVAL + [f"eval.head={PRETRAINED_HEAD}"]
     target = tiny_target(args)
+    texts, sizes = (DRY_PROMPTS, DRY_EVAL) if args.dry_run else (TINY_GPU_PROMPTS, TINY_GPU_EVAL)
     prompts = args.work / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"id": f"p{i}", "turns": [p]}) + "\n" for i, p in enumerate(DRY_PROMPTS)))
-    return common + DRY_EVAL + [f"target.model={target}", f"eval.head={tiny_head(args, target)}",
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "turns": [p]}) + "\n" for i, p in enumerate(texts)))
+    return common + sizes + [f"target.model={target}", f"eval.head={tiny_head(args, target)}",
                                 f"eval.prompts={prompts}"]
 
 

@@ -72,12 +72,13 @@ def run_plan(base: Path, optimizer: str, kind: str, stop_at: int | None) -> dict
 
 def store_recipe(args) -> tuple[str | None, list[str]]:
     """(recipe file, overrides) naming a feature store to train on: on a GPU, the embedded target's, computed here
-    first (bf16 on cuda:0); in a dry run --tiny-store, or one computed from the tiny target."""
+    first (bf16 on cuda:0); in a dry run, or on a GPU given --tiny-target, --tiny-store or one computed from the
+    tiny target."""
     from mtptrain.config import load_recipe
     from mtptrain.features.precompute import run_precompute
 
     features = args.work / "features"
-    if args.dry_run:
+    if args.dry_run or args.tiny_target is not None:
         from gpu_check_engine import tiny_target
 
         target = tiny_target(args)
