@@ -1,9 +1,10 @@
 #!/bin/bash
 # Temperature-1 answers as training data (issue 39's temperature-1 target). The head learns from the target's
 # greedy answers, but at temperature 1 it drafts after sampled text, which greedy answers never show it. This arm
-# answers the same requests as a control head's store again, sampled at TEMPERATURE, trains a head for the control's
-# training tokens with the control's settings, and evaluates both heads on the same prompts at temperature 1 and 0
-# (chain K=3, first turns of MT-bench's first PROMPTS questions, 64 tokens, one repeat).
+# answers the same requests as a control head's store again, sampled at TEMPERATURE, and trains two heads for the
+# control's training tokens with the control's settings. Both heads are evaluated on the same prompts at
+# temperature 1 and 0 (chain K=3, first turns of MT-bench's first PROMPTS questions, 64 tokens, one repeat). A mix
+# of both stores is refused by training (the stores share their sample ids: the same requests, answered twice).
 #
 # The control is the mtptrain head of the side-by-side on 5,000 answer-start first turns (greedy, 64-token answers;
 # benchmarks/peer_speculators.py --out runs/peer-as5k, docs/reference-run.md); its source is SOURCE. Every stage
@@ -17,7 +18,7 @@ CONTROL=${CONTROL:-runs/peer-as5k/mtptrain}
 SOURCE=${SOURCE:-runs/answer-start/first-turns.jsonl}
 CONVERSATIONS=${CONVERSATIONS:-5000}
 TEMPERATURE=${TEMPERATURE:-1.0}
-PROMPTS=${PROMPTS:-40}
+PROMPTS=${PROMPTS:-80}
 PY=${PY:-.venv/bin/python}
 CLI=("$PY" -m mtptrain.cli)
 R=(--recipe recipes/reference.yaml --no-progress --no-wandb)
@@ -26,30 +27,37 @@ mkdir -p "$OUT"
 
 DATA=(--set data.source="$SOURCE" --set data.max_conversations="$CONVERSATIONS"
       --set data.regenerated="$OUT/regenerated.jsonl" --set precompute.output_dir="$OUT/features")
-"${CLI[@]}" regenerate "${R[@]}" "${DATA[@]}" --set regenerate.max_turns=1 --set regenerate.max_new_tokens=64 \
-  --set regenerate.temperature="$TEMPERATURE"
+"${CLI[@]}" regenerate --recipe recipes/reference.yaml --no-progress "${DATA[@]}" --set regenerate.max_turns=1 \
+  --set regenerate.max_new_tokens=64 --set regenerate.temperature="$TEMPERATURE"
 "${CLI[@]}" precompute "${R[@]}" "${DATA[@]}"
 
-# the control's training tokens, in this store's batch order
-STEPS=$("$PY" - "$OUT" "$CONTROL" <<'EOF'
+# steps that train on the control's tokens, in the batch order of the stores named
+steps_for() {
+  "$PY" - "$CONTROL" "$@" <<'PYTHON'
 import json, sys
 from mtptrain.config import load_recipe
 from mtptrain.features.stores import open_stores
 from mtptrain.train.data import steps_for_tokens
-out, control = sys.argv[1:]
+control, stores = sys.argv[1], sys.argv[2:]
 tokens = json.load(open(f"{control}/head/config.json"))["train"]["tokens"]
-lengths = open_stores(f"{out}/features", "train", verify="size").lengths()
+lengths = open_stores(stores if len(stores) > 1 else stores[0], "train", verify="size").lengths()
 print(steps_for_tokens(lengths, 8, load_recipe("recipes/reference.yaml").train.seed, tokens))
-EOF
-)
-"${CLI[@]}" train "${R[@]}" "${DATA[@]}" --set train.features="$OUT/features" --set train.output_dir="$OUT/train" \
-  --set train.max_steps="$STEPS" --set train.lr=4e-3 --set train.head_snapshots=false \
-  --set train.engine_eval.select_best=false
+PYTHON
+}
+
+train_arm() {  # its run directory, then its stores (a list for a mix of stores); the control's settings
+  local run=$1; shift
+  local stores; stores=$(IFS=,; echo "$*")
+  "${CLI[@]}" train "${R[@]}" "${DATA[@]}" --set "train.features=[$stores]" --set train.output_dir="$run" \
+    --set train.max_steps="$(steps_for "$@")" --set train.lr=4e-3 --set train.head_snapshots=false \
+    --set train.engine_eval.select_best=false
+}
+train_arm "$OUT/train" "$OUT/features"
 
 for temperature in 1 0; do
   for arm in control sampled; do
     head=$OUT/train/head; [ $arm = control ] && head=$CONTROL/head
-    dir=$OUT/eval-$arm-t$temperature
+    dir=$OUT/eval-$arm-t$temperature-p$PROMPTS
     [ -s "$dir/results.json" ] && continue
     "${CLI[@]}" eval "${R[@]}" "${DATA[@]}" --set eval.head="$head" --set eval.temperature=$temperature \
       --set eval.methods=[chain] --set "eval.k=[3]" --set eval.max_prompts="$PROMPTS" --set eval.max_turns=1 \
