@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,51 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 # between runs of one checkout: the tests never write into the user's ~/.cache/mtptrain, nor inherit a choice
 # some other program measured there. Tests that compare runs pin what they compare (target.dtype, precision).
 os.environ["MTPTRAIN_CACHE"] = str(Path(__file__).resolve().parent.parent / "build" / "test-cache")
+
+ROOT = Path(__file__).resolve().parent.parent
+# Other projects' environments, built by their scripts the first time in a checkout (downloads: minutes on a fresh
+# clone, seconds after): the tests marked with the key need the script. Once collection has picked the tests to
+# run, the script of each environment they need starts in the background, so its download overlaps the tests that
+# run before its own; their fixtures wait for it through `environment`.
+ENVIRONMENTS = {"vllm": "scripts/setup_vllm.sh", "interop": "scripts/setup_interop.sh"}
+_building: dict[str, subprocess.Popen] = {}
+_built: dict[str, str] = {}  # script -> "" once it succeeded, else what it printed last
+
+
+def _log(script: str) -> Path:
+    log = ROOT / "build" / "test-setup" / f"{Path(script).stem}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    return log
+
+
+def pytest_collection_finish(session):
+    if session.config.option.collectonly:
+        return
+    for marker, script in ENVIRONMENTS.items():
+        if any(item.get_closest_marker(marker) for item in session.items):
+            with open(_log(script), "w") as sink:
+                _building[script] = subprocess.Popen(["bash", script], cwd=ROOT, stdout=sink,
+                                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+
+def pytest_sessionfinish(session):
+    for process in _building.values():  # never leave an install half done in a venv the next run reuses
+        process.wait()
+
+
+def environment(script: str) -> None:
+    """Wait for `script` (started in the background for the selected tests, else run here, once per session) and
+    fail with the end of its output unless it succeeded."""
+    if script not in _built:
+        process = _building.pop(script, None)
+        if process is None:
+            with open(_log(script), "w") as sink:
+                process = subprocess.Popen(["bash", script], cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT,
+                                           stdin=subprocess.DEVNULL)
+        code = process.wait()
+        _built[script] = "" if code == 0 else f"exit status {code}:\n{_log(script).read_text()[-4000:]}"
+    assert not _built[script], f"{script} failed, {_built[script]}"
+
 
 CHATML = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import write_sharegpt
+from conftest import environment, write_sharegpt
 
 ROOT = Path(__file__).parent.parent
 BENCHMARKS = sorted((ROOT / "benchmarks").glob("*.py"))
@@ -308,9 +308,11 @@ def test_head_agreement(ablation, head_recipe):
     assert json.loads((out / "ablations.json").read_text())["arms"][0]["agreement"] == scores
 
 
+@pytest.mark.interop
 def test_peer_speculators(head_recipe, tmp_path):
     """speculators' trainer (its own environment, scripts/setup_interop.sh, which the benchmark runs) and ours on
     the same store, both heads evaluated."""
+    environment("scripts/setup_interop.sh")  # the suite's background build of it, done (the benchmark's own run: seconds)
     out = tmp_path / "peer"
     printed = run_benchmark("peer_speculators.py", "--recipe", head_recipe, "--out", out, "--prompts", 1,
                             "--k", "[2]", "--total-seq-len", 256)
@@ -345,8 +347,7 @@ def served_head(served_target_dir, tmp_path_factory) -> Path:
 @pytest.mark.vllm
 def test_vllm_side_by_side(served_target_dir, served_head, tmp_path):
     """Both engines on the tiny target in float32: the tables, the serving check's line, the regeneration rates."""
-    done = subprocess.run(["bash", "scripts/setup_vllm.sh"], cwd=ROOT, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-3000:]
+    environment("scripts/setup_vllm.sh")
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"turns": [t]}) + "\n" for t in ("the word is hot and you", "say it")))
     out = run_benchmark("vllm_side_by_side.py", "--model", served_target_dir, "--head", served_head, "--prompts", prompts,

@@ -21,10 +21,12 @@ from mtptrain.export.source import load_head_directory
 from mtptrain.heads.spec import HeadSpec
 from mtptrain.runtime.capture import LayerCapture
 
+from conftest import environment
 from export_helpers import identity, save_trained_like_head, target_dir, target_model  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = Path(__file__).with_name("interop")
+pytestmark = pytest.mark.interop
 HEAD = HeadSpec("eagle3", last_layer=5, feature_layers=[1, 2, 4], ttt_steps=3, draft_vocab_size=64)
 HEAD_31 = HeadSpec("eagle3", last_layer=5, feature_layers=[1, 2, 4], ttt_steps=3, draft_vocab_size=64,
                    fc_norm=True, norm_output=True)  # EAGLE-3.1 norms
@@ -33,8 +35,7 @@ LENGTH = 128  # speculators' default flex attention takes whole 128-token blocks
 
 @pytest.fixture(scope="session")
 def interop() -> dict:
-    done = subprocess.run(["bash", "scripts/setup_interop.sh"], cwd=ROOT, capture_output=True, text=True)
-    assert done.returncode == 0, f"scripts/setup_interop.sh failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+    environment("scripts/setup_interop.sh")
     return {"python": ROOT / ".venv-speculators" / "bin" / "python",
             "specforge": ROOT / "build" / "interop" / "specforge-0.2.0",
             "eagle": ROOT / "build" / "interop" / "eagle-llm-1.2.1"}

@@ -10,12 +10,13 @@ benchmarks/vllm_side_by_side.py runs the full set."""
 
 import json
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+
+from conftest import environment
 
 from mtptrain.config import ExportConfig, load_recipe
 from mtptrain.eval.run import run_eval
@@ -35,8 +36,7 @@ SMALL = ["eval.methods=[chain]", "eval.k=[3]", "eval.max_prompts=3", "eval.max_t
 
 @pytest.fixture(scope="module")
 def vllm_env() -> None:
-    done = subprocess.run(["bash", "scripts/setup_vllm.sh"], cwd=ROOT, capture_output=True, text=True)
-    assert done.returncode == 0, f"scripts/setup_vllm.sh failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+    environment("scripts/setup_vllm.sh")
 
 
 @pytest.fixture(scope="module")

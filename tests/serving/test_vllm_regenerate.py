@@ -13,7 +13,7 @@ import pytest
 from mtptrain.config import load_recipe
 from mtptrain.data.regenerate import RegenerateError, pick_engine, run_regenerate, state_path
 
-from conftest import kill_after_first_group, recipe_file, write_sharegpt
+from conftest import environment, kill_after_first_group, recipe_file, write_sharegpt
 
 pytestmark = pytest.mark.vllm
 ROOT = Path(__file__).resolve().parents[2]
@@ -21,8 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def vllm_env() -> None:
-    done = subprocess.run(["bash", "scripts/setup_vllm.sh"], cwd=ROOT, capture_output=True, text=True)
-    assert done.returncode == 0, f"scripts/setup_vllm.sh failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+    environment("scripts/setup_vllm.sh")
 
 
 def overrides(target_dir: Path, source: Path, out: Path, *extra: str) -> list[str]:
