@@ -68,8 +68,9 @@ source, sampled, count, out = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv
 
 def rows(path):  # a damaged line is named by file and line, never guessed at
     for row in read_jsonl(path):
-        if row.problem or not isinstance(row.value, dict) or not isinstance(row.value.get("messages"), list):
-            sys.exit(f"error: {row.ref}: {row.problem[0] if row.problem else 'not a conversation'}; "
+        if row.problem or not isinstance(row.value, dict) or not isinstance(row.value.get("messages"), list) \
+                or not isinstance(row.value.get("id"), str):
+            sys.exit(f"error: {row.ref}: {row.problem[0] if row.problem else 'not a conversation with an id'}; "
                      "give files written by mtptrain regenerate")
         yield row.value
 
