@@ -443,6 +443,20 @@ class ChainConfig(_Section):
             raise ValueError("a stop is a probability: at least 0 (0 = always K tokens) and below 1")
         return list(dict.fromkeys(value))
 
+    draft_temperatures: list[Float] = Field(
+        [], description="At eval.temperature > 0, the temperatures the head drafts at, one configuration each "
+        "(with every K and stop): verification stays exact at the eval's temperature, since it reads the "
+        "distribution each draft was drawn from, but a sharper or flatter draft is accepted more or less often. "
+        "Empty: the eval's temperature. Ignored at temperature 0, where drafts are the head's argmax.")
+
+    @field_validator("draft_temperatures")
+    @classmethod
+    def _draft_temperatures(cls, value: list[float]) -> list[float]:
+        if any(t <= 0.0 for t in value):
+            raise ValueError("a draft temperature is above 0 (a greedy draft has no distribution to verify "
+                             "against at temperature > 0)")
+        return list(dict.fromkeys(value))
+
 
 class NgramConfig(_Section):
     """The ngram method: prompt lookup, drafting what followed an earlier occurrence of the last n tokens."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, ClassVar
 
@@ -47,6 +47,7 @@ class Config:
     budget: int | None = None  # tree nodes
     make: Callable[[], object] | None = None  # a fresh proposer (None: the baseline)
     stop: float = 0.0  # a chain's early stop (eval.chain.stops; 0: always K tokens)
+    draft_temperature: float | None = None  # the head drafts at it (eval.chain.draft_temperatures; None: the eval's)
     uses_head: bool = False
     threads: int | None = None  # the target's CPU threads while this runs (ssd: the drafter has the others)
     keeps_proposer: bool = False  # one proposer for warm-up and measurement (ssd: a worker process each)
@@ -142,10 +143,15 @@ class Chain(EvalMethod):
         drafted = [k for k in ev.k if limit is None or k <= limit.tokens]
         if len(drafted) < len(ev.k):
             drafting.notes.append(f"chain: {limit.why}; K > {limit.tokens} skipped")
-        return [Config(f"{self.name} K={k}" + (f" stop {stop:g}" if stop else ""), self.name, k, uses_head=True,
-                       make=functools.partial(spec.family.chain, drafting.head, spec, drafting.sampling,
-                                              drafting.seed, stop), stop=stop)
-                for k in drafted for stop in ((0.0,) if k == 1 else ev.chain.stops)]
+        sampling = drafting.sampling
+        temperatures = ev.chain.draft_temperatures if not sampling.greedy else []
+        return [Config(f"{self.name} K={k}" + (f" stop {stop:g}" if stop else "")
+                       + (f" draft T {t:g}" if t is not None else ""), self.name, k, uses_head=True,
+                       make=functools.partial(spec.family.chain, drafting.head, spec,
+                                              sampling if t is None else replace(sampling, temperature=t),
+                                              drafting.seed, stop), stop=stop, draft_temperature=t)
+                for k in drafted for stop in ((0.0,) if k == 1 else ev.chain.stops)
+                for t in (temperatures or [None])]
 
 
 class Tree(EvalMethod):

@@ -82,3 +82,46 @@ def test_chains_take_every_stop_at_each_k_and_k1_once_without_one(tiny_target_di
         assert [c.label for c in configs[1:]] == labels
         assert [c.make().stop for c in configs[1:]] == [c.stop for c in configs[1:]] == [
             0.3 if "stop" in label else 0.0 for label in labels]
+
+
+def test_chains_draft_at_each_draft_temperature_only_when_the_eval_samples(tiny_target_dir, tmp_path):
+    from mtptrain.heads import FrozenTarget
+    from mtptrain.heads.checkpoint import save_head
+    from mtptrain.heads.spec import HeadSpec
+
+    target = load_target(TargetConfig(model=str(tiny_target_dir)))
+    spec = HeadSpec("eagle3", last_layer=3, feature_layers=[0, 1, 2], ttt_steps=2, draft_vocab_size=64)
+    save_head(tmp_path / "head", spec.family.build(spec, FrozenTarget.of(target.model)), spec, target.identity())
+    settings = ("eval.methods=[chain]", f"eval.head={tmp_path / 'head'}", "eval.chain.stops=[0,0.3]",
+                "eval.chain.draft_temperatures=[0.5,1.5]")
+    sampled = build_configs(recipe(tiny_target_dir, *settings), target, Sampling(1.0, 0, 0.9))[0][1:]
+    assert [c.label for c in sampled] == [
+        "chain K=1 draft T 0.5", "chain K=1 draft T 1.5", "chain K=3 draft T 0.5", "chain K=3 draft T 1.5",
+        "chain K=3 stop 0.3 draft T 0.5", "chain K=3 stop 0.3 draft T 1.5"]
+    # the head draws at its own temperature; the eval's top-k and top-p shape its distribution as before
+    assert [c.make().sampling for c in sampled] == [Sampling(t, 0, 0.9) for t in (0.5, 1.5) * 3]
+    assert [c.draft_temperature for c in sampled] == [0.5, 1.5] * 3
+    # greedy: drafts are the argmax whatever the setting, one configuration per K and stop
+    greedy = build_configs(recipe(tiny_target_dir, *settings), target, Sampling())[0][1:]
+    assert [c.label for c in greedy] == ["chain K=1", "chain K=3", "chain K=3 stop 0.3"]
+    assert all(c.draft_temperature is None and c.make().sampling == Sampling() for c in greedy)
+    with pytest.raises(RecipeError, match="a draft temperature is above 0"):
+        recipe(tiny_target_dir, "eval.chain.draft_temperatures=[0]")
+
+
+def test_a_chain_drafting_at_its_own_temperature_hands_verification_that_distribution(tiny_target_dir, tmp_path):
+    """Exactness at temperature > 0 rests on verification reading the distribution each draft was drawn from."""
+    from mtptrain.engine.verify import distribution
+    from mtptrain.heads import FrozenTarget
+    from mtptrain.heads.spec import HeadSpec
+
+    target = load_target(TargetConfig(model=str(tiny_target_dir)))
+    spec = HeadSpec("eagle3", last_layer=3, feature_layers=[0, 1, 2], ttt_steps=2, draft_vocab_size=64)
+    head = spec.family.build(spec, FrozenTarget.of(target.model))
+    proposer = spec.family.chain(head, spec, Sampling(0.5), seed=1)
+    proposer.reset([1, 2, 3])
+    proposer.last_feature, proposer.last_logits = None, torch.linspace(-2, 2, 64)
+    draft, probs = proposer.propose([1, 2, 3], 1)
+    assert len(draft) == 1
+    assert torch.equal(probs.rows[0], distribution(torch.linspace(-2, 2, 64), Sampling(0.5)))
+    assert not torch.equal(probs.rows[0], distribution(torch.linspace(-2, 2, 64), Sampling(1.0)))
