@@ -93,11 +93,12 @@ def _head_kv(proposer, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(k[:, :, :length], v[:, :, :length]) for k, v in zip(cache.keys, cache.values)]
 
 
-@pytest.mark.parametrize(("kind", "stop"), [("eagle", 0.085), ("mtp", 0.0)])
-def test_sampling_with_head_drafts_stays_exact_in_law(kind, stop):
+@pytest.mark.parametrize(("kind", "stop", "draft_temperature"), [("eagle", 0.085, 1.0), ("mtp", 0.0, 0.4)])
+def test_sampling_with_head_drafts_stays_exact_in_law(kind, stop, draft_temperature):
     """Temperature 1, 12-token vocabulary: the law of the two tokens a chain of two drafts decides in its first
     verification equals the target's exact law. The eagle head's chain has a stop near the median probability of
-    its first draft, so about half its chains end after one draft: a length that depends on its own draws."""
+    its first draft, so about half its chains end after one draft: a length that depends on its own draws. The mtp
+    head drafts at a temperature of its own (eval.chain.draft_temperatures), which leaves the law the target's."""
     from mtptrain.engine.mtp_chain import MTPChainProposer
 
     vocab = 12
@@ -108,7 +109,8 @@ def test_sampling_with_head_drafts_stays_exact_in_law(kind, stop):
     head = spec.family.build(spec, FrozenTarget.of(model)).double()
     prompt, sampling = [1, 5, 7, 2], Sampling(temperature=1.0)
     exact = exact_law_after_the_first(model, prompt, sampling)
-    make = lambda seed: drafter(head, spec, sampling, seed=seed, stop=stop)  # noqa: E731
+    drafting = Sampling(temperature=draft_temperature)
+    make = lambda seed: drafter(head, spec, drafting, seed=seed, stop=stop)  # noqa: E731
     first: list[int] = []
     empirical, drafted, rejected = engine_two_token_law(model, prompt, sampling, make, 2500, capture=[3], after=1,
                                                         longest=first)
