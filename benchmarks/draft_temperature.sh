@@ -7,6 +7,8 @@
 #   tree    chain K=3 at 0.85 / 1 beside trees of branch 3, depth 4, 4 / 6 / 8 nodes, one repeat
 #   tree-b1 a tree of branch 1, depth 3: the head's argmax as a deterministic chain, one repeat
 #   stop    chain K=5 stop 0.3 at 0.75 / 0.85 / 1, REPEATS interleaved repeats
+#   stop-high  chain K=5 stop 0.3 and 0.45 at 0.85, REPEATS repeats
+#   final   chains K=3 and K=5 stop 0.45 at 0.85 and 1, 3 repeats: the T=1 speedup of the issue's goal
 #   unseen  chain K=3 at 0.85 / 1 on benchmarks/prompts/unseen-40.jsonl, one repeat
 # and, where the 5k heads of benchmarks/sampled_answers_arm.sh are on disk, chain K=3 at 0.85 / 1 with each
 # (5k-control: greedy answers, 5k-sampled: answers sampled at T=1): whether the two levers stack.
@@ -37,6 +39,10 @@ run tree-b1 "$HEAD" --set "eval.methods=[tree]" --set eval.tree.branch=1 --set e
     --set "eval.tree.budgets=[3]"
 run stop "$HEAD" --set "eval.methods=[chain]" --set "eval.k=[5]" --set "eval.chain.stops=[0.3]" \
     --set "eval.chain.draft_temperatures=[0.75,0.85,1.0]" --set eval.repeats="$REPEATS"
+run stop-high "$HEAD" --set "eval.methods=[chain]" --set "eval.k=[5]" --set "eval.chain.stops=[0.3,0.45]" \
+    --set "eval.chain.draft_temperatures=[0.85]" --set eval.repeats="$REPEATS"
+run final "$HEAD" --set "eval.methods=[chain]" --set "eval.k=[3,5]" --set "eval.chain.stops=[0.45]" \
+    --set "eval.chain.draft_temperatures=[0.85,1.0]" --set eval.repeats=3
 run unseen "$HEAD" --set "eval.methods=[chain]" --set "eval.k=[3]" --set "eval.chain.draft_temperatures=[0.85,1.0]" \
     --set eval.prompts=benchmarks/prompts/unseen-40.jsonl
 for arm in control:runs/peer-as5k/mtptrain/head sampled:runs/sampled-answers/train/head; do
@@ -48,7 +54,7 @@ for arm in control:runs/peer-as5k/mtptrain/head sampled:runs/sampled-answers/tra
         echo "5k-$name: no head at $head (benchmarks/sampled_answers_arm.sh trains it); skipped"
     fi
 done
-for name in sweep tree tree-b1 stop unseen 5k-control 5k-sampled; do
+for name in sweep tree tree-b1 stop stop-high final unseen 5k-control 5k-sampled; do
     [ -s "$OUT/$name/results.json" ] || continue
     "$PY" - "$OUT/$name/results.json" <<'PY'
 import json, sys
