@@ -34,12 +34,6 @@ def _log(script: str) -> Path:
     return log
 
 
-def pytest_collection_modifyitems(session, config, items):
-    """The tests that need another project's environment run last, in their order: on a fresh clone its download
-    then overlaps the rest of the suite instead of holding up the first of them."""
-    items.sort(key=lambda item: any(item.get_closest_marker(marker) for marker in ENVIRONMENTS))
-
-
 def pytest_collection_finish(session):
     if session.config.option.collectonly:
         return
