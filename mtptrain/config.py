@@ -584,6 +584,11 @@ class VllmConfig(_Section):
     enforce_eager: bool | None = Field(None, description="No CUDA graphs or compilation; None = true on CPU, false "
                                        "on GPUs.")
     seed: Int = Field(0, description="vLLM's engine seed.")
+    draft_sample_method: Literal["greedy", "probabilistic"] = Field(
+        "greedy", description="eval: how vLLM's chain draws the head's drafts at eval.temperature > 0 (its "
+        "speculative_config key): greedy (vLLM's default) drafts the argmax and verifies it as a certain token, "
+        "probabilistic samples the head's distribution and verifies against it, as mtptrain's engine does. Both "
+        "keep the target's law; at temperature 1 a sampled draft is accepted more (docs/export.md).")
 
     @field_validator("export", mode="before")
     @classmethod

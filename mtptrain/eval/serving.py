@@ -124,7 +124,8 @@ def vllm_configs(recipe: Recipe, target, head_info: HeadInfo | None, sampling: S
         exports = _exports(recipe, target, head_info, out_dir / "vllm")
         for export in exports:
             name = f" [{export.name}]" if len(exports) > 1 else ""
-            wanted += [("chain", k, eagle3_speculation(export, k), name) for k in ev.k]
+            wanted += [("chain", k, eagle3_speculation(export, k, recipe.vllm.draft_sample_method), name)
+                       for k in ev.k]
     skipped = sorted(set(ev.methods) - {"chain"})
     if skipped:
         run.notes.append(f"vllm: measured without drafts and with the head's chain; {', '.join(skipped)} run in "

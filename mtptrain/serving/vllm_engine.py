@@ -92,9 +92,11 @@ def batch1_cache_gib(model_config, tokens: int, dtype: str = "bfloat16") -> floa
     return max(0.25, 1.5 * tokens * per_token / 2**30)
 
 
-def eagle3_speculation(export_dir: Path, k: int) -> dict:
-    """The speculative_config of an EAGLE-3 head exported as eagle3 or speculators, drafting k tokens a step."""
-    return {"method": "eagle3", "model": str(Path(export_dir).resolve()), "num_speculative_tokens": k}
+def eagle3_speculation(export_dir: Path, k: int, draft_sample_method: str = "greedy") -> dict:
+    """The speculative_config of an EAGLE-3 head exported as eagle3 or speculators, drafting k tokens a step, each
+    drawn by `draft_sample_method` (vLLM's key; its default, greedy, is left out)."""
+    spec = {"method": "eagle3", "model": str(Path(export_dir).resolve()), "num_speculative_tokens": k}
+    return spec if draft_sample_method == "greedy" else {**spec, "draft_sample_method": draft_sample_method}
 
 
 @dataclass

@@ -54,7 +54,9 @@ class Worker:
                 "threads": torch.get_num_threads(), "dtype": str(config.model_config.dtype).removeprefix("torch."),
                 "device": str(config.device_config.device), "speculative": None if spec is None else {
                     "method": spec.method, "num_speculative_tokens": spec.num_speculative_tokens,
-                    "draft_model": spec.model}}
+                    "draft_model": spec.model,
+                    **({"draft_sample_method": spec.draft_sample_method}
+                       if getattr(spec, "draft_sample_method", "greedy") != "greedy" else {})}}
 
     def close_engine(self) -> None:
         if self.llm is not None:

@@ -138,3 +138,16 @@ def test_data_parallel_engines_split_the_visible_gpus(monkeypatch):
         split(VllmConfig(data_parallel_size=2, tensor_parallel_size=2))
     monkeypatch.setattr(vllm_engine, "on_gpu", lambda: False)
     assert split(VllmConfig(data_parallel_size=2)) == [None, None]
+
+
+def test_vllm_drafts_greedily_unless_asked_to_sample(tmp_path):
+    from mtptrain.serving.vllm_engine import eagle3_speculation
+
+    export = tmp_path / "export"
+    plain = {"method": "eagle3", "model": str(export.resolve()), "num_speculative_tokens": 3}
+    assert eagle3_speculation(export, 3) == eagle3_speculation(export, 3, "greedy") == plain  # vLLM's default
+    assert eagle3_speculation(export, 3, "probabilistic") == {**plain, "draft_sample_method": "probabilistic"}
+    assert load_recipe(None, []).vllm.draft_sample_method == "greedy"
+    assert load_recipe(None, ["vllm.draft_sample_method=probabilistic"]).vllm.draft_sample_method == "probabilistic"
+    with pytest.raises(Exception, match="vllm.draft_sample_method"):
+        load_recipe(None, ["vllm.draft_sample_method=sampled"])
