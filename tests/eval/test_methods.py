@@ -105,8 +105,9 @@ def test_chains_draft_at_each_draft_temperature_only_when_the_eval_samples(tiny_
     greedy = build_configs(recipe(tiny_target_dir, *settings), target, Sampling())[0][1:]
     assert [c.label for c in greedy] == ["chain K=1", "chain K=3", "chain K=3 stop 0.3"]
     assert all(c.draft_temperature is None and c.make().sampling == Sampling() for c in greedy)
-    with pytest.raises(RecipeError, match="a draft temperature is above 0"):
-        recipe(tiny_target_dir, "eval.chain.draft_temperatures=[0]")
+    for bad in ("0", "-0.5", ".nan", ".inf"):  # none makes a distribution to draw from
+        with pytest.raises(RecipeError, match="a draft temperature is a finite number above 0"):
+            recipe(tiny_target_dir, f"eval.chain.draft_temperatures=[{bad}]")
 
 
 def test_a_chain_drafting_at_its_own_temperature_hands_verification_that_distribution(tiny_target_dir, tmp_path):
