@@ -44,9 +44,10 @@ SETTLE_SECONDS = 0.25  # after a vLLM request, its OpenMP threads spin ~200 ms (
 
 
 def agreement(tallies) -> list[dict]:
-    """Per vLLM chain row, against the embedded row of the same K (the one without an early stop, drafting at the
-    eval's temperature: vLLM drafts all K at it): the largest difference of pooled acceptance at any position, and of the requests both engines answered
-    with the same tokens, the share whose steps and accepted counts per position are identical."""
+    """Per vLLM chain row, against the embedded row of the same K (the one without an early stop and without a
+    draft temperature of its own: vLLM drafts all K, at the eval's temperature): the largest difference of pooled
+    acceptance at any position, and of the requests both engines answered with the same tokens, the share whose
+    steps and accepted counts per position are identical."""
     embedded = {(t.config.method, t.config.k): t for t in tallies
                 if t.config.engine == "embedded" and not t.config.stop and t.config.draft_temperature is None}
     found = []

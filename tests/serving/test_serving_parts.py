@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from mtptrain.config import VllmConfig, load_recipe
+from mtptrain.config import RecipeError, VllmConfig, load_recipe
 from mtptrain.data.regenerate import settings_of
 from mtptrain.engine.generate import GenerationStats
 from mtptrain.eval.methods import Config
@@ -149,5 +149,5 @@ def test_vllm_drafts_greedily_unless_asked_to_sample(tmp_path):
     assert eagle3_speculation(export, 3, "probabilistic") == {**plain, "draft_sample_method": "probabilistic"}
     assert load_recipe(None, []).vllm.draft_sample_method == "greedy"
     assert load_recipe(None, ["vllm.draft_sample_method=probabilistic"]).vllm.draft_sample_method == "probabilistic"
-    with pytest.raises(Exception, match="vllm.draft_sample_method"):
+    with pytest.raises(RecipeError, match="vllm.draft_sample_method"):
         load_recipe(None, ["vllm.draft_sample_method=sampled"])
