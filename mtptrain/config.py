@@ -51,8 +51,9 @@ def _not_a_boolean(value: Any) -> Any:
 
 # YAML reads `true` as a bool, which pydantic would take as 1 (or 1.0). Integers are strict (no bool, float or
 # string); floats only refuse bools, as PyYAML reads 3e-4 (no dot) as a string that pydantic turns into a float.
+# Floats are finite: YAML reads .inf and .nan, and nan passes every bound check (each comparison is false).
 Int = Annotated[int, Strict()]
-Float = Annotated[float, BeforeValidator(_not_a_boolean)]
+Float = Annotated[float, BeforeValidator(_not_a_boolean), Field(allow_inf_nan=False)]
 
 
 class _Section(BaseModel):

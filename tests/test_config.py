@@ -230,6 +230,32 @@ def test_a_boolean_is_not_a_number_in_any_field(tmp_path):
     assert recipe.precompute.layers == [0, 3]
 
 
+def _float_fields():
+    """(dotted key, whether it takes a list, the --set items choosing its section) for every field of floats."""
+    def takes(annotation, kind) -> bool:
+        return kind in (annotation, typing.get_origin(annotation)) or any(takes(arg, kind)
+                                                                          for arg in typing.get_args(annotation))
+
+    for path, model in _sections(Recipe, ()):
+        chosen = [f"{'.'.join(path)}.kind={model.model_fields['kind'].default}"] if "kind" in model.model_fields else []
+        for name, field in model.model_fields.items():
+            if takes(field.annotation, float):
+                yield ".".join([*path, name]), takes(field.annotation, list), chosen
+
+
+def test_no_float_field_takes_infinity_or_nan():
+    """YAML reads .inf and .nan as floats, and nan passes every bound check (each comparison is false): an
+    eval.temperature of infinity or nan would make every distribution nan."""
+    fields = list(_float_fields())
+    assert {"eval.temperature", "train.lr", "eval.chain.draft_temperatures", "regenerate.temperature"} <= \
+        {key for key, _, _ in fields}
+    for key, listed, chosen in fields:
+        for value in (".inf", "-.inf", ".nan"):
+            item = f"{key}=[{value}]" if listed else f"{key}={value}"
+            with pytest.raises(RecipeError, match=rf"  {re.escape(key)}\b\S*: .*\(from --set {re.escape(item)}\)"):
+                load_recipe(None, [*chosen, item])
+
+
 # A value other than the default for every head field, so that a test sees it kept.
 HEAD_VALUES = {"norms": "stripped", "feature_weight": 0.5, "feature_layers": [1, 2], "ttt_steps": 5,
                "draft_vocab_size": 100, "fc_norm": True, "norm_output": True, "mtp_depths": 3, "mtp_share": True,
