@@ -29,7 +29,7 @@ from mtptrain.eval.exactness import Exactness, NearTie
 from mtptrain.eval.methods import Config, EvalError, build_configs
 from mtptrain.eval.prompts import check_lengths, load_prompts, request_ids, token_limit
 from mtptrain.eval.report import write_report
-from mtptrain.eval.serving import agreement, vllm_configs
+from mtptrain.eval.serving import agreement, unchecked, vllm_configs
 from mtptrain.config import Recipe
 from mtptrain.engine.generate import GenerationStats, generate
 from mtptrain.engine.verify import Sampling
@@ -171,7 +171,7 @@ def run_eval(recipe: Recipe, wandb: str | None = None, show_progress: bool = Tru
     serving = vllm_configs(recipe, target, head_info, sampling, limit, stops, out_dir) if "vllm" in ev.engines else None
     if serving is not None:
         configs += serving.configs
-        notes += serving.notes
+        notes += serving.notes + unchecked(configs)
     for note in notes:
         log.warning(note)
     requests = [(p, t) for p in prompts for t in range(min(len(p.turns), ev.max_turns or len(p.turns)))]

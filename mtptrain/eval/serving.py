@@ -48,8 +48,7 @@ def agreement(tallies) -> list[dict]:
     draft temperature of its own: vLLM drafts all K, at the eval's temperature): the largest difference of pooled
     acceptance at any position, and of the requests both engines answered with the same tokens, the share whose
     steps and accepted counts per position are identical."""
-    embedded = {(t.config.method, t.config.k): t for t in tallies
-                if t.config.engine == "embedded" and not t.config.stop and t.config.draft_temperature is None}
+    embedded = {(t.config.method, t.config.k): t for t in tallies if _partner(t.config)}
     found = []
     for t in tallies:
         ours = embedded.get((t.config.method, t.config.k))
@@ -67,6 +66,24 @@ def agreement(tallies) -> list[dict]:
                       "same_answers": len(same), "identical_counts": identical,
                       "identical_share": round(identical / len(same), 4) if same else None})
     return found
+
+
+def _partner(config: Config) -> bool:
+    """An embedded row vLLM's chain of the same K is compared with: it drafts all K, at the eval's temperature."""
+    return config.engine == "embedded" and not config.stop and config.draft_temperature is None
+
+
+def unchecked(configs: list[Config]) -> list[str]:
+    """A note naming the vLLM chain rows that `agreement` has no embedded row to compare with (empty if none)."""
+    partners = {(c.method, c.k) for c in configs if _partner(c)}
+    missing = [c.label for c in configs if c.engine == "vllm" and c.method != "baseline"
+               and (c.method, c.k) not in partners]
+    if not missing:
+        return []
+    why = ("the embedded engine is not in eval.engines" if not any(c.engine == "embedded" for c in configs) else
+           "no embedded chain row of the same K drafts all K at the eval's temperature: add 0 to eval.chain.stops "
+           "and, at temperature > 0, leave eval.chain.draft_temperatures empty")
+    return [f"vllm: {', '.join(missing)} not checked against the embedded engine's acceptance ({why})"]
 
 
 def conforms(entry: dict, bound: float = AGREEMENT_BOUND, share: float = AGREEMENT_SHARE) -> list[str]:

@@ -10,7 +10,7 @@ from mtptrain.data.regenerate import settings_of
 from mtptrain.engine.generate import GenerationStats
 from mtptrain.eval.methods import Config
 from mtptrain.eval.run import Tally, per_request_means
-from mtptrain.eval.serving import agreement, conforms, served_stats
+from mtptrain.eval.serving import agreement, conforms, served_stats, unchecked
 from mtptrain.serving.vllm_engine import (Served, VllmError, batch1_cache_gib, engine_args, vllm_python,
                                           worker_env)
 
@@ -95,6 +95,15 @@ def test_the_serving_check_compares_like_with_like():
     [entry] = agreement([ours, stopped, same])
     assert entry["against"] == "chain K=3" and entry["max_gap"] == 0
     assert agreement([stopped, same]) == []  # no row that drafts all K: nothing to compare with
+    # ... and the eval says so, naming the row and the settings that would give it a partner
+    assert unchecked([ours.config, stopped.config, same.config]) == []
+    (note,) = unchecked([stopped.config, same.config])
+    assert note.startswith("vllm: vllm chain K=3 not checked") and "eval.chain.stops" in note
+    warmer = Config("chain K=3 draft T 0.85", "chain", 3, draft_temperature=0.85)
+    (note,) = unchecked([warmer, same.config])
+    assert "eval.chain.draft_temperatures" in note
+    (note,) = unchecked([same.config])
+    assert "the embedded engine is not in eval.engines" in note
 
 
 def test_per_request_means_average_what_each_request_drafted():
