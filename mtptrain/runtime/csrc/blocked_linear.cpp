@@ -39,8 +39,8 @@ using namespace mtptrain_kernels;
 constexpr int64_t GROUP = 32;   // output features per group
 constexpr int ROW_BLOCK = 12;   // rows per pass over a group's weights, at most (register sums: 2 x 12 vectors)
 
-inline void store(float* p, float v) { *p = v; }
-inline void store(bf16* p, float v) { p->x = bf16_high(bf16_round(v)); }
+inline void store_out(float* p, float v) { *p = v; }
+inline void store_out(bf16* p, float v) { p->x = bf16_high(bf16_round(v)); }
 
 #if defined(__AVX512BF16__)
 constexpr bool BF16 = true;
@@ -194,7 +194,7 @@ void run(const T* w, const T* x, const float* bias, T* out, int64_t R, int64_t O
         for (int64_t j = 0; j < rb; ++j)
           for (int64_t i = 0; i < n; ++i) {
             const float s = sums[j * GROUP + i];
-            store(out + (r0 + j) * O + o0 + i, bias != nullptr ? s + bias[o0 + i] : s);
+            store_out(out + (r0 + j) * O + o0 + i, bias != nullptr ? s + bias[o0 + i] : s);
           }
       }
     }
