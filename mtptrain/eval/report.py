@@ -256,6 +256,8 @@ def serving_line(results: dict) -> str | None:
             f"{serving['dtype']}, {serving['threads']} threads, engine core "
             f"{'in the worker process' if serving.get('in_process') else 'in its own process'}"
             + (f", head read from {serving['format']}" if serving.get("format") else ""))
+    if serving.get("fixed"):
+        line += f"; replaced in vLLM for this run: {'; '.join(serving['fixed'])}"
     if "baselines_compared" in serving:
         line += (f"; its baseline wrote {serving['baselines_identical']}/{serving['baselines_compared']} answers "
                  "identical to the embedded baseline's")

@@ -165,7 +165,8 @@ def vllm_configs(recipe: Recipe, target, head_info: HeadInfo | None, sampling: S
         for label, worker, (method, k, speculative, _) in zip(labels, run.workers, wanted):
             facts = worker.open_end()
             run.facts = {**{key: facts[key] for key in ("vllm", "torch", "dtype", "device", "threads")},
-                         "in_process": cfg.in_process, "format": run.facts.get("format")}
+                         "in_process": cfg.in_process, "format": run.facts.get("format"),
+                         "fixed": facts.get("fixed", []), "unfixed": facts.get("unfixed", [])}
             if speculative:
                 run.facts["format"] = f"the export {', '.join(cfg.export)}" if cfg.export else cfg.format
             run.configs.append(Config(label, method, k, engine="vllm",
@@ -173,6 +174,10 @@ def vllm_configs(recipe: Recipe, target, head_info: HeadInfo | None, sampling: S
     except BaseException:
         run.close()
         raise
+    if run.facts.get("unfixed") and not sampling.greedy:
+        run.notes.append(f"vllm: its engine core runs in its own process (vllm.in_process: false), where this eval "
+                         f"cannot replace {'; '.join(run.facts['unfixed'])}: at temperature > 0 its acceptance is "
+                         "not what vLLM with the fix (or on a GPU) gives; set vllm.in_process: true")
     return run
 
 

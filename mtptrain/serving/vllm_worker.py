@@ -36,6 +36,38 @@ from vllm.inputs import TokensPrompt  # noqa: E402
 SPEC = "vllm:spec_decode_"
 
 
+def fix_cpu_expand() -> list[str]:
+    """vLLM's CPU build (0.32 at least) replaces the Triton kernel that spreads each request's temperature, top-k
+    and top-p over its draft tokens with a C++ one that fills an int64 copy of the output and drops it
+    (vllm-project/vllm issue 55005; fix proposed in pull request 55006): at temperature > 0 the target's logits
+    of every draft position are divided by uninitialised memory, and next to nothing is accepted. Greedy requests
+    and GPUs do not take that path. Probed on a known input; where the answer is wrong, the function is replaced
+    by one that expands at the input's own dtype. Returns what was replaced (empty where nothing was wrong)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return []
+    from vllm.v1.sample import rejection_sampler
+
+    def expand_batch_to_tokens(x, cu_num_tokens, num_tokens, replace_from=0, replace_to=0):
+        counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1).long())
+        values = torch.where(x == replace_from, torch.full_like(x, replace_to), x)
+        return torch.repeat_interleave(values, counts, output_size=num_tokens)
+
+    def right() -> bool:
+        got = rejection_sampler.expand_batch_to_tokens(torch.tensor([0.7, 0.0]), torch.tensor([2, 5], dtype=torch.int32),
+                                                       5, replace_from=0, replace_to=1)
+        return torch.equal(got, torch.tensor([0.7, 0.7, 1.0, 1.0, 1.0]))
+
+    if right():
+        return []
+    rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens
+    if not right():
+        raise RuntimeError("vllm.v1.sample.rejection_sampler.expand_batch_to_tokens is still wrong after replacing it")
+    return ["vllm.v1.sample.rejection_sampler.expand_batch_to_tokens (vLLM issue 55005: its CPU kernel drops its "
+            "output, so sampled requests were verified against uninitialised temperatures)"]
+
+
 def reply(message: dict) -> None:
     PROTOCOL.write(json.dumps(message) + "\n")
 
@@ -43,6 +75,7 @@ def reply(message: dict) -> None:
 class Worker:
     def __init__(self):
         self.llm = None
+        self.fixed = fix_cpu_expand()  # in this process: the engine core runs here unless vllm.in_process is off
 
     def open(self, engine: dict) -> dict:
         self.close_engine()
@@ -52,6 +85,9 @@ class Worker:
         spec = config.speculative_config
         return {"vllm": vllm.__version__, "torch": torch.__version__, "seconds": time.perf_counter() - started,
                 "threads": torch.get_num_threads(), "dtype": str(config.model_config.dtype).removeprefix("torch."),
+                # the replacement reaches the engine core only where it runs in this process
+                **({"fixed": self.fixed, "unfixed": []} if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+                   else {"fixed": [], "unfixed": self.fixed}),
                 "device": str(config.device_config.device), "speculative": None if spec is None else {
                     "method": spec.method, "num_speculative_tokens": spec.num_speculative_tokens,
                     "draft_model": spec.model,
