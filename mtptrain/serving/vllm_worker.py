@@ -54,7 +54,7 @@ def fix_cpu_expand() -> list[str]:
         values = torch.where(x == replace_from, torch.full_like(x, replace_to), x)
         return torch.repeat_interleave(values, counts, output_size=num_tokens)
 
-    def right() -> bool:
+    def right() -> bool:  # probed once an engine is built: vLLM registers its CPU kernels while building one
         got = rejection_sampler.expand_batch_to_tokens(torch.tensor([0.7, 0.0]), torch.tensor([2, 5], dtype=torch.int32),
                                                        5, replace_from=0, replace_to=1)
         return torch.equal(got, torch.tensor([0.7, 0.7, 1.0, 1.0, 1.0]))
@@ -75,12 +75,14 @@ def reply(message: dict) -> None:
 class Worker:
     def __init__(self):
         self.llm = None
-        self.fixed = fix_cpu_expand()  # in this process: the engine core runs here unless vllm.in_process is off
+        self.fixed = None  # what fix_cpu_expand replaced in this process, once an engine was built
 
     def open(self, engine: dict) -> dict:
         self.close_engine()
         started = time.perf_counter()
         self.llm = vllm.LLM(**engine)
+        if self.fixed is None:  # in this process: the engine core runs here unless vllm.in_process is off
+            self.fixed = fix_cpu_expand()
         config = self.llm.llm_engine.vllm_config
         spec = config.speculative_config
         return {"vllm": vllm.__version__, "torch": torch.__version__, "seconds": time.perf_counter() - started,
