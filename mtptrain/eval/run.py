@@ -171,7 +171,7 @@ def run_eval(recipe: Recipe, wandb: str | None = None, show_progress: bool = Tru
     serving = vllm_configs(recipe, target, head_info, sampling, limit, stops, out_dir) if "vllm" in ev.engines else None
     if serving is not None:
         configs += serving.configs
-        notes += serving.notes + unchecked(configs)
+        notes += serving.notes + (unchecked(configs) if serving.comparable else [])
     for note in notes:
         log.warning(note)
     requests = [(p, t) for p in prompts for t in range(min(len(p.turns), ev.max_turns or len(p.turns)))]
@@ -220,7 +220,8 @@ def run_eval(recipe: Recipe, wandb: str | None = None, show_progress: bool = Tru
         "conversations": answers,  # the baseline's answers: the context of every later turn
     }
     if serving is not None:
-        results["serving"] = {**serving.record(), **engines_agreement(tallies), "agreement": agreement(tallies)}
+        results["serving"] = {**serving.record(), **engines_agreement(tallies),
+                              "agreement": agreement(tallies, not sampling.greedy) if serving.comparable else []}
     results["warnings"] = flag_unreliable(results, ev.max_spread, ev.max_other_load)
     for warning in results["warnings"]:
         log.warning("unreliable timing: %s", warning)

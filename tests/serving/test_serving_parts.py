@@ -106,6 +106,32 @@ def test_the_serving_check_compares_like_with_like():
     assert "the embedded engine is not in eval.engines" in note
 
 
+def test_at_temperature_above_0_the_check_judges_acceptance_in_standard_errors():
+    """Sampled answers differ between engines: no request is compared token for token, and each position's pooled
+    acceptance must agree within AGREEMENT_Z standard errors of the difference of two binomial shares."""
+    def tally(engine, first_accepted: int, first: int, offset: int = 0):
+        """100 requests of 10 steps (1,000 steps), each its own answer; the first `first` requests have
+        `first_accepted` first drafts accepted, the others 4; 2 and 1 at positions 2 and 3."""
+        tally = Tally(Config(f"{'vllm ' if engine == 'vllm' else ''}chain K=3", "chain", 3, engine=engine))
+        for i in range(100):
+            accepted = [first_accepted if i < first else 4, 2, 1]
+            tally.add([i + offset], GenerationStats(steps=10, emitted=1, proposed=[10] * 3, accepted=accepted), "all")
+        return tally
+
+    ours = tally("embedded", 4, 0)
+    close = tally("vllm", 4, 0, offset=100)  # other answers, the same law
+    [entry] = agreement([ours, close], sampled=True)
+    assert entry["same_answers"] == 0 and entry["max_z"] == 0 and conforms(entry) == []
+    assert conforms(agreement([ours, close])[0])  # judged as at temperature 0, it fails: no answer alike
+    # 0.40 against 0.43 at the first position over 1,000 steps a side: 1.4 standard errors, within the bound
+    [entry] = agreement([ours, tally("vllm", 5, 30, offset=100)], sampled=True)
+    assert 1.3 < entry["z"][0] < 1.5 and conforms(entry) == []
+    # 0.40 against 0.10 (about what vLLM's CPU build accepted before its temperatures were repaired): 16 errors
+    [entry] = agreement([ours, tally("vllm", 1, 100, offset=100)], sampled=True)
+    (failure,) = conforms(entry)
+    assert entry["max_z"] > 10 and "standard errors" in failure and "0.300" in failure
+
+
 def test_per_request_means_average_what_each_request_drafted():
     requests = [GenerationStats(steps=4, emitted=8, proposed=[4, 4], accepted=[2, 1]),
                 GenerationStats(steps=2, emitted=2, proposed=[2], accepted=[0]),
@@ -156,7 +182,7 @@ def test_vllm_drafts_greedily_unless_asked_to_sample(tmp_path):
     plain = {"method": "eagle3", "model": str(export.resolve()), "num_speculative_tokens": 3}
     assert eagle3_speculation(export, 3) == eagle3_speculation(export, 3, "greedy") == plain  # vLLM's default
     assert eagle3_speculation(export, 3, "probabilistic") == {**plain, "draft_sample_method": "probabilistic"}
-    assert load_recipe(None, []).vllm.draft_sample_method == "greedy"
-    assert load_recipe(None, ["vllm.draft_sample_method=probabilistic"]).vllm.draft_sample_method == "probabilistic"
+    assert load_recipe(None, []).vllm.draft_sample_method == "probabilistic"
+    assert load_recipe(None, ["vllm.draft_sample_method=greedy"]).vllm.draft_sample_method == "greedy"
     with pytest.raises(RecipeError, match="vllm.draft_sample_method"):
         load_recipe(None, ["vllm.draft_sample_method=sampled"])
