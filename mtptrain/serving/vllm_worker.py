@@ -32,6 +32,8 @@ import torch  # noqa: E402
 import vllm  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
+from vllm.platforms import current_platform  # noqa: E402
+from vllm.v1.sample import rejection_sampler  # noqa: E402
 
 SPEC = "vllm:spec_decode_"
 
@@ -43,11 +45,8 @@ def fix_cpu_expand() -> list[str]:
     of every draft position are divided by uninitialised memory, and next to nothing is accepted. Greedy requests
     and GPUs do not take that path. Probed on a known input; where the answer is wrong, the function is replaced
     by one that expands at the input's own dtype. Returns what was replaced (empty where nothing was wrong)."""
-    from vllm.platforms import current_platform
-
     if not current_platform.is_cpu():
         return []
-    from vllm.v1.sample import rejection_sampler
 
     def expand_batch_to_tokens(x, cu_num_tokens, num_tokens, replace_from=0, replace_to=0):
         counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1).long())
