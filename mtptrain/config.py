@@ -13,7 +13,6 @@ takes no boolean (`true` is not 1), and an integer field no float or string.
 from __future__ import annotations
 
 import difflib
-import math
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args, get_origin
 
@@ -454,9 +453,9 @@ class ChainConfig(_Section):
     @field_validator("draft_temperatures")
     @classmethod
     def _draft_temperatures(cls, value: list[float]) -> list[float]:
-        if any(not (0.0 < t < math.inf) for t in value):  # nan fails both comparisons
-            raise ValueError("a draft temperature is a finite number above 0 (a greedy draft has no distribution "
-                             "to verify against at temperature > 0)")
+        if any(t <= 0.0 for t in value):  # nan and infinity: refused by Float, as in every float setting
+            raise ValueError("a draft temperature is above 0 (a greedy draft has no distribution to verify against "
+                             "at temperature > 0)")
         return list(dict.fromkeys(value))
 
 
