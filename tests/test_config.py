@@ -196,19 +196,26 @@ def test_an_alias_in_a_set_value_is_refused():
         load_recipe(None, ["data.source=[&a [1, 2], *a]"])
 
 
-def _number_fields():
-    """(dotted key, a boolean written where the field takes a number or a list of them, the --set items that
-    choose the section holding it: a head section's kind) for every such field."""
-    def takes(annotation, kind) -> bool:
-        return kind in (annotation, typing.get_origin(annotation)) or any(takes(arg, kind)
-                                                                          for arg in typing.get_args(annotation))
+def _takes(annotation, kind) -> bool:
+    return kind in (annotation, typing.get_origin(annotation)) or any(_takes(arg, kind)
+                                                                      for arg in typing.get_args(annotation))
 
+
+def _fields_taking(*kinds):
+    """(dotted key, whether it takes a list, the --set items that choose the section holding it: a head section's
+    kind) for every field that takes one of `kinds` or a list of them."""
     for path, model in _sections(Recipe, ()):
         chosen = [f"{'.'.join(path)}.kind={model.model_fields['kind'].default}"] if "kind" in model.model_fields else []
         for name, field in model.model_fields.items():
-            if takes(field.annotation, int) or takes(field.annotation, float):
-                listed = takes(field.annotation, list)
-                yield ".".join([*path, name]), "[true]" if listed else "true", chosen
+            if any(_takes(field.annotation, kind) for kind in kinds):
+                yield ".".join([*path, name]), _takes(field.annotation, list), chosen
+
+
+def _number_fields():
+    """(dotted key, a boolean written where the field takes a number or a list of them, the --set items that
+    choose the section holding it) for every such field."""
+    for key, listed, chosen in _fields_taking(int, float):
+        yield key, "[true]" if listed else "true", chosen
 
 
 def test_a_boolean_is_not_a_number_in_any_field(tmp_path):
@@ -230,23 +237,10 @@ def test_a_boolean_is_not_a_number_in_any_field(tmp_path):
     assert recipe.precompute.layers == [0, 3]
 
 
-def _float_fields():
-    """(dotted key, whether it takes a list, the --set items choosing its section) for every field of floats."""
-    def takes(annotation, kind) -> bool:
-        return kind in (annotation, typing.get_origin(annotation)) or any(takes(arg, kind)
-                                                                          for arg in typing.get_args(annotation))
-
-    for path, model in _sections(Recipe, ()):
-        chosen = [f"{'.'.join(path)}.kind={model.model_fields['kind'].default}"] if "kind" in model.model_fields else []
-        for name, field in model.model_fields.items():
-            if takes(field.annotation, float):
-                yield ".".join([*path, name]), takes(field.annotation, list), chosen
-
-
 def test_no_float_field_takes_infinity_or_nan():
     """YAML reads .inf and .nan as floats, and nan passes every bound check (each comparison is false): an
     eval.temperature of infinity or nan would make every distribution nan."""
-    fields = list(_float_fields())
+    fields = list(_fields_taking(float))
     assert {"eval.temperature", "train.lr", "eval.chain.draft_temperatures", "regenerate.temperature"} <= \
         {key for key, _, _ in fields}
     for key, listed, chosen in fields:
