@@ -63,9 +63,9 @@ def agreement(tallies, sampled: bool = False) -> list[dict]:
         if t.config.engine != "vllm" or t.config.method == "baseline" or ours is None:
             continue
         mine, theirs = ours.stats.acceptance(), t.stats.acceptance()
-        width = max(len(mine), len(theirs))
-        gaps = [abs((mine[i] if i < len(mine) else 0.0) - (theirs[i] if i < len(theirs) else 0.0))
-                for i in range(width)]
+        width = max(len(mine), len(theirs))  # a position one engine never reached counts as 0 there
+        mine, theirs = mine + [0.0] * (width - len(mine)), theirs + [0.0] * (width - len(theirs))
+        gaps = [abs(a - b) for a, b in zip(mine, theirs)]
         same = [i for i, (a, b) in enumerate(zip(ours.outputs, t.outputs)) if a == b]
         identical = sum(ours.requests[i].steps == t.requests[i].steps
                         and ours.requests[i].accepted == t.requests[i].accepted for i in same)
@@ -74,16 +74,16 @@ def agreement(tallies, sampled: bool = False) -> list[dict]:
                  "same_answers": len(same), "identical_counts": identical,
                  "identical_share": round(identical / len(same), 4) if same else None}
         if sampled:
-            z = [_standard_errors(gap, mine[i] if i < len(mine) else 0.0, theirs[i] if i < len(theirs) else 0.0,
-                                  ours.stats.steps, t.stats.steps) for i, gap in enumerate(gaps)]
+            z = [_standard_errors(a, b, ours.stats.steps, t.stats.steps) for a, b in zip(mine, theirs)]
             entry.update(sampled=True, z=[round(v, 2) for v in z], max_z=round(max(z, default=0.0), 2),
                          steps=[ours.stats.steps, t.stats.steps])
         found.append(entry)
     return found
 
 
-def _standard_errors(gap: float, mine: float, theirs: float, n_mine: int, n_theirs: int) -> float:
-    """A difference of two shares of steps in standard errors of the difference (pooled share; binomial)."""
+def _standard_errors(mine: float, theirs: float, n_mine: int, n_theirs: int) -> float:
+    """The difference of two shares of steps in standard errors of the difference (pooled share; binomial)."""
+    gap = abs(mine - theirs)
     if not n_mine or not n_theirs:
         return math.inf if gap else 0.0
     pooled = (mine * n_mine + theirs * n_theirs) / (n_mine + n_theirs)
