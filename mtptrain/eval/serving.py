@@ -201,7 +201,7 @@ def vllm_configs(recipe: Recipe, target, head_info: HeadInfo | None, sampling: S
             facts = worker.open_end()
             run.facts = {**{key: facts[key] for key in ("vllm", "torch", "dtype", "device", "threads")},
                          "in_process": cfg.in_process, "format": run.facts.get("format"),
-                         "fixed": facts.get("fixed", []), "unfixed": facts.get("unfixed", [])}
+                         "fixed": facts.get("fixed", []), "unprobed": facts.get("unprobed", False)}
             if speculative:
                 run.facts["format"] = f"the export {', '.join(cfg.export)}" if cfg.export else cfg.format
             run.configs.append(Config(label, method, k, engine="vllm",
@@ -214,10 +214,11 @@ def vllm_configs(recipe: Recipe, target, head_info: HeadInfo | None, sampling: S
         run.notes.append("vllm: its chain drafts the head's argmax at temperature > 0 (vllm.draft_sample_method: "
                          "greedy), the embedded engine samples its drafts, so their acceptance is not compared; "
                          "set vllm.draft_sample_method: probabilistic for the serving check")
-    if run.facts.get("unfixed") and not sampling.greedy:
-        run.notes.append(f"vllm: its engine core runs in its own process (vllm.in_process: false), where this eval "
-                         f"cannot replace {'; '.join(run.facts['unfixed'])}: at temperature > 0 its acceptance is "
-                         "not what vLLM with the fix (or on a GPU) gives; set vllm.in_process: true")
+    if run.facts.get("unprobed") and not sampling.greedy:
+        run.notes.append("vllm: its engine core runs in its own process (vllm.in_process: false), where this eval "
+                         "can neither probe nor repair vLLM's CPU expand_batch_to_tokens (vLLM issue 55005: in vLLM "
+                         "0.32 it verifies sampled requests against uninitialised temperatures); set "
+                         "vllm.in_process: true")
     return run
 
 

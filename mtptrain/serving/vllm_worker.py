@@ -36,6 +36,9 @@ from vllm.platforms import current_platform  # noqa: E402
 from vllm.v1.sample import rejection_sampler  # noqa: E402
 
 SPEC = "vllm:spec_decode_"
+# vLLM's engine core runs in this process (vllm.in_process): only then can fix_cpu_expand probe and repair it; in
+# a process of its own, vLLM has not registered its CPU kernels here, and the probe could not even run
+IN_PROCESS = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
 
 
 def fix_cpu_expand() -> list[str]:
@@ -74,21 +77,19 @@ def reply(message: dict) -> None:
 class Worker:
     def __init__(self):
         self.llm = None
-        self.fixed = None  # what fix_cpu_expand replaced in this process, once an engine was built
+        self.fixed = None  # what fix_cpu_expand replaced, once an engine was built in this process
 
     def open(self, engine: dict) -> dict:
         self.close_engine()
         started = time.perf_counter()
         self.llm = vllm.LLM(**engine)
-        if self.fixed is None:  # in this process: the engine core runs here unless vllm.in_process is off
-            self.fixed = fix_cpu_expand()
+        if self.fixed is None:
+            self.fixed = fix_cpu_expand() if IN_PROCESS else []
         config = self.llm.llm_engine.vllm_config
         spec = config.speculative_config
         return {"vllm": vllm.__version__, "torch": torch.__version__, "seconds": time.perf_counter() - started,
                 "threads": torch.get_num_threads(), "dtype": str(config.model_config.dtype).removeprefix("torch."),
-                # the replacement reaches the engine core only where it runs in this process
-                **({"fixed": self.fixed, "unfixed": []} if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
-                   else {"fixed": [], "unfixed": self.fixed}),
+                "fixed": self.fixed, "unprobed": not IN_PROCESS and current_platform.is_cpu(),
                 "device": str(config.device_config.device), "speculative": None if spec is None else {
                     "method": spec.method, "num_speculative_tokens": spec.num_speculative_tokens,
                     "draft_model": spec.model,
