@@ -369,6 +369,12 @@ class TrainConfig(_Section):
         "each position's loss is the mean over those places. Position 1 is scored everywhere.")
     loss_chunk: Int = Field(1024, ge=1, description="Positions per chunk of full-vocabulary logits.")
     num_workers: Int = Field(1, ge=0, description="Data-loader worker processes.")
+    pad_multiple: Annotated[int, Strict(), Field(ge=1)] | Literal["auto"] = Field(
+        "auto", description="Each micro-batch is padded to its longest sample rounded up to a multiple of this. "
+        "auto: 64 on CUDA, 1 (no rounding) elsewhere. On CUDA torch's attention builds a plan for every new "
+        "shape (cuDNN's, on Hopper): 0.79 s per new length against 0.06-0.39 s steps at Llama-3.1-8B's shapes "
+        "on an H200, so unrounded lengths cost a plan most steps; 64 leaves max_length / 64 lengths for about 32 "
+        "padding tokens per micro-batch (docs/benchmarks.md, New shapes on CUDA).")
     log_every: Int = Field(10, ge=1, description="Steps between logged metrics.")
     eval_every: Int = Field(100, ge=1, description="Steps between validation passes.")
     checkpoint_every: Int = Field(200, ge=1, description="Steps between checkpoints (and one at the end).")

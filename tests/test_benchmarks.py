@@ -202,6 +202,24 @@ def test_decode_attention():
         assert positive(ms) and (positive(times) == 1.0 if name == "plain" else positive(times))
 
 
+def test_cuda_shapes(tmp_path):
+    """The dry run (CPU, shrunk shapes): every part and choice timed and recorded; on the CPU no kernel is cuDNN's."""
+    out = run_benchmark("cuda_shapes.py", "--dry-run", "--shapes", 2, "--out", tmp_path / "shapes.json")
+    rows = table(out, rf"^(?P<name>(train|precompute) (default|no_cudnn|default_pad64)): first visits "
+                      rf"(?P<first>{NUM}) s, second (?P<second>{NUM}) s \((?P<ratio>{NUM})x no_cudnn's\), "
+                      rf"-?{NUM} ms more per new shape")
+    assert sorted(rows) == ["precompute default", "precompute no_cudnn", "train default", "train default_pad64",
+                            "train no_cudnn"]
+    assert all(positive(r["first"]) and positive(r["second"]) and positive(r["ratio"]) for r in rows.values())
+    record = json.loads((tmp_path / "shapes.json").read_text())
+    train = record["train"]
+    assert [len(train[c]["lengths"]) for c in ("default", "no_cudnn", "default_pad64")] == [2, 2, 2]
+    lengths = [n for c in ("default", "no_cudnn", "default_pad64") for n in train[c]["lengths"]]
+    assert len(set(lengths)) == 6 and not any(n % 64 == 0 for n in lengths)  # no choice meets another's shapes
+    assert not any("cudnn" in op for part in ("train", "precompute") for c in ("default", "no_cudnn")
+                   for op in record[part][c]["attention_ops"])
+
+
 def test_batch_step(tiny_target_dir):
     out = run_benchmark("batch_step.py", "--model", tiny_target_dir, "--rows", 6, "--chunks", 20, "--steps", 2)
     assert re.search(r"^6 rows of 60-384 positions, chunks \[20\]; bands \[(\(\d+, \d+\)(, )?)+\]$", out, re.M)

@@ -94,22 +94,42 @@ def steps_for_tokens(lengths: list[int], micro_batch_size: int, seed: int, token
         epoch += 1
 
 
-class BatchDataset(Dataset):
-    """Micro-batch k of a list, padded: input_ids / loss_mask [B, T], hidden {layer: [B, T, H]}."""
+# On CUDA, torch's SDPA (cuDNN's attention first, on Hopper) builds an execution plan for every new shape, and a
+# micro-batch padded to its longest sample brings a new length most steps: up to data.max_length of them in a run.
+# Measured on an NVIDIA H200 (torch 2.11, cuDNN 9.19) at Llama-3.1-8B's shapes, the EAGLE-3 head's forward and
+# backward (4 rows, 7 TTT steps) took 0.79 s more on a length's first visit than on its second, about four warm
+# steps; with cuDNN's attention left out no step pays that, but every warm step was 1.19x slower
+# (benchmarks/cuda_shapes.py, docs/benchmarks.md "New shapes on CUDA"). Rounding the padded length up to a multiple
+# of CUDA_PAD_MULTIPLE keeps cuDNN's speed and bounds the lengths at max_length / 64 (32 at 2048 tokens), for
+# 32 tokens of padding per micro-batch on average.
+CUDA_PAD_MULTIPLE = 64
 
-    def __init__(self, store: FeatureStore | OnlineFeatures, batches: list[list[int]]):
-        self.store, self.batches = store, batches
+
+def pad_multiple(setting: int | str, device: torch.device) -> int:
+    """train.pad_multiple resolved: auto is CUDA_PAD_MULTIPLE on CUDA and 1 (no rounding) elsewhere."""
+    if setting == "auto":
+        return CUDA_PAD_MULTIPLE if device.type == "cuda" else 1
+    return int(setting)
+
+
+class BatchDataset(Dataset):
+    """Micro-batch k of a list, padded: input_ids / loss_mask [B, T], hidden {layer: [B, T, H]}, T the longest
+    sample rounded up to a multiple of `multiple`."""
+
+    def __init__(self, store: FeatureStore | OnlineFeatures, batches: list[list[int]], multiple: int = 1):
+        self.store, self.batches, self.multiple = store, batches, multiple
 
     def __len__(self) -> int:
         return len(self.batches)
 
     def __getitem__(self, k: int) -> dict:
-        return collate(self.store.items(self.batches[k]))
+        return collate(self.store.items(self.batches[k]), self.multiple)
 
 
-def collate(items: list[dict]) -> dict:
-    """Right padding: under causal attention a real token never sees the padding after it."""
-    longest = max(len(item["input_ids"]) for item in items)
+def collate(items: list[dict], multiple: int = 1) -> dict:
+    """Right padding, to the longest item rounded up to a multiple of `multiple`: under causal attention a real
+    token never sees the padding after it, and the padding's loss mask is 0."""
+    longest = -(-max(len(item["input_ids"]) for item in items) // multiple) * multiple
     batch = {
         "input_ids": torch.zeros(len(items), longest, dtype=torch.long),
         "loss_mask": torch.zeros(len(items), longest, dtype=torch.long),
@@ -132,13 +152,14 @@ def collate(items: list[dict]) -> dict:
 
 
 def loader(store: FeatureStore | OnlineFeatures, batches: list[list[int]], num_workers: int,
-           pin: bool = False) -> DataLoader:
+           pin: bool = False, multiple: int = 1) -> DataLoader:
     """Micro-batches in order; online features are computed in this process, by the target loaded here. `pin`
     (training on CUDA): a store's batches come in page-locked memory, so that their copies to the GPU
-    (non_blocking) overlap the step before instead of waiting for it; online features are on the GPU already."""
+    (non_blocking) overlap the step before instead of waiting for it; online features are on the GPU already.
+    `multiple`: each micro-batch's length is rounded up to a multiple of it (`pad_multiple`)."""
     online = isinstance(store, OnlineFeatures)
     if online:
         num_workers = 0
-    return DataLoader(BatchDataset(store, batches), batch_size=None, shuffle=False, num_workers=num_workers,
+    return DataLoader(BatchDataset(store, batches, multiple), batch_size=None, shuffle=False, num_workers=num_workers,
                       prefetch_factor=4 if num_workers else None, persistent_workers=False,
                       pin_memory=pin and not online)

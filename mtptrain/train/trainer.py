@@ -67,7 +67,7 @@ from mtptrain.target import (
 )
 from mtptrain.train.checkpoints import commit, latest_tag, load, restore_rng, rng_state, tag_for, verify
 from mtptrain.train.checkpoints import RunMismatch  # noqa: F401 (verify raises it; callers catch it here)
-from mtptrain.train.data import BatchPlan, loader, steps_for
+from mtptrain.train.data import BatchPlan, loader, pad_multiple, steps_for
 from mtptrain.train.drafting import BestHead, drafting_metrics
 from mtptrain.train.metrics import MetricsLog
 
@@ -166,12 +166,13 @@ LATER_FIELDS = {"reachable": False}
 
 
 def run_fingerprint(recipe: Recipe, manifest: dict, world_size: int) -> str:
-    """What a checkpoint must share with the run resuming it (not logging or checkpoint cadence; W&B settings
-    live in the recipe's tracking section, which is not part of it). The head section enters in the flat layout
-    (mtptrain.config.flat_head), the one the fingerprints of checkpoints already written were taken of."""
+    """What a checkpoint must share with the run resuming it (not logging or checkpoint cadence, nor the padding of
+    micro-batches, which changes no sample and no loss; W&B settings live in the recipe's tracking section, which
+    is not part of it). The head section enters in the flat layout (mtptrain.config.flat_head), the one the
+    fingerprints of checkpoints already written were taken of."""
     train = recipe.train.model_dump(exclude={"output_dir", "log_every", "eval_every", "checkpoint_every",
-                                              "num_workers", "head_dtype", "head_snapshots", "target_check",
-                                              "engine_eval"})
+                                              "num_workers", "pad_multiple", "head_dtype", "head_snapshots",
+                                              "target_check", "engine_eval"})
     for field, default in LATER_FIELDS.items():  # absent from the fingerprints of checkpoints written before them
         if train.get(field) == default:
             train.pop(field)
@@ -276,6 +277,7 @@ def _log_checked(identity: dict, manifest: dict, store: Path, target_check: str)
 class Trainer:
     def __init__(self, recipe: Recipe, dist: DistInfo, device: torch.device, wandb_mode: str, show_progress: bool):
         self.recipe, self.cfg, self.dist, self.device = recipe, recipe.train, dist, device
+        self.pad_multiple = pad_multiple(self.cfg.pad_multiple, device)
         self.show_progress, self.wandb_mode = show_progress, wandb_mode
         self.run_dir = Path(self.cfg.output_dir)
         self.ckpt_dir = self.run_dir / "checkpoints"
@@ -394,7 +396,9 @@ class Trainer:
         dtype = next(head.parameters()).dtype
         try:
             clock = time.perf_counter()
-            for k, batch in enumerate(loader(self.train_store, batches, self.cfg.num_workers, self.device.type == "cuda")):
+            batch_source = loader(self.train_store, batches, self.cfg.num_workers, self.device.type == "cuda",
+                                  self.pad_multiple)
+            for k, batch in enumerate(batch_source):
                 started = time.perf_counter()
                 totals["wait"] += started - clock
                 batch = _to_device(batch, self.device, dtype)
@@ -468,7 +472,7 @@ class Trainer:
         with autocast(self.precision, self.device):
             window = score_store(head, self.spec, self.val_store, self.cfg.micro_batch_size, self.weights,
                                  self.feature_weight, self.cfg.loss_chunk, self.device, dtype, self.dist,
-                                 self.loss)
+                                 self.loss, multiple=self.pad_multiple)
         return {k.replace("train/", "val/"): v for k, v in window.reduce(self.dist).items()}
 
     def _draft(self, head, step: int) -> dict:
@@ -666,15 +670,17 @@ class _Window:
 @torch.no_grad()
 def score_store(head, spec: HeadSpec, store: FeatureStore | FeatureStores, batch_size: int, weights: list[float], feature_weight: float,
                 loss_chunk: int, device: torch.device, dtype: torch.dtype, dist: DistInfo | None = None,
-                loss: Loss = Loss(), keep: Callable[[torch.Tensor], torch.Tensor] | None = None) -> "_Window":
+                loss: Loss = Loss(), keep: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                multiple: int = 1) -> "_Window":
     """Teacher-forced loss and top-1 agreement of `head` over every sample of `store` (with `dist`, this rank's
     share of the batches); reduce the returned window for the numbers. `keep` maps a batch's loss mask [B, T] to
-    the one scored (a subset of its tokens: benchmarks/head_agreement.py scores each answer's first tokens)."""
+    the one scored (a subset of its tokens: benchmarks/head_agreement.py scores each answer's first tokens).
+    `multiple`: batches padded to a multiple of it (train.pad_multiple)."""
     window = _Window(spec.draft_positions, device)
     batches = [list(range(i, min(i + batch_size, len(store)))) for i in range(0, len(store), batch_size)]
     if dist is not None:
         batches = batches[dist.rank :: dist.world_size]
-    for batch in loader(store, batches, 0):
+    for batch in loader(store, batches, 0, multiple=multiple):
         if keep is not None:
             batch["loss_mask"] = keep(batch["loss_mask"])
         window.add(spec.family.objective(head, _to_device(batch, device, dtype), spec, weights, feature_weight,
