@@ -15,17 +15,19 @@ shapes repeat less often than at decoding but every batch is large:
               the recipe's precompute.batch_tokens at --shapes distinct lengths up to data.max_length
   train       the EAGLE-3 head's forward and backward at --target's shapes and the recipe's micro-batch
               (recipes/llama-3.1-<target>-eagle3.yaml), at --shapes distinct lengths
+  online      the target's forward as `train.online` runs it: one micro-batch (train.micro_batch_size rows) at a
+              time, at --shapes distinct lengths (not in the default --parts)
 
 For each attention choice (`default`: whatever SDPA picks; `no_cudnn`: flash, mem-efficient and math only, the
-decoding choice; in training also `default_pad64`: the default kernels on micro-batches rounded up to a multiple of
-64 tokens, what train.pad_multiple auto does on CUDA) every shape is run twice, the second visit right after all
-first visits: a first visit pays for kernel choices and plans, a second does not. The choices take turns over the
-lengths of one sorted draw with no multiple of 64 in it (each meets lengths no other choice has seen, of the same
-spread). Prints, per part and choice, the seconds of the first visits, of the second, their difference per new
-shape, the second visits' time against no_cudnn's (the warm speed a choice gives up or wins), and which attention
-operators each choice ran (torch.profiler, one batch each, after every timing of the part). Each part runs in a
-process of its own (its own plan caches) that builds its model once; a warm-up at a length outside the draw goes
-first.
+decoding choice; in training and online also `default_pad64`: the default kernels on micro-batches rounded up to a
+multiple of 64 tokens, what train.pad_multiple auto does to training's micro-batches on CUDA) every shape is run
+twice, the second visit right after all first visits: a first visit pays for kernel choices and plans, a second
+does not. The choices take turns over the lengths of one sorted draw with no multiple of 64 in it (each meets
+lengths no other choice has seen, of the same spread). Prints, per part and choice, the seconds of the first
+visits, of the second, their difference per new shape, the second visits' time against no_cudnn's (the warm speed
+a choice gives up or wins), and which attention operators each choice ran (torch.profiler, one batch each, after
+every timing of the part). Each part runs in a process of its own (its own plan caches) that builds its model
+once; a warm-up at a length outside the draw goes first.
 
 --dry-run shrinks every shape (as scripts/gpu_check.py --dry-run does) and runs on the CPU, float32: it checks the
 script, not the GPU (on the CPU both choices are the same kernels).
@@ -59,7 +61,7 @@ from mtptrain.runtime.runner import runtime_for  # noqa: E402
 from mtptrain.train.data import CUDA_PAD_MULTIPLE  # noqa: E402
 
 CHOICES = ("default", "no_cudnn")
-PADDED = "default_pad64"  # training only
+PADDED = "default_pad64"  # training and the online forward only
 DRY_MAX_LENGTH, DRY_BATCH_TOKENS = 96, 512
 
 
@@ -127,6 +129,16 @@ def visits(run, lengths: dict[str, list[int]], device) -> dict:
 
 
 def precompute_part(args, device, dtype) -> dict:
+    return target_forward(args, device, dtype, online=False)
+
+
+def online_part(args, device, dtype) -> dict:
+    return target_forward(args, device, dtype, online=True)
+
+
+def target_forward(args, device, dtype, online: bool) -> dict:
+    """The target's forward as precompute batches it (batch_tokens per batch), or as `train.online` runs it: one
+    micro-batch (train.micro_batch_size rows) at a time, which training's rounding may also round."""
     from transformers import AutoModelForCausalLM
 
     recipe = load_recipe(ROOT / "recipes" / f"{TARGETS[args.target]}-eagle3.yaml")
@@ -141,16 +153,19 @@ def precompute_part(args, device, dtype) -> dict:
     generator = torch.Generator().manual_seed(1)
 
     def run(length: int) -> None:
-        rows = max(1, min(recipe.precompute.max_batch_size, batch_tokens // length))
+        rows = recipe.train.micro_batch_size if online else max(
+            1, min(recipe.precompute.max_batch_size, batch_tokens // length))
         ids = torch.randint(0, config.vocab_size, (rows, length), generator=generator)
         with torch.inference_mode():
             capture_states(source, ids, layers)
 
     run(max_length // 8 - 1)  # warm-up below every drawn (and rounded) length
-    lengths = lengths_for(CHOICES, args.shapes, max_length // 8, max_length)
+    choices = (*CHOICES, PADDED) if online else CHOICES
+    lengths = lengths_for(choices, args.shapes, max_length // 8, max_length - CUDA_PAD_MULTIPLE * online)
     found = visits(run, lengths, device)
-    found.update(source=type(source).__name__, batch_tokens=batch_tokens,
-                 max_batch_size=recipe.precompute.max_batch_size, layers=layers)
+    found.update(source=type(source).__name__, layers=layers, **(
+        {"rows": recipe.train.micro_batch_size} if online else
+        {"batch_tokens": batch_tokens, "max_batch_size": recipe.precompute.max_batch_size}))
     return found
 
 
@@ -183,7 +198,7 @@ def train_part(args, device, dtype) -> dict:
     return found
 
 
-PARTS = {"precompute": precompute_part, "train": train_part}
+PARTS = {"precompute": precompute_part, "train": train_part, "online": online_part}
 
 
 def main(argv=None) -> int:
