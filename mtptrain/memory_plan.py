@@ -25,6 +25,7 @@ from mtptrain.features.plan import resolve_layers
 from mtptrain.heads.common import FrozenTarget
 from mtptrain.heads.spec import HeadSpec
 from mtptrain.target.parts import meta_model
+from mtptrain.train.data import pad_multiple
 
 GIB = 2**30
 RESERVE_GIB = 4.0  # CUDA context (~0.5 GiB), NCCL buffers, the caching allocator's fragmentation
@@ -126,7 +127,8 @@ def train_load(recipe: Recipe, shape: TargetShape, head_params: int, world: int,
     (mixed precision: 16-bit weights and gradients, float32 master weights and two AdamW moments, 12 bytes a
     parameter, sharded over the ranks by ZeRO-1/2), and the training-time-test activations: per token and TTT step
     about 12 hidden-size and 3 intermediate-size values kept for backward, plus the distillation targets over the
-    draft vocabulary (float32, every position) and one loss chunk's full-vocabulary logits."""
+    draft vocabulary (float32, every position) and one loss chunk's full-vocabulary logits. The micro-batch's
+    length is data.max_length rounded up as train.pad_multiple rounds it on a GPU."""
     cfg = recipe.train
     width = DTYPE_BYTES[recipe.target.dtype]
     gpu = GpuLoad("train", rank)
@@ -137,7 +139,8 @@ def train_load(recipe: Recipe, shape: TargetShape, head_params: int, world: int,
     sharded_states = states / world if stage >= 1 else states
     sharded_grads = grads / world if stage >= 2 else grads
     gpu.add("head weights, gradients, optimizer", head_params * (weights + sharded_grads + sharded_states))
-    tokens = cfg.micro_batch_size * recipe.data.max_length
+    multiple = pad_multiple(cfg.pad_multiple, torch.device("cuda"))  # the longest micro-batch, rounded on the GPU
+    tokens = cfg.micro_batch_size * -(-recipe.data.max_length // multiple) * multiple
     steps = getattr(recipe.head, "ttt_steps", None) or getattr(recipe.head, "depths", None) or 1
     gpu.add(f"activations ({steps} TTT steps)", tokens * steps * (12 * shape.hidden + 3 * shape.intermediate) * width)
     draft_vocab = getattr(recipe.head, "draft_vocab_size", None) or shape.vocab

@@ -61,6 +61,18 @@ def test_a_micro_batch_too_large_for_the_gpu_is_refused_naming_the_batch():
     assert len(loads) == 8 and all(load.total > 80 * GIB for load in loads)
 
 
+def test_the_training_plan_holds_the_micro_batch_as_the_gpu_rounds_it():
+    """train.pad_multiple auto rounds a micro-batch up to a multiple of 64 on a GPU: 2,000 tokens are run as 2,048."""
+    def activations(*overrides):
+        [load] = [load for load in plan_loads(recipe("llama-3.1-8b-eagle3", *overrides), shape_config("llama-3.1-8b"),
+                                              ("train",)) if load.gpu == 0]
+        return dict(load.terms)["activations (7 TTT steps)"]
+
+    assert activations("data.max_length=2000") == activations("data.max_length=2048")
+    assert activations("data.max_length=2000", "train.pad_multiple=1") == pytest.approx(
+        activations("data.max_length=2048") * 2000 / 2048)
+
+
 def test_mtptrain_slurm_refuses_the_plan_before_writing_a_script(tmp_path):
     from typer.testing import CliRunner
 
