@@ -51,14 +51,14 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from gpu_check_shapes import TARGETS, build_head, frozen_parts, random_batch, shape_config  # noqa: E402
 
-from mtptrain.config import load_recipe  # noqa: E402
+from mtptrain.config import CUDA_PAD_MULTIPLE, load_recipe  # noqa: E402
 from mtptrain.features.plan import resolve_layers  # noqa: E402
 from mtptrain.heads.losses import Loss  # noqa: E402
 from mtptrain.heads.objective import step_weights  # noqa: E402
 from mtptrain.runtime.attention import DECODING_BACKENDS  # noqa: E402
 from mtptrain.runtime.batch import capture_states  # noqa: E402
 from mtptrain.runtime.runner import runtime_for  # noqa: E402
-from mtptrain.train.data import CUDA_PAD_MULTIPLE  # noqa: E402
+
 
 CHOICES = ("default", "no_cudnn")
 PADDED = "default_pad64"  # training and the online forward only

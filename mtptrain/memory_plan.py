@@ -25,7 +25,6 @@ from mtptrain.features.plan import resolve_layers
 from mtptrain.heads.common import FrozenTarget
 from mtptrain.heads.spec import HeadSpec
 from mtptrain.target.parts import meta_model
-from mtptrain.train.data import pad_multiple
 
 GIB = 2**30
 RESERVE_GIB = 4.0  # CUDA context (~0.5 GiB), NCCL buffers, the caching allocator's fragmentation
@@ -139,7 +138,7 @@ def train_load(recipe: Recipe, shape: TargetShape, head_params: int, world: int,
     sharded_states = states / world if stage >= 1 else states
     sharded_grads = grads / world if stage >= 2 else grads
     gpu.add("head weights, gradients, optimizer", head_params * (weights + sharded_grads + sharded_states))
-    multiple = pad_multiple(cfg.pad_multiple, torch.device("cuda"))  # the longest micro-batch, rounded on the GPU
+    multiple = cfg.pad_multiple_on("cuda")  # the longest micro-batch, rounded on the GPU
     tokens = cfg.micro_batch_size * -(-recipe.data.max_length // multiple) * multiple
     steps = getattr(recipe.head, "ttt_steps", None) or getattr(recipe.head, "depths", None) or 1
     gpu.add(f"activations ({steps} TTT steps)", tokens * steps * (12 * shape.hidden + 3 * shape.intermediate) * width)

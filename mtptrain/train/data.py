@@ -94,24 +94,6 @@ def steps_for_tokens(lengths: list[int], micro_batch_size: int, seed: int, token
         epoch += 1
 
 
-# On CUDA, torch's SDPA (cuDNN's attention first, on Hopper) builds an execution plan for every new shape, and a
-# micro-batch padded to its longest sample brings a new length most steps: up to data.max_length of them in a run.
-# Measured on an NVIDIA H200 (torch 2.11, cuDNN 9.19) at Llama-3.1-8B's shapes, the EAGLE-3 head's forward and
-# backward (4 rows, 7 TTT steps) took 0.79 s more on a length's first visit than on its second, about four warm
-# steps; with cuDNN's attention left out no step pays that, but every warm step was 1.19x slower
-# (benchmarks/cuda_shapes.py, docs/benchmarks.md "New shapes on CUDA"). Rounding the padded length up to a multiple
-# of CUDA_PAD_MULTIPLE keeps cuDNN's speed and bounds the lengths at max_length / 64 (32 at 2048 tokens), for
-# 32 tokens of padding per micro-batch on average.
-CUDA_PAD_MULTIPLE = 64
-
-
-def pad_multiple(setting: int | str, device: torch.device) -> int:
-    """train.pad_multiple resolved: auto is CUDA_PAD_MULTIPLE on CUDA and 1 (no rounding) elsewhere."""
-    if setting == "auto":
-        return CUDA_PAD_MULTIPLE if device.type == "cuda" else 1
-    return int(setting)
-
-
 class BatchDataset(Dataset):
     """Micro-batch k of a list, padded: input_ids / loss_mask [B, T], hidden {layer: [B, T, H]}, T the longest
     sample rounded up to a multiple of `multiple`."""
@@ -156,7 +138,7 @@ def loader(store: FeatureStore | OnlineFeatures, batches: list[list[int]], num_w
     """Micro-batches in order; online features are computed in this process, by the target loaded here. `pin`
     (training on CUDA): a store's batches come in page-locked memory, so that their copies to the GPU
     (non_blocking) overlap the step before instead of waiting for it; online features are on the GPU already.
-    `multiple`: each micro-batch's length is rounded up to a multiple of it (`pad_multiple`)."""
+    `multiple`: each micro-batch's length is rounded up to a multiple of it (`TrainConfig.pad_multiple_on`)."""
     online = isinstance(store, OnlineFeatures)
     if online:
         num_workers = 0

@@ -67,7 +67,7 @@ from mtptrain.target import (
 )
 from mtptrain.train.checkpoints import commit, latest_tag, load, restore_rng, rng_state, tag_for, verify
 from mtptrain.train.checkpoints import RunMismatch  # noqa: F401 (verify raises it; callers catch it here)
-from mtptrain.train.data import BatchPlan, loader, pad_multiple, steps_for
+from mtptrain.train.data import BatchPlan, loader, steps_for
 from mtptrain.train.drafting import BestHead, drafting_metrics
 from mtptrain.train.metrics import MetricsLog
 
@@ -277,7 +277,7 @@ def _log_checked(identity: dict, manifest: dict, store: Path, target_check: str)
 class Trainer:
     def __init__(self, recipe: Recipe, dist: DistInfo, device: torch.device, wandb_mode: str, show_progress: bool):
         self.recipe, self.cfg, self.dist, self.device = recipe, recipe.train, dist, device
-        self.pad_multiple = pad_multiple(self.cfg.pad_multiple, device)
+        self.pad_multiple = self.cfg.pad_multiple_on(device.type)
         self.show_progress, self.wandb_mode = show_progress, wandb_mode
         self.run_dir = Path(self.cfg.output_dir)
         self.ckpt_dir = self.run_dir / "checkpoints"

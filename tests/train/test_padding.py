@@ -7,12 +7,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from mtptrain.config import HEAD_CONFIGS, RecipeError, load_recipe
+from mtptrain.config import CUDA_PAD_MULTIPLE, HEAD_CONFIGS, RecipeError, load_recipe
 from mtptrain.features.store import FeatureStore, load_manifest
 from mtptrain.heads import FrozenTarget
 from mtptrain.heads.objective import step_weights
 from mtptrain.heads.spec import HeadSpec
-from mtptrain.train.data import CUDA_PAD_MULTIPLE, epoch_batches, loader, pad_multiple
+from mtptrain.train.data import epoch_batches, loader
 from mtptrain.train.trainer import run_fingerprint
 
 
@@ -44,11 +44,11 @@ def test_rounding_the_padded_length_changes_no_loss_and_no_count(kind, tiny_stor
 
 
 def test_auto_rounds_on_cuda_only_and_a_number_is_taken_as_it_is():
-    assert pad_multiple("auto", torch.device("cuda", 0)) == CUDA_PAD_MULTIPLE == 64
-    assert pad_multiple("auto", torch.device("cpu")) == 1
-    assert pad_multiple(8, torch.device("cpu")) == pad_multiple(8, torch.device("cuda")) == 8
-    assert load_recipe(None, ["train.pad_multiple=16"]).train.pad_multiple == 16
-    assert load_recipe(None).train.pad_multiple == "auto"
+    auto, eight = load_recipe(None).train, load_recipe(None, ["train.pad_multiple=8"]).train
+    assert auto.pad_multiple == "auto" and eight.pad_multiple == 8
+    assert auto.pad_multiple_on("cuda") == CUDA_PAD_MULTIPLE == 64
+    assert auto.pad_multiple_on("cpu") == 1
+    assert eight.pad_multiple_on("cpu") == eight.pad_multiple_on("cuda") == 8
     for bad in ("0", "-64", "1.5", "sometimes"):
         with pytest.raises(RecipeError, match="pad_multiple"):
             load_recipe(None, [f"train.pad_multiple={bad}"])
