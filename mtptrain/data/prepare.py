@@ -59,6 +59,9 @@ def prepare_samples(cfg: DataConfig, tokenizer, show_progress: bool = True) -> t
         samples.append(Sample(key, split_of(key, cfg.seed, cfg.validation_fraction),
                               tokenized.input_ids, tokenized.loss_mask))
     log.info("data: %s", stats.report())
+    short = None if cfg.regenerated else stats.ran_out(cfg.max_conversations, source)
+    if short:  # a regenerated file holds the conversations its run kept: fewer than asked is no news there
+        log.warning("data: %s", short)
     if not samples:
         raise NoUsableData(f"no usable conversation in {source}:\n{stats.report()}\n"
                            "Check data.source and data.format (and data.max_length if rows are over-long).")

@@ -150,6 +150,9 @@ def read_jobs(recipe: Recipe, tokenizer, stats: RowStats) -> list[tuple[Job, int
         # as max_length + 1, which sorts it after every prompt that fits (all of it is skipped as over-long).
         first = prompt_ids(tokenizer, system + [{"role": "user", "content": questions[0]}], limit=d.max_length)
         jobs.append((job, len(first)))
+    short = stats.ran_out(d.max_conversations, d.source)
+    if short:
+        log.warning("regenerate: %s", short)
     return jobs
 
 

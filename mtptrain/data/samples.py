@@ -41,6 +41,13 @@ class RowStats:
         if len(shown) < EXAMPLES_PER_REASON:
             shown.append(f"{ref}: {detail}" if detail else ref)
 
+    def ran_out(self, limit: int | None, source: str) -> str | None:
+        """What to say when the source held fewer rows than `limit` (data.max_conversations) asked for."""
+        if limit is None or self.rows >= limit:
+            return None
+        return (f"{source} holds {self.rows:,} rows, fewer than data.max_conversations ({limit:,}): every row was "
+                "read")
+
     def report(self) -> str:
         lines = [f"{self.rows} rows read, {self.kept} kept ({self.truncated} truncated to max_length), "
                  f"{sum(self.skipped.values())} skipped"]

@@ -35,6 +35,16 @@ def test_bad_rows_are_counted_by_reason_with_examples(tmp_path):
     assert "over-long" in stats.report() and "chats.json[15]" in stats.report()
 
 
+def test_a_source_shorter_than_max_conversations_is_named_with_both_counts(tmp_path, caplog):
+    path = write_sharegpt(tmp_path / "chats.json", 12)
+    caplog.set_level("WARNING", logger="mtptrain.data.prepare")
+    prepare_samples(DataConfig(source=str(path), max_conversations=12), make_tokenizer(), show_progress=False)
+    assert not caplog.records
+    prepare_samples(DataConfig(source=str(path), max_conversations=24_000), make_tokenizer(), show_progress=False)
+    [record] = caplog.records
+    assert f"{path} holds 12 rows, fewer than data.max_conversations (24,000): every row was read" in record.message
+
+
 def test_nothing_usable_fails_with_the_counts(tmp_path):
     path = tmp_path / "bad.json"
     path.write_text(json.dumps(BAD_ROWS))

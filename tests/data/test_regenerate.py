@@ -229,6 +229,18 @@ def test_regenerated_conversations_keep_questions_ids_and_split(varied_target_di
     assert {s.key for s in samples} <= {s.key for s in original}
 
 
+def test_a_source_shorter_than_max_conversations_is_named_before_regenerating(varied_target_dir, tmp_path, caplog):
+    source = write_sharegpt(tmp_path / "chats.json", 5)
+    caplog.set_level("WARNING", logger="mtptrain.data.regenerate")
+    for limit, said in ((5, []), (9, [f"regenerate: {source} holds 5 rows, fewer than data.max_conversations (9): "
+                                       "every row was read"])):
+        caplog.clear()
+        recipe = load_recipe(None, regen_overrides(varied_target_dir, source, tmp_path / "r.jsonl",
+                                                   f"data.max_conversations={limit}"))
+        jobs = read_jobs(recipe, load_tokenizer(recipe.target), RowStats())
+        assert len(jobs) == 5 and [r.message for r in caplog.records] == said
+
+
 def test_repeated_ids_get_the_same_keys_in_the_original_and_regenerated_sets(varied_target_dir, tmp_path):
     """A repeated id whose first row is unusable still takes its key, in both paths."""
     long_first = {"id": "dup", "conversations": [{"from": "human", "value": "word " * 200},
