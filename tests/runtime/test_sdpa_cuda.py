@@ -24,9 +24,11 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def cuda_kernel(q, k, v, attn_mask=None, is_causal=False, enable_gqa=False, **_) -> str:
-    """The kernel torch 2.5-2.13's CUDA SDPA runs a call on, on a GPU of sm80 or later
+    """The kernel torch 2.5-2.13's CUDA SDPA runs a call on, on a GPU of sm80 or later, with cuDNN's attention left
+    out as the runtime's decoding leaves it (attention.decoding_kernels)
     (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp: can_use_flash_attention, then
-    can_use_mem_efficient_attention, else math; cuDNN comes after math unless preferred)."""
+    can_use_mem_efficient_attention, else math). Without that, torch 2.11 on an H200 ran cuDNN's attention first,
+    masked or not (benchmarks/cuda_shapes.py's record in docs/gpu-check/)."""
     heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[-1]
     half = q.dtype in (torch.bfloat16, torch.float16)
     grouped = heads != kv_heads
