@@ -316,14 +316,7 @@ class EngineEvalConfig(_Section):
         "still falls.")
 
 
-# On CUDA, torch's SDPA (cuDNN's attention first, on Hopper) builds an execution plan for every new shape, and a
-# micro-batch padded to its longest sample brings a new length most steps: up to data.max_length of them in a run.
-# Measured on an NVIDIA H200 (torch 2.11, cuDNN 9.19) at Llama-3.1-8B's shapes, the EAGLE-3 head's forward and
-# backward (4 rows, 7 TTT steps) took 0.79 s more on a length's first visit than on its second, about four warm
-# steps; with cuDNN's attention left out no step pays that, but every warm step was 1.19x slower
-# (benchmarks/cuda_shapes.py, docs/benchmarks.md "New shapes on CUDA"). Rounding the padded length up to a multiple
-# of CUDA_PAD_MULTIPLE keeps cuDNN's speed and bounds the lengths at max_length / 64 (32 at 2048 tokens), for
-# 32 tokens of padding per micro-batch on average.
+# train.pad_multiple auto on CUDA: why and what it was measured at is in that field's description.
 CUDA_PAD_MULTIPLE = 64
 
 
