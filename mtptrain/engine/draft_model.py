@@ -13,7 +13,7 @@ import copy
 import torch
 from torch import nn
 
-from mtptrain.engine.proposer import ProposerBase
+from mtptrain.engine.proposer import ProposerBase, common_prefix
 from mtptrain.runtime.runner import open_runner
 from mtptrain.engine.verify import Sampling, choose
 
@@ -27,17 +27,12 @@ class DraftModelProposer(ProposerBase):
         self.runner = open_runner(source)
         self.sampling = sampling
         self.generator = torch.Generator().manual_seed(seed)
-        self.cached: list[int] = []  # the tokens whose keys and values the draft cache holds
 
     def reset(self, prompt: list[int]) -> None:
         self.runner.reset()
-        self.cached = []
 
     def propose(self, tokens: list[int], k: int) -> tuple[list[int], torch.Tensor | None]:
-        common = 0
-        limit = min(len(self.cached), len(tokens) - 1)  # the newest token is always run, for its logits
-        while common < limit and self.cached[common] == tokens[common]:
-            common += 1
+        common = common_prefix(self.runner.tokens, tokens, len(tokens) - 1)  # the newest always runs, for its logits
         self.runner.rollback(common)
         logits = self.runner.forward(tokens[common:])[-1]
         draft, probs = [], []
@@ -47,7 +42,6 @@ class DraftModelProposer(ProposerBase):
             probs.append(q)
             if step + 1 < k:
                 logits = self.runner.forward([token])[-1]
-        self.cached = tokens + draft[:-1]
         return draft, None if self.sampling.greedy else torch.stack(probs)
 
     def _choose(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:

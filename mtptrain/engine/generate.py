@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mtptrain.engine.proposer import Proposer
+from mtptrain.engine.proposer import Proposer, common_prefix
 from mtptrain.engine.tree import DraftTree, verify_tree_greedy, verify_tree_sampling
 from mtptrain.engine.verify import (Sampling, TargetRows, distribution, draw, greedy_choice, verify_greedy,
                                     verify_sampling)
@@ -37,6 +37,7 @@ class GenerationStats:
     draft_seconds: float = 0.0  # proposing, and a drafter catching up on the target's states
     verify_seconds: float = 0.0
     prefill_seconds: float = 0.0  # up to the first token: the prompt's forward, and a drafter reading its states
+    prefilled: int = 0  # prompt tokens the target ran before the first token (fewer where a prefix was reused)
 
     @property
     def tau(self) -> float:
@@ -71,6 +72,7 @@ class GenerationStats:
         self.draft_seconds += other.draft_seconds
         self.verify_seconds += other.verify_seconds
         self.prefill_seconds += other.prefill_seconds
+        self.prefilled += other.prefilled
         for i, (proposed, accepted) in enumerate(zip(other.proposed, other.accepted)):
             if i == len(self.proposed):
                 self.proposed.append(0)
@@ -86,27 +88,49 @@ class Generation:
 
 
 def generate(runner: Runner, prompt: list[int], max_new_tokens: int, proposer: Proposer | None = None, k: int = 4,
-             sampling: Sampling = Sampling(), eos: set[int] = frozenset(), seed: int = 0) -> Generation:
+             sampling: Sampling = Sampling(), eos: set[int] = frozenset(), seed: int = 0,
+             reuse_prefix: bool = False) -> Generation:
     """Up to `max_new_tokens` after `prompt`: the proposer's drafts (k at most) verified by the target, exactly
     (its greedy decoding at temperature 0, its own distribution otherwise). On CUDA the target's and the drafter's
-    attention run without cuDNN's kernel, which plans anew for every length (runtime/attention.py)."""
+    attention run without cuDNN's kernel, which plans anew for every length (runtime/attention.py).
+
+    reuse_prefix: the prompt's longest prefix that the runner's cache already holds (what its last generation
+    left: a conversation's earlier turns, a shared system prompt) is not run again, as a serving engine's prefix
+    cache does; a drafter that reads the target's states bounds it by what it keeps of its own
+    (`Proposer.reusable`). Off, the whole prompt is run. The tokens are the same either way up to float
+    rounding: the reused keys and values were computed in forwards of other lengths."""
     with decoding_kernels(runner.device):
-        return _generate(runner, prompt, max_new_tokens, proposer, k, sampling, eos, seed)
+        return _generate(runner, prompt, max_new_tokens, proposer, k, sampling, eos, seed, reuse_prefix)
+
+
+def reusable_prefix(runner: Runner, prompt: list[int], proposer: Proposer | None = None) -> int:
+    """How many leading tokens of `prompt` need not run through the target: those its cache holds (never the
+    last, whose logits give the first token), and no more than a drafter reading the target's states keeps of
+    its own."""
+    n = common_prefix(runner.tokens, prompt, len(prompt) - 1)
+    if proposer is not None and proposer.reads_states:
+        n = min(n, proposer.reusable(prompt))
+    return max(n, 0)
 
 
 def _generate(runner: Runner, prompt: list[int], max_new_tokens: int, proposer: Proposer | None, k: int,
-              sampling: Sampling, eos: set[int], seed: int) -> Generation:
+              sampling: Sampling, eos: set[int], seed: int, reuse_prefix: bool) -> Generation:
     opened = time.perf_counter()
     generator = torch.Generator().manual_seed(seed)  # on the CPU whatever the target's device: see verify.draw
     stats = GenerationStats()
-    runner.reset()
+    start = reusable_prefix(runner, prompt, proposer) if reuse_prefix else 0
+    if start:
+        runner.rollback(start)
+    else:
+        runner.reset()
     observes = proposer is not None and proposer.reads_states
     if proposer is not None:
         proposer.reset(prompt)
-    first = _pick(runner.forward(prompt, last_only=True), sampling, generator)
+    first = _pick(runner.forward(prompt[start:], last_only=True), sampling, generator)
     out = [first]
+    stats.prefilled = len(prompt) - start
     if observes:  # drafters that read the target's states see them for every committed position
-        proposer.observe(0, runner.hidden, prompt[1:] + [first])
+        proposer.observe(start, runner.hidden, prompt[start + 1:] + [first])
     sync = _synchronizer(runner)  # honest step timings
     sync()
     stats.prefill_seconds = time.perf_counter() - opened

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from mtptrain.engine.proposer import ProposerBase
+from mtptrain.engine.proposer import ProposerBase, common_prefix
 from mtptrain.engine.verify import DraftProbs, Sampling, chosen_probability, distribution, draw, greedy_choice
 
 
@@ -38,16 +38,24 @@ class HeadChainProposer(ProposerBase):
         self.head, self.spec, self.sampling, self.stop = head.eval(), spec, sampling, stop
         self.stepper = head.stepper()  # a copy of the head's layer weights: the head as it is now
         self.generator = torch.Generator().manual_seed(seed)
+        self.seen: list[int] = []
 
     def reset(self, prompt: list[int]) -> None:
-        self.stepper.rollback(0)
+        """A new request: the head's cache is cut where the first `observe` starts (0, or what `reusable` kept)."""
+        self.seen = list(prompt)  # x_0 .. : the head's position t holds (h_t, x_{t+1}) for t < len(seen) - 1
         self.last_feature = self.last_logits = None
+
+    def reusable(self, prompt: list[int]) -> int:
+        """Positions of the head's cache built from true states of the last request that still hold for `prompt`:
+        position t reads x_{t+1}, so it holds while x_0 .. x_{t+1} are the prompt's."""
+        return max(0, min(common_prefix(self.seen, prompt) - 1, len(self.seen) - 1, self.stepper.length))
 
     @torch.inference_mode()
     def observe(self, true_length: int, hidden: dict[int, torch.Tensor], next_tokens: list[int]) -> None:
         """The target ran over positions true_length .. true_length+n-1 with states `hidden` ([n, H]);
         next_tokens are the n tokens that follow them (the committed tokens, the new pending last)."""
         self.stepper.rollback(true_length)
+        self.seen[true_length + 1:] = next_tokens
         ids = torch.tensor([next_tokens], device=next(self.head.parameters()).device)
         out = self.stepper.step(self.head.draft_input(hidden, self.spec), ids)
         self.last_feature = out[:, -1:]

@@ -7,6 +7,9 @@
                          with the tokens that follow them; called only when `reads_states` is true, since
                          slicing the states costs a copy per step
     finish(tokens)       the request's whole text, once it is done (drafters that learn from past outputs)
+    reusable(prompt)     how many leading positions of the target's states, from the drafter's last request, it
+                         still holds for `prompt` (asked before reset, only of drafters that read states, when the
+                         engine reuses a cached prefix: the first observe then starts there); 0 by default
 """
 
 from __future__ import annotations
@@ -32,6 +35,16 @@ class Proposer(Protocol):
 
     def finish(self, tokens: list[int]) -> None: ...
 
+    def reusable(self, prompt: list[int]) -> int: ...
+
+
+def common_prefix(a: list[int], b: list[int], limit: int | None = None) -> int:
+    """The length of the longest prefix `a` and `b` share (at most `limit`)."""
+    n, end = 0, min(len(a), len(b), len(a) if limit is None else limit)
+    while n < end and a[n] == b[n]:
+        n += 1
+    return n
+
 
 class ProposerBase:
     """The optional steps of a Proposer, doing nothing: a drafter overrides those it needs."""
@@ -47,3 +60,6 @@ class ProposerBase:
 
     def finish(self, tokens: list[int]) -> None:
         pass
+
+    def reusable(self, prompt: list[int]) -> int:
+        return 0

@@ -32,6 +32,7 @@ class Runner(Protocol):
     """What the engine asks of the target: `FastRunner` and `TransformersRunner` both follow it."""
 
     hidden: dict[int, torch.Tensor]  # layer -> [n, H]: captured states of the latest forward's tokens
+    tokens: list[int]  # the tokens whose keys and values the cache holds, in their positions' order
 
     @property
     def device(self) -> torch.device: ...
@@ -173,6 +174,7 @@ class FastRunner:
         self.capture = tuple(capture)
         self.hidden: dict[int, torch.Tensor] = {}  # layer -> [n, H] for the tokens of the latest forward
         self.cache: KVCache | None = None
+        self.tokens: list[int] = []  # what the cache holds (a later request may start from a shared prefix)
 
     @property
     def device(self) -> torch.device:
@@ -196,6 +198,7 @@ class FastRunner:
             d = self.decoder
             self.cache = KVCache(d.num_layers, 1, d.kv_heads, d.head_dim, INITIAL_CAPACITY, d.cache_dtype, d.device)
         self.cache.length = 0  # the tensors stay: the next generation writes over them
+        self.tokens = []
 
     @torch.inference_mode()
     def forward(self, ids: list[int], last_only: bool = False) -> torch.Tensor:
@@ -205,7 +208,9 @@ class FastRunner:
             self.reset()
         start = self.cache.length
         positions = torch.arange(start, start + len(ids), device=self.device)[None]
-        return self._run(torch.tensor([ids], device=self.device), positions, None, last_only)
+        logits = self._run(torch.tensor([ids], device=self.device), positions, None, last_only)
+        self.tokens[start:] = ids
+        return logits
 
     @torch.inference_mode()
     def forward_tree(self, pending: int, tree) -> torch.Tensor:
@@ -215,7 +220,9 @@ class FastRunner:
         mask = torch.cat([torch.ones(len(seen), start, dtype=torch.bool, device=self.device), seen], dim=1)
         positions = torch.tensor([[start] + [start + d for d in tree.depths()]], device=self.device)
         ids = torch.tensor([[pending] + tree.tokens], device=self.device)
-        return self._run(ids, positions, mask[None, None], False)
+        logits = self._run(ids, positions, mask[None, None], False)
+        self.tokens[start:] = [pending] + tree.tokens
+        return logits
 
     def _run(self, ids, positions, mask, last_only) -> torch.Tensor:
         start = self.cache.length
@@ -230,6 +237,7 @@ class FastRunner:
         """Keep the first `length` cached tokens and, after them, the entries at length + r for r in rows
         (the accepted path of a verified tree), in that order."""
         self.cache.keep(length, rows)
+        self.tokens[length:] = [self.tokens[length + r] for r in rows]
 
     def kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer, the keys and values of the positions held [1, Hkv, length, D] (views)."""
@@ -239,3 +247,4 @@ class FastRunner:
     def rollback(self, length: int) -> None:
         """Keep the first `length` cached tokens: the accepted prefix after a verification."""
         self.cache.length = min(length, self.cache.length)
+        del self.tokens[self.cache.length:]

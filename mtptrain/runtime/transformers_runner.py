@@ -23,6 +23,7 @@ class TransformersRunner:
     def __init__(self, model, capture: list[int] = ()):
         self.model = model
         self.cache = DynamicCache()
+        self.tokens: list[int] = []  # what the cache holds (a later request may start from a shared prefix)
         layers = model.get_decoder().layers if capture else []  # a model without `.layers` runs, capturing nothing
         self._capture = LayerCapture(layers, list(capture), self.device)
         # every device the model spans: a target split over GPUs (target.gpus_per_rank) runs on each in turn
@@ -38,6 +39,7 @@ class TransformersRunner:
 
     def reset(self) -> None:
         self.cache = DynamicCache()
+        self.tokens = []
 
     @property
     def length(self) -> int:
@@ -60,8 +62,10 @@ class TransformersRunner:
     def forward(self, ids: list[int], last_only: bool = False) -> torch.Tensor:
         """Logits [n, V] for the next token after each of `ids` (only the last with `last_only`), appended after
         the cached prefix."""
+        start = self.length
         out = self.model(torch.tensor([ids], device=self.device), past_key_values=self.cache, use_cache=True,
                          logits_to_keep=1 if last_only else 0)
+        self.tokens[start:] = ids
         return out.logits[0]
 
     @torch.inference_mode()
@@ -70,11 +74,13 @@ class TransformersRunner:
         attention that takes an arbitrary mask: under FlashAttention (what target.attn_implementation auto picks on
         CUDA where flash-attn imports) this one forward runs SDPA over the same cache, and chains keep flash."""
         dtype = self.model.get_input_embeddings().weight.dtype
-        mask, positions = tree.attention(self.length, dtype, self.device)
+        start = self.length
+        mask, positions = tree.attention(start, dtype, self.device)
         ids = torch.tensor([[pending] + tree.tokens], device=self.device)
         with masked_attention(self.model.config):
             out = self.model(ids, attention_mask=mask, position_ids=positions, past_key_values=self.cache,
                              use_cache=True)
+        self.tokens[start:] = [pending] + tree.tokens
         return out.logits[0]
 
     @torch.inference_mode()
@@ -87,6 +93,7 @@ class TransformersRunner:
                 here = index.to(layer.keys.device)
                 layer.keys[..., length : length + len(rows), :] = layer.keys.index_select(-2, here)
                 layer.values[..., length : length + len(rows), :] = layer.values.index_select(-2, here)
+            self.tokens[length:] = [self.tokens[length + r] for r in rows] + self.tokens[length + len(rows):]
         self.rollback(length + len(rows))
 
     def kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -96,6 +103,7 @@ class TransformersRunner:
     def rollback(self, length: int) -> None:
         """Keep the first `length` cached tokens: the accepted prefix after a verification."""
         cut_cache(self.cache, length)
+        del self.tokens[length:]
 
 
 def cut_cache(cache: DynamicCache, length: int) -> None:

@@ -10,6 +10,7 @@ import torch
 from transformers import DynamicCache
 
 from mtptrain.runtime.transformers_runner import cut_cache
+from mtptrain.engine.proposer import common_prefix
 from mtptrain.engine.ssd.policy import saguaro_distribution
 from mtptrain.engine.verify import Sampling, distribution, draw
 
@@ -110,9 +111,7 @@ class DraftLM(_Drafter):
     def _keep_shared_prefix(self, tokens: list[int], rerun: int) -> int:
         """Cut the cache to the longest prefix it shares with `tokens`, leaving at least the last `rerun` tokens
         to run; returns that prefix's length."""
-        common, limit = 0, min(len(self.cached), len(tokens) - rerun)
-        while common < limit and self.cached[common] == tokens[common]:
-            common += 1
+        common = common_prefix(self.cached, tokens, max(len(tokens) - rerun, 0))
         cut_cache(self.cache, common)
         return common
 
