@@ -522,6 +522,11 @@ class EvalConfig(_Truncation):
     max_new_tokens: Int = Field(256, ge=1, description="New tokens per turn.")
     temperature: Float = Field(0.0, ge=0, description="0 = greedy (checked for exactness against the baseline).")
     seed: Int = Field(0, description="Seed of the sampling streams.")
+    prefix_cache: bool = Field(True, description="Each configuration keeps its own target cache from one request to "
+                               "the next and runs only what a request adds to the longest prefix it shares with the "
+                               "last one (a conversation's earlier turns, the system prompt), as serving engines' "
+                               "prefix caches do, for the baseline and every method alike; a head keeps its own "
+                               "cache of that prefix too. false: every request's whole prompt is run.")
     methods: list[EvalMethodName] = Field(
         ["ngram", "suffix", "chain", "tree"],
         description="Drafting methods, each measured against the autoregressive baseline: ngram (prompt lookup), "

@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 
 from mtptrain.cli import app
 from mtptrain.config import TargetConfig
+from mtptrain.eval.prompts import request_ids
 from mtptrain.heads import FrozenTarget
 from mtptrain.heads.checkpoint import save_head
 from mtptrain.heads.spec import HeadSpec
@@ -207,3 +208,31 @@ def test_eval_errors_name_the_missing_piece(tiny_target_dir, other_target_dir, e
                                                 "eval.methods=[medusa]"))
     assert unknown.exit_code == 2 and "eval.methods" in unknown.output
 
+
+
+def test_second_turns_reuse_their_first_turns_cache_unless_told_not_to(tiny_target_dir, eagle3_head, tmp_path):
+    """eval.prefix_cache: each configuration runs only what a request adds to its own last one; the outputs, tau
+    and acceptance are those of running every prompt whole."""
+    prompts = write_prompts(tmp_path / "p.jsonl")
+    runs = {}
+    for setting in ("true", "false"):
+        out = tmp_path / setting
+        result = CliRunner().invoke(app, [*eval_args(tiny_target_dir, eagle3_head, prompts, out,
+                                                     "eval.methods=[chain,tree]", "eval.k=[3]",
+                                                     "eval.tree.budgets=[4]", f"eval.prefix_cache={setting}"),
+                                          "--no-wandb"])
+        assert result.exit_code == 0, result.output
+        runs[setting] = json.loads((out / "results.json").read_text())
+    reused, whole = runs["true"], runs["false"]
+    assert reused["settings"]["prefix_cache"] is True and whole["settings"]["prefix_cache"] is False
+    assert reused["conversations"] == whole["conversations"]
+    tokenizer = load_target(TargetConfig(model=str(tiny_target_dir))).tokenizer
+    held = sum(len(request_ids(tokenizer, conversation[: i + 1], 10**6, "test"))
+               for conversation in whole["conversations"].values() for i in (0, 2))
+    for ours, theirs in zip(reused["methods"], whole["methods"], strict=True):
+        assert ours["label"] == theirs["label"]
+        assert (ours["tau"], ours["acceptance"], ours["exactness"]) == \
+            (theirs["tau"], theirs["acceptance"], theirs["exactness"])
+        assert theirs["prompt_tokens_run"] == held
+        # each second turn runs its question alone; the first turns share the chat template's opening
+        assert ours["prompt_tokens_run"] < held / 2
