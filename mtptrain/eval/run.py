@@ -305,6 +305,12 @@ def _measure(requests, tallies, kept, engine: _Engine, show_progress) -> dict[st
     for repeat in range(engine.ev.repeats):
         # Fresh proposers, so that a repeat replays the first: a suffix index would draft from answers it saw.
         proposers = [kept.get(i) or (t.config.make() if t.config.make else None) for i, t in enumerate(tallies)]
+        # Empty caches too, so that every configuration's first request runs whole: the prefix each reuses after
+        # it was then computed by the same forward in all of them (a fresh head holds nothing to reuse, and keys
+        # left by the warm-up's shorter forward round differently in bfloat16, which flips near-ties).
+        for runner in engine.runners:
+            if runner is not None:
+                runner.reset()
         for tally in tallies:
             tally.new_repeat()
         for index, (prompt, turn) in enumerate(requests):
