@@ -104,10 +104,13 @@ def generate(runner: Runner, prompt: list[int], max_new_tokens: int, proposer: P
 
 
 def reusable_prefix(runner: Runner, prompt: list[int], proposer: Proposer | None = None) -> int:
-    """How many leading tokens of `prompt` need not run through the target: those its cache holds (never the
-    last, whose logits give the first token), and no more than a drafter reading the target's states keeps of
-    its own."""
-    n = common_prefix(runner.tokens, prompt, len(prompt) - 1)
+    """How many leading tokens of `prompt` need not run through the target: those its cache holds but the last
+    of them, and no more than a drafter reading the target's states keeps of its own. The last shared token runs
+    again (never the prompt's last either, whose logits give the first token): a head's position there reads
+    the token after it, so a head could not keep it, and with every configuration starting at the same place
+    their reused keys stay alike (a position computed again in a forward of another length rounds otherwise in
+    bfloat16, and flips near-ties)."""
+    n = min(common_prefix(runner.tokens, prompt) - 1, len(prompt) - 1)
     if proposer is not None and proposer.reads_states:
         n = min(n, proposer.reusable(prompt))
     return max(n, 0)

@@ -60,7 +60,7 @@ def test_a_second_turn_runs_only_what_it_adds_and_decodes_as_if_run_whole(model,
     assert whole.stats.prefilled == len(second)
     assert turn2.tokens == whole.tokens
     assert (turn2.stats.steps, turn2.stats.accepted) == (whole.stats.steps, whole.stats.accepted)
-    shared = len(first) + len(turn1.tokens) - 1  # the cache holds the answer up to its last token at least
+    shared = len(first) + len(turn1.tokens) - 2  # the answer but its last token, less the last shared one
     if kind == "mtp":  # it reads the target's states and keeps none of its own: the prompt runs whole
         assert turn2.stats.prefilled == len(second)
     else:
@@ -73,12 +73,12 @@ def test_the_reused_prefix_ends_where_the_prompt_leaves_the_cached_tokens(model)
     generate(runner, prompt, 6, reuse_prefix=True)
     held = list(runner.tokens)
     assert held[:20] == prompt and len(held) >= 25
-    assert reusable_prefix(runner, held[:10] + [(held[10] + 1) % VOCAB] + held[11:]) == 10
+    assert reusable_prefix(runner, held[:10] + [(held[10] + 1) % VOCAB] + held[11:]) == 9  # the last shared reruns
     assert reusable_prefix(runner, held) == len(held) - 1  # the last token runs, for its logits
-    assert reusable_prefix(runner, held + [5, 6]) == len(held)
+    assert reusable_prefix(runner, held + [5, 6]) == len(held) - 1
     assert reusable_prefix(runner, [(held[0] + 1) % VOCAB] + held[1:]) == 0
     again = generate(runner, held[:10] + [7, 8, 9], 6, reuse_prefix=True)
-    assert again.stats.prefilled == 3
+    assert again.stats.prefilled == 4
     assert runner.tokens[:13] == held[:10] + [7, 8, 9]
     runner.reset()
     assert runner.tokens == [] and reusable_prefix(runner, held) == 0
@@ -130,7 +130,7 @@ def test_the_target_reuses_no_more_than_the_head_still_holds(model, case):
         generate(runner, prompt[:12] + _ids(10, 8), 8, proposer, k=3, reuse_prefix=True)  # the head sees 12 shared
         generate(runner, prompt[:-2], 8, None, reuse_prefix=True)  # the runner alone holds 28
         expected = 11  # the head's position 11 reads x_12, which differs
-    assert reusable_prefix(runner, prompt) >= 26  # the runner alone would reuse more
+    assert reusable_prefix(runner, prompt) >= 25  # the runner alone would reuse more
     assert reusable_prefix(runner, prompt, proposer) == expected
     result = generate(runner, prompt, 12, proposer, k=3, reuse_prefix=True)
     assert result.stats.prefilled == len(prompt) - expected
