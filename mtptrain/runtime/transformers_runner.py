@@ -93,7 +93,7 @@ class TransformersRunner:
                 here = index.to(layer.keys.device)
                 layer.keys[..., length : length + len(rows), :] = layer.keys.index_select(-2, here)
                 layer.values[..., length : length + len(rows), :] = layer.values.index_select(-2, here)
-            self.tokens[length:] = [self.tokens[length + r] for r in rows] + self.tokens[length + len(rows):]
+            self.tokens[length:] = [self.tokens[length + r] for r in rows]
         self.rollback(length + len(rows))
 
     def kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
