@@ -48,7 +48,7 @@ class HeadChainProposer(ProposerBase):
     def reusable(self, prompt: list[int]) -> int:
         """Positions of the head's cache built from true states of the last request that still hold for `prompt`:
         position t reads x_{t+1}, so it holds while x_0 .. x_{t+1} are the prompt's."""
-        return max(0, min(common_prefix(self.seen, prompt) - 1, len(self.seen) - 1, self.stepper.length))
+        return max(0, min(common_prefix(self.seen, prompt) - 1, self.stepper.length))
 
     @torch.inference_mode()
     def observe(self, true_length: int, hidden: dict[int, torch.Tensor], next_tokens: list[int]) -> None:
