@@ -151,7 +151,7 @@ def build_methods(args, recipe: Recipe, target) -> tuple[list[Method], list, boo
         print(f"({note})")
     model = target.model
     reference = model  # transformers' methods run the model's own weights; the runtime reads its own from them
-    capture = head_info.spec.layers if head_info is not None else []
+    capture = head_info.spec.family.draft_layers(head_info.spec) if head_info is not None else []
     source = runtime_for(model)  # one decoder for both runners
     plain, reading = open_runner(source), open_runner(source, capture)
     methods = [Method("runtime AR", engine(plain))]

@@ -172,6 +172,25 @@ def test_engine_speed(tiny_target_dir, tiny_head):
         assert cells[0][1] == "1.00" and all(positive(ms) and positive(rel) for ms, rel in cells)
 
 
+def test_head_drafting(tiny_target_dir, tiny_head):
+    """The chain with the head's modules and with the fused operations decodes what the runtime's AR does, and the
+    drafting steps are timed both ways, after a target forward and back to back."""
+    out = run_benchmark("head_drafting.py", "--model", tiny_target_dir, "--head", tiny_head, "--prompts", 2,
+                        "--new-tokens", 8, "--repeats", 2, "--k", 2, "--dtype", "float32", "--rounds", 3)
+    ways = table(out, r"^\| (?P<name>runtime AR|chain K=2, [\w' ]+) \| (?P<tau>[\d.]+) \| (?P<draft>[\d.]+) / "
+                      r"(?P<verify>[\d.]+) \| (?P<tps>[\d.]+) \| (?P<ratio>[\d.]+x) \((?P<low>[\d.]+)-(?P<high>[\d.]+)\) "
+                      r"\| (?P<same>\d+)/2 \|$")
+    assert list(ways) == ["runtime AR", "chain K=2, head's modules", "chain K=2, fused"]
+    assert number(ways["runtime AR"]["ratio"]) == 1.0 and ways["runtime AR"]["tau"] == "1.00"
+    for way in ways.values():
+        assert way["same"] == "2" and positive(way["tps"]) and positive(way["ratio"]) and positive(way["verify"])
+    for name in ("chain K=2, head's modules", "chain K=2, fused"):
+        assert positive(ways[name]["draft"]) and number(ways[name]["tau"]) >= 1
+    steps = table(out, r"^\| (?P<name>head's modules|fused) \| (?P<cold>[\d.]+) ms \| (?P<warm>[\d.]+) ms \|$")
+    assert list(steps) == ["head's modules", "fused"]
+    assert all(positive(s["cold"]) and positive(s["warm"]) for s in steps.values())
+
+
 def test_stage_speed(varied_target_dir, tmp_path):
     """Both stages on the runtime and on the former path; in float32 the regenerated answers are the same."""
     out = run_benchmark("stage_speed.py", "--conversations", 6, "--regenerate-conversations", 6, "--rounds", 1,

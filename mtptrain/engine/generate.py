@@ -161,7 +161,7 @@ def _generate(runner: Runner, prompt: list[int], max_new_tokens: int, proposer: 
             else:
                 verdict = verify_sampling(draft, draft_probs, TargetRows(logits, sampling), generator)
             runner.rollback(committed + verdict.accepted)
-            rows = list(range(verdict.accepted + 1))
+            rows = slice(0, verdict.accepted + 1)  # a view of each layer's states, not a copy
             drafted = size = len(draft)
         sync()
         verified = time.perf_counter()

@@ -13,10 +13,10 @@ from the verification forward. That replaces the entries it had built from its
 own guesses, so every draft round starts from exact features.
 
 What the proposer asks of the head (mtptrain/heads/eagle.py, eagle3.py):
-`draft_input(hidden, spec)`, the feature it drafts from out of the target's
-captured states; `stepper()`, its steps over a KV cache on the runtime's
-kernels (mtptrain/heads/fast.py); `logits(feature)`; and, for a reduced draft
-vocabulary, `draft_to_target`. The head's family (mtptrain/heads/family.py)
+`stepper(spec)`, its steps over a KV cache on the runtime's kernels
+(mtptrain/heads/fast.py), which also give the feature it drafts from out of
+the target's captured states (`draft_input`) and its logits; and, for a
+reduced draft vocabulary, `draft_to_target`. The head's family (mtptrain/heads/family.py)
 picks this proposer for it.
 """
 
@@ -36,7 +36,7 @@ class HeadChainProposer(ProposerBase):
         """stop > 0: the chain ends early once the product of the head's probabilities for its drafts so far
         falls below it (the first token is always drafted); 0: always the K tokens asked for."""
         self.head, self.spec, self.sampling, self.stop = head.eval(), spec, sampling, stop
-        self.stepper = head.stepper()  # a copy of the head's layer weights: the head as it is now
+        self.stepper = head.stepper(spec)  # a copy of the head's layer weights: the head as it is now
         self.generator = torch.Generator().manual_seed(seed)
         self.seen: list[int] = []
 
@@ -57,7 +57,7 @@ class HeadChainProposer(ProposerBase):
         self.stepper.rollback(true_length)
         self.seen[true_length + 1:] = next_tokens
         ids = torch.tensor([next_tokens], device=next(self.head.parameters()).device)
-        out = self.stepper.step(self.head.draft_input(hidden, self.spec), ids)
+        out = self.stepper.step(self.stepper.draft_input(hidden), ids)
         self.last_feature = out[:, -1:]
         self.last_logits = self.stepper.logits(self.last_feature)[0, -1]
 

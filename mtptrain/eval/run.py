@@ -167,7 +167,7 @@ def run_eval(recipe: Recipe, wandb: str | None = None, show_progress: bool = Tru
     configs, head_info, notes, modules = build_configs(recipe, target, sampling)
     if "embedded" not in ev.engines:
         configs = []
-    capture = head_info.spec.layers if head_info is not None else []
+    capture = head_info.spec.family.draft_layers(head_info.spec) if head_info is not None else []
     runtime = recipe.target.runtime
     source = runtime_for(target.model, runtime)  # the target's decoder, read once for every runner
     plain = open_runner(source, (), runtime)  # the near-tie judge's forward, and the machine's description

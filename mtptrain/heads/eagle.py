@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from mtptrain.heads.common import FrozenTarget, FusionBlock, as_head_input, head_layer_config, rms_norm_like
-from mtptrain.heads.fast import HeadStepper
+from mtptrain.heads.fast import Drafting, HeadStepper
 from mtptrain.heads.family import EagleStyleFamily
 from mtptrain.heads.losses import Loss, feature_loss
 from mtptrain.heads.objective import distill_positions, target_mask
@@ -64,7 +64,7 @@ class EagleHead(nn.Module):
     def logits(self, predicted: torch.Tensor) -> torch.Tensor:
         return self.frozen.head_logits(self.norm(predicted))
 
-    def stepper(self) -> HeadStepper:
+    def stepper(self, spec: HeadSettings) -> HeadStepper:
         """This head's drafting steps on the runtime's kernels (heads/fast.py)."""
         block = self.block
 
@@ -72,9 +72,9 @@ class EagleHead(nn.Module):
             embeds = self.frozen.embed_as(ids, self)
             x = block.proj(torch.cat([block.norm_embed(embeds), block.norm_hidden(feature)], dim=-1))
             return block.layer.input_layernorm(x), x
-        return HeadStepper(block.layer, block.rotary, head_layer_config(self.frozen.config), inputs,
-                           lm_head=self.frozen.lm_head, logits_input=self.norm,
-                           lm_head_for=self.frozen.lm_head_for)
+        return HeadStepper(block.layer, block.rotary, head_layer_config(self.frozen.config),
+                           lambda stepper: Drafting(inputs, lambda hidden: self.draft_input(hidden, spec)),
+                           lm_head=self.frozen.lm_head, logits_input=self.norm, lm_head_for=self.frozen.lm_head_for)
 
 
 class EagleFamily(EagleStyleFamily):

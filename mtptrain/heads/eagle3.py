@@ -33,7 +33,7 @@ from torch import nn
 
 from mtptrain.heads.common import FrozenTarget, as_head_input, attention_mask, head_layer_config, rms_norm_like
 from mtptrain.heads.family import EagleStyleFamily, HeadSettingsError
-from mtptrain.heads.fast import HeadStepper
+from mtptrain.heads.fast import Drafting, HeadStepper
 from mtptrain.heads.losses import Loss
 from mtptrain.heads.objective import distill_positions, given
 from mtptrain.heads.settings import HeadSettings
@@ -105,11 +105,11 @@ class Eagle3Head(nn.Module):
         embeds = self.frozen.embed_as(next_ids, self)
         return torch.cat([self.layer.input_layernorm(embeds), self.hidden_norm(feature)], dim=-1)
 
-    def stepper(self) -> HeadStepper:
-        """This head's drafting steps on the runtime's kernels (heads/fast.py)."""
+    def stepper(self, spec: HeadSettings) -> HeadStepper:
+        """This head's drafting steps on the runtime's kernels (heads/fast.py), around its layer the fused
+        operations of `Eagle3Drafting` on copies of its weights as they are now."""
         return HeadStepper(self.layer, self.rotary, head_layer_config(self.frozen.config),
-                           lambda feature, ids: (self.attention_input(feature, ids), feature),
-                           self.carry if self.norm_output else None, lm_head=self.lm_head,
+                           lambda stepper: Eagle3Drafting(self, spec, stepper).drafting(), lm_head=self.lm_head,
                            logits_input=None if self.norm_output else self.norm)
 
     def unroll(self, fused: torch.Tensor, input_ids: torch.Tensor, steps: int) -> list[torch.Tensor]:
@@ -200,6 +200,48 @@ class Eagle3Head(nn.Module):
         weight = self.frozen.lm_head.weight
         rows = weight[self.draft_to_target.to(weight.device)]
         return (self.frozen.normed(target_hidden).to(weight.device) @ rows.T).to(target_hidden.device)
+
+
+class Eagle3Drafting:
+    """An EAGLE-3 head's operations around its layer while drafting, each a fused operation or two on copies of
+    its weights in the stepper's dtype: `F.rms_norm` for each RMSNorm module (six operations each), the fc norms
+    folded into fc's columns (fc(cat(n_i(x_i) * g_i)) = (fc * cat(g_i))(cat(n_i(x_i)))), and fc on the stepper's
+    product. Equal to the head's own up to float rounding (tests/heads/test_fast_step.py)."""
+
+    def __init__(self, head: Eagle3Head, spec: HeadSettings, stepper: HeadStepper):
+        dtype, device = stepper.dtype, stepper.device
+        own = lambda norm: norm.weight.detach().to(device, dtype)  # noqa: E731
+        self.layers = list(spec.feature_layers)
+        self.hidden = head.frozen.config.hidden_size
+        self.eps = head.frozen.config.rms_norm_eps
+        self.embed, self.dtype, self.device = head.frozen.embed.weight, dtype, device
+        self.embed_norm, self.feature_norm = own(head.layer.input_layernorm), own(head.hidden_norm)
+        self.output_norm = own(head.norm) if head.norm_output else None
+        fc = head.fc.weight.detach().float()
+        if head.fc_norm is not None:
+            fc = fc * torch.cat([norm.weight.detach().float() for norm in head.fc_norm]).to(fc.device)[None]
+        self.fc_norm = head.fc_norm is not None
+        self.fc = stepper.lay_out(fc)
+
+    def drafting(self) -> Drafting:
+        return Drafting(self.inputs, self.draft_input, self.carry if self.output_norm is not None else None)
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+        return F.rms_norm(x, (self.hidden,), weight, self.eps)
+
+    def draft_input(self, hidden: dict[int, torch.Tensor]) -> torch.Tensor:
+        """The fused step-0 feature [1, n, H] from the captured states (layer -> [n, H])."""
+        states = torch.stack([hidden[layer] for layer in self.layers], dim=-2).to(self.device, self.dtype)
+        if self.fc_norm:
+            states = self.norm(states, None)
+        return self.fc(states.reshape(1, states.shape[0], -1))
+
+    def inputs(self, feature: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        embeds = F.embedding(ids.to(self.embed.device), self.embed).to(self.device, self.dtype)
+        return torch.cat([self.norm(embeds, self.embed_norm), self.norm(feature, self.feature_norm)], dim=-1), feature
+
+    def carry(self, out: torch.Tensor) -> torch.Tensor:
+        return self.norm(out, self.output_norm)
 
 
 # Draft vocabularies up to this size keep their logits for backward rather than computing them again: a chunk of

@@ -31,14 +31,33 @@ INITIAL_CAPACITY = 512  # positions; the cache doubles when a generation outgrow
 Inputs = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
+@dataclasses.dataclass(frozen=True)
+class Drafting:
+    """What a head computes around its layer while drafting: `inputs` (above); `draft_input`, the feature [1, n, H]
+    it drafts from out of the target's captured states (layer -> [n, H]); `output`, what a step returns of the
+    layer's output (the state the next step reads; None: the output itself)."""
+
+    inputs: Inputs
+    draft_input: Callable[[dict[int, torch.Tensor]], torch.Tensor]
+    output: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+
 class HeadStepper:
     """Runs a head's layer over new positions after those in its cache: `step(feature, ids)` is
-    `head(feature, ids, cache=...)` for the head's KV cache."""
+    `head(feature, ids, cache=...)` for the head's KV cache, and `draft_input(hidden)` is the head's
+    `draft_input(hidden, spec)`.
 
-    def __init__(self, layer: nn.Module, rotary: nn.Module, config, inputs: Inputs,
-                 output: Callable[[torch.Tensor], torch.Tensor] | None = None, *, lm_head: nn.Linear,
-                 logits_input: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    A head may hand it `inputs`, `output` and `draft_input` built for drafting: its small norms and concatenations
+    as a few fused operations on copies of its weights (Eagle3Head.stepper). Drafting runs right after a target
+    forward that streamed every target weight through the caches, so each of a step's operations starts cold:
+    on a 2-core AMD EPYC (avx512_bf16), a K=3 chain step's drafting took 2.54 ms right after a target forward
+    against 1.65 ms back to back, and 2.03 ms with the fused operations (benchmarks/head_drafting.py)."""
+
+    def __init__(self, layer: nn.Module, rotary: nn.Module, config, drafting: Callable[["HeadStepper"], Drafting], *,
+                 lm_head: nn.Linear, logits_input: Callable[[torch.Tensor], torch.Tensor] | None = None,
                  lm_head_for: Callable | None = None):
+        """`drafting(self)` gives the head's `Drafting`, once the stepper knows its device, dtype and product
+        (`lay_out`)."""
         weight = layer.post_attention_layernorm.weight
         self.device, self.dtype = weight.device, weight.dtype
         choice = choose(config, self.device, str(self.dtype).removeprefix("torch."))
@@ -49,10 +68,10 @@ class HeadStepper:
         self.kernels = LayerKernels(config, product, row_attention(choice.attention_one),
                                     row_attention(choice.attention_many))
         self.rope = RopeTables(rotary, self.dtype, self.device)
-        self.inputs = inputs
-        self.output = output  # what a step returns of the layer's output (the state the next step reads)
         k = self.kernels
         self.cache = KVCache(1, 1, k.kv_heads, k.head_dim, INITIAL_CAPACITY, choice.cache_dtype, self.device)
+        drafting = drafting(self)
+        self.inputs, self.draft_input, self.output = drafting.inputs, drafting.draft_input, drafting.output
         # The LM head `logits` multiplies, on the same product as the layer, in its layout: packed, a one-row
         # product over an 8,192-token draft vocabulary takes 69 us instead of 243 us (AMD EPYC, avx512_bf16),
         # three times a chain step at K=3. A head's own LM head is laid out as it is now (a head being trained
@@ -64,6 +83,14 @@ class HeadStepper:
         else:
             with torch.inference_mode(False), torch.no_grad():
                 self.lm_head = product.lay_out(lm_head.weight)  # the plain products read the weight itself
+
+    def lay_out(self, weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+        """x -> x @ weight.T on this stepper's product, `weight` [out, in] laid out now (a copy where the product
+        lays out; the plain products read the weight itself)."""
+        product = self.kernels.product
+        with torch.inference_mode(False), torch.no_grad():
+            laid_out = product.lay_out(weight.detach().to(self.device, self.dtype))
+        return lambda x: product(x, laid_out, None)
 
     def logits(self, state: torch.Tensor) -> torch.Tensor:
         """Logits over the head's vocabulary from what a step returned: the head's own `logits`, up to float
@@ -88,9 +115,10 @@ class HeadStepper:
         [1, 1, T, cached + T] (True = attended; a draft tree's nodes)."""
         start, count = self.cache.length, ids.shape[1]
         self.cache.reserve(start + count)
-        if positions is None:
-            positions = torch.arange(start, start + count, device=ids.device)[None]
-        cos, sin = self.rope(positions, start + count)  # a bound known on the host: no wait for the device
+        if positions is None:  # the next positions: views of the rotary tables
+            cos, sin = self.rope.span(start, count)
+        else:
+            cos, sin = self.rope(positions, start + count)  # a bound known on the host: no wait for the device
         h, residual = self.inputs(feature, ids)
         causal = seen is None and count > 1 and (start == 0 or self.kernels.causal_after_cache)
         if seen is None and count > 1 and not causal:

@@ -65,13 +65,22 @@ class RopeTables:
     def __call__(self, positions: torch.Tensor, bound: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """`bound`: a number above every position, known on the host (a cache's end): reading the largest position
         from the tensor instead waits for the GPU on every forward, which stops the host queueing work ahead."""
-        needed = bound if bound is not None else int(positions.max()) + 1
+        self._cover(bound if bound is not None else int(positions.max()) + 1)
+        return self._cos[positions], self._sin[positions]
+
+    def span(self, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [1, count, D] for the positions start .. start + count - 1: views of the tables, where
+        `__call__` gathers rows into new tensors."""
+        self._cover(start + count)
+        return self._cos[None, start:start + count], self._sin[None, start:start + count]
+
+    def _cover(self, needed: int) -> None:
+        """Tables of at least `needed` positions."""
         if self._cos is None or self._cos.shape[0] < needed:
             size = max(needed, 2 * (0 if self._cos is None else self._cos.shape[0]), 4096)
             probe = torch.zeros(1, dtype=self.dtype, device=self.device)
             cos, sin = self.rotary(probe, torch.arange(size, device=self.device)[None])
             self._cos, self._sin = cos[0], sin[0]
-        return self._cos[positions], self._sin[positions]
 
 
 class LayerKernels:

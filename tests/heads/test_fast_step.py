@@ -50,7 +50,7 @@ def test_steps_equal_the_heads_forward_through_prefill_steps_rollback_and_a_tree
         _laid_out(monkeypatch, product)
     dtype = torch.float32 if laid_out else torch.float64
     head = _head(kind, dtype)
-    stepper = head.stepper()
+    stepper = head.stepper(SPECS[kind])
     assert stepper.choice.product == product
     assert (stepper.lm_head is not head_lm_head(head).weight) == laid_out  # laid out: its own copy
     generator = torch.Generator().manual_seed(1)
@@ -85,3 +85,8 @@ def test_steps_equal_the_heads_forward_through_prefill_steps_rollback_and_a_tree
         seen[0, 0, row, 12 + row] = True
     both(features[:, :3], ids[:, :3], torch.full((1, 3), 12), seen)
     assert stepper.length == cache.get_seq_length() == 15
+    # the feature drafted from: the target's captured states, as the head's own draft_input reads them
+    captured = {layer: torch.randn(5, hidden, generator=generator, dtype=dtype) for layer in range(4)}
+    ours, theirs = stepper.draft_input(captured), head.draft_input(captured, SPECS[kind])
+    assert ours.shape == theirs.shape == (1, 5, hidden)
+    assert torch.allclose(ours, theirs, **tolerance), (ours - theirs).abs().max()
