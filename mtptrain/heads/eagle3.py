@@ -231,7 +231,8 @@ class Eagle3Drafting:
 
     def draft_input(self, hidden: dict[int, torch.Tensor]) -> torch.Tensor:
         """The fused step-0 feature [1, n, H] from the captured states (layer -> [n, H])."""
-        states = torch.stack([hidden[layer] for layer in self.layers], dim=-2).to(self.device, self.dtype)
+        # each layer's states moved first: a target split over GPUs holds them on the GPU of their layer
+        states = torch.stack([hidden[layer].to(self.device, self.dtype) for layer in self.layers], dim=-2)
         if self.fc_norm:
             states = self.norm(states, None)
         return self.fc(states.reshape(1, states.shape[0], -1))
