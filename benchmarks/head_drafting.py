@@ -33,6 +33,7 @@ from mtptrain.eval.prompts import load_prompts
 from mtptrain.heads.checkpoint import PRETRAINED_HEAD
 from mtptrain.heads.fast import Drafting, HeadStepper
 from mtptrain.heads.common import head_layer_config
+from mtptrain.heads.eagle3 import Eagle3Head
 from mtptrain.engine.verify import Sampling
 from mtptrain.machine import describe_cpu
 from mtptrain.runtime.linears import fast_linears, product_for
@@ -81,7 +82,7 @@ def main() -> None:
     target = load_target(recipe.target)
     _, info, _, modules = build_configs(recipe, target, Sampling())
     head, spec = modules[0], info.spec
-    if spec.kind != "eagle3":
+    if not isinstance(head, Eagle3Head):  # the fused operations it compares are Eagle3Head's (Eagle3Drafting)
         raise SystemExit(f"{args.head} is an {spec.kind} head: this benchmark measures EAGLE-3 heads' drafting")
     tok = target.tokenizer
     stops = stop_tokens(tok, target.model)
