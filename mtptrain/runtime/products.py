@@ -119,11 +119,24 @@ PRODUCTS = {product.name: product for product in (
 PACKABLE = (torch.float32, torch.bfloat16, torch.float16)  # the dtypes oneDNN packs
 
 
+def packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs weights of `dtype` on this CPU: float32 wherever torch has oneDNN, bfloat16 and
+    float16 only where the CPU has the instructions its reduced-precision products need (AVX-512 or
+    AVX-NE-CONVERT; an AVX2-only CPU refuses to pack them)."""
+    if dtype not in PACKABLE or not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if dtype == torch.float16:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    return True
+
+
 def products(dtype: torch.dtype) -> list[str]:
     """The products this machine can run in `dtype`: oneDNN's packed one where torch has oneDNN, the runtime's
     own ("native") where its kernels build with a product for `dtype` on this CPU."""
     names = ["linear", "skinny"]
-    if torch.backends.mkldnn.is_available():
+    if packs(dtype):
         names.append("packed")
     if blocked_linear_kernel(dtype) is not None:
         names.append("native")
@@ -135,7 +148,9 @@ def usable_product(product: str, dtype: torch.dtype) -> str:
     and the compiler may be gone since; or a dtype the choice did not measure it for) oneDNN's packed product
     (F.linear without oneDNN)."""
     if product == "native" and blocked_linear_kernel(dtype) is None:
-        return "packed" if torch.backends.mkldnn.is_available() else "linear"
+        product = "packed"
+    if product == "packed" and not packs(dtype):
+        return "linear"
     return product
 
 
@@ -147,5 +162,5 @@ def runs_on(product: str, weight: torch.Tensor) -> bool:
     if weight.device.type != "cpu":
         return False
     if product == "packed":
-        return weight.dtype in PACKABLE
+        return packs(weight.dtype)
     return blocked_linear_kernel(weight.dtype) is not None

@@ -64,3 +64,21 @@ def test_inside_the_block_every_reference_to_a_layer_multiplies_with_the_product
         patch.setattr(torch.nn.functional, "linear", refused)
         with pytest.raises(AssertionError, match="F.linear ran"):
             held["lm_head"](x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_product_this_machine_offers_multiplies(dtype):
+    """The products the machine's choice times (runtime/choice.py) are the ones that run here: oneDNN refuses to
+    pack bfloat16 weights on a CPU without AVX-512, and a choice that timed it there would crash."""
+    from mtptrain.runtime.products import PRODUCTS as KNOWN, products, usable_product
+
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(48, 64, generator=generator).to(dtype)
+    x = torch.randn(3, 64, generator=generator).to(dtype)
+    offered = products(dtype)
+    assert {"linear", "skinny"} <= set(offered)
+    for name in offered:
+        out = KNOWN[name](x, KNOWN[name].lay_out(weight), None)
+        assert torch.allclose(out.float(), torch.nn.functional.linear(x, weight).float(), rtol=2e-2, atol=2e-2), name
+    for name in KNOWN:  # a cached choice names a product this machine lacks: what runs in its place is offered
+        assert usable_product(name, dtype) in offered
