@@ -51,7 +51,7 @@ from mtptrain.eval.exactness import logit_scale_and_gap
 from mtptrain.eval.methods import build_configs
 from mtptrain.eval.prompts import load_prompts
 from mtptrain.heads.checkpoint import PRETRAINED_HEAD
-from mtptrain.machine import describe_cpu, memory_bandwidth
+from mtptrain.machine import cpu_line, describe_cpu, memory_bandwidth
 from mtptrain.runtime.linears import fast_linears, product_for
 from mtptrain.runtime.runner import open_runner, runtime_description, runtime_for
 from mtptrain.target import embedded_gguf_path, load_target
@@ -268,8 +268,7 @@ def print_machine(reference, runner, methods, forward_rounds: int) -> None:
     roofline_ms = weight_bytes / gbs / 1e6
     read_ms = weight_bytes / read_gbs / 1e6
     step_ms = 1000 / statistics.median(methods[0].tps())
-    print(f"\nCPU {cpu['model']} ({cpu['logical_cores']} logical cores, torch kernels {cpu['capability']}, "
-          f"{' '.join(cpu['extensions'] or [])}); {torch.get_num_threads()} threads")
+    print("\n" + cpu_line(cpu) + f"; {torch.get_num_threads()} threads")
     if device.type == "cuda":
         print(f"GPU {torch.cuda.get_device_name(device)} (torch {torch.__version__}, CUDA {torch.version.cuda}); "
               "bandwidth and roofline below are the GPU's memory")

@@ -25,7 +25,7 @@ import time
 import torch
 
 from mtptrain.config import load_recipe
-from mtptrain.machine import describe_cpu
+from mtptrain.machine import cpu_line, describe_cpu
 from mtptrain.runtime.choice import shapes
 from mtptrain.runtime.products import PRODUCTS, products
 from mtptrain.target import load_config
@@ -89,8 +89,7 @@ def main() -> None:
     names = [p for p in products(dtype) if p != "skinny"]  # skinny is F.linear past 32 rows
     laid_out = {p: [PRODUCTS[p].lay_out(w) for w in plain] for p in names}
     cpu = describe_cpu()
-    print(f"CPU {cpu['model']} ({cpu['logical_cores']} logical cores, torch kernels {cpu['capability']}, "
-          f"{' '.join(cpu['extensions'] or [])}); {torch.get_num_threads()} threads")
+    print(cpu_line(cpu) + f"; {torch.get_num_threads()} threads")
     whose = f"the target {args.model}" if args.model else f"{args.recipe}'s target"
     print(f"{len(every)} products of {whose} ({config.num_hidden_layers} layers and the LM head), "
           f"{weight_bytes / 1e6:.0f} MB in {args.dtype}; median ms of a pass over {args.repeats}, interleaved\n")

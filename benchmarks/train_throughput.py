@@ -28,7 +28,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from mtptrain.machine import describe_cpu
+from mtptrain.machine import cpu_line, describe_cpu
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -62,8 +62,7 @@ def main() -> None:
     if not (Path(args.features) / "manifest.json").is_file():
         sys.exit(f"{args.features} is not a complete feature store: run `make quickstart` (or precompute) first")
     cpu = describe_cpu()
-    print(f"CPU {cpu['model']} ({cpu['logical_cores']} logical cores, torch kernels {cpu['capability']}, "
-          f"{' '.join(cpu['extensions'] or [])})")
+    print(cpu_line(cpu))
     with tempfile.TemporaryDirectory() as tmp:
         paths = {"before": (args.baseline_features or args.features, "fp32"), "after": (args.features, "auto")}
         speeds = {path: [] for path in paths}

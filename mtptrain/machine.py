@@ -41,6 +41,14 @@ def describe_cpu(proc: Path = PROC) -> dict:
     }
 
 
+def cpu_line(cpu: dict | None = None) -> str:
+    """The CPU as a benchmark names it beside its numbers: model, logical cores, torch's kernel level and the
+    extensions that decide the runtime's choices."""
+    cpu = cpu or describe_cpu()
+    return (f"CPU {cpu['model']} ({cpu['logical_cores']} logical cores, torch kernels {cpu['capability']}, "
+            f"{' '.join(cpu['extensions'] or [])})")
+
+
 def memory_bandwidth(device: torch.device = torch.device("cpu"), repeats: int = 9) -> tuple[float, float]:
     """GB/s of `device`'s memory, the best of `repeats` (the most each gave): a copy of 256 MiB (bytes read plus
     bytes written) and a sum over the same 256 MiB (bytes read, as a decoding step reads its weights)."""
