@@ -52,7 +52,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from gpu_check_shapes import TARGETS, build_head, frozen_parts, random_batch, shape_config  # noqa: E402
 
 from mtptrain.config import CUDA_PAD_MULTIPLE, load_recipe  # noqa: E402
-from mtptrain.features.plan import resolve_layers  # noqa: E402
+from mtptrain.target.layers import resolve_layers  # noqa: E402
 from mtptrain.heads.losses import Loss  # noqa: E402
 from mtptrain.heads.objective import step_weights  # noqa: E402
 from mtptrain.runtime.attention import DECODING_BACKENDS  # noqa: E402

@@ -25,7 +25,8 @@ import torch
 
 from mtptrain.data.prepare import prepare_samples
 from mtptrain.config import load_recipe
-from mtptrain.features.plan import make_batches, plan_shards, resolve_layers
+from mtptrain.features.plan import make_batches, plan_shards
+from mtptrain.target.layers import resolve_layers
 from mtptrain.features.precompute import run_precompute
 from mtptrain.runtime.batch import capture_states
 from mtptrain.runtime.runner import runtime_for

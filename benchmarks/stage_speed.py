@@ -35,7 +35,7 @@ from mtptrain.config import load_recipe
 from mtptrain.data.regenerate import run_regenerate
 from mtptrain.dist import DistInfo, pick_device
 from mtptrain.features.precompute import run_precompute
-from mtptrain.machine import describe_cpu
+from mtptrain.machine import cpu_line, describe_cpu
 from mtptrain.runtime.choice import choose
 from mtptrain.target import load_config
 
@@ -77,8 +77,7 @@ def main() -> None:
     device = pick_device(recipe.target.device, DistInfo.from_env())
     choice = choose(load_config(recipe.target), device, recipe.target.dtype)
     cpu = describe_cpu()
-    print(f"CPU {cpu['model']} ({cpu['logical_cores']} logical cores, torch kernels {cpu['capability']}, "
-          f"{' '.join(cpu['extensions'] or [])}), {torch.get_num_threads()} threads; runtime choice: "
+    print(cpu_line(cpu) + f", {torch.get_num_threads()} threads; runtime choice: "
           f"{choice.describe()}")
     if device.type == "cuda":
         print(f"GPU {torch.cuda.get_device_name(device)} (torch {torch.__version__}, CUDA {torch.version.cuda}): "

@@ -65,7 +65,9 @@ def regenerate(recipe: RecipeOpt = None, overrides: SetOpt = None,
     answer in order, batched (regenerate.batch_size rows, each refilled as soon as its answer ends), greedy or
     sampled (regenerate.temperature), each answer at most regenerate.max_new_tokens and the whole conversation
     within data.max_length. Writes data.regenerated (JSONL, same ids as the source); precompute then reads it in
-    place of the original answers. Rerunning the same command resumes after the last finished group of
+    place of the original answers. On the native runtime it also keeps the target's states at precompute.layers
+    for every conversation (regenerate.keep_states, in <data.regenerated>.states/), which precompute then copies
+    instead of running the target again. Rerunning the same command resumes after the last finished group of
     conversations.
     """
     from mtptrain.data.regenerate import format_summary, run_regenerate

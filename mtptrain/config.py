@@ -155,6 +155,11 @@ class RegenerateConfig(_Truncation):
         "(the transformers fallback): skinny = W @ x.T, packed = oneDNN with packed weights, native = mtptrain's "
         "own product on blocked weights, stock = torch's path, auto = what this machine measured fastest "
         "(mtptrain/runtime/linears.py).")
+    keep_states: bool = Field(
+        True, description="While decoding on the native runtime, keep the target's states at precompute.layers for "
+        "every conversation (in <data.regenerated>.states/, in precompute.dtype's precision: about as much disk as "
+        "the feature store), so that `mtptrain precompute` copies them instead of running the target over the "
+        "conversations again. Ignored on vLLM and on transformers' forward.")
 
 
 class SelfPromptsConfig(_Truncation):

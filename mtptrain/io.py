@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+import torch
 from safetensors import SafetensorError
 
 from mtptrain.errors import MtptrainError
@@ -38,6 +39,41 @@ _REFUSED = {
 class WriteRefusedError(MtptrainError, RuntimeError):
     """The disk refused a write (full, over the file size limit, read-only); the message says where and what
     was kept."""
+
+
+SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "int64": "I64", "int32": "I32",
+                      "uint8": "U8", "float8_e4m3fn": "F8_E4M3"}  # a torch dtype's name -> safetensors' name
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> dict[str, Any]:
+    """Write a safetensors file with a deterministic header, hashing it on the way.
+
+    The library's own writer orders the metadata map at random, so the same
+    shard would not be byte-identical across runs; this writer streams the
+    tensors from their buffers without an intermediate copy of the whole file.
+    Layout: u64 little-endian header length, JSON header padded to 8 bytes,
+    then the tensors' bytes back to back.
+    """
+    header: dict[str, Any] = {"__metadata__": dict(sorted(metadata.items()))}
+    offset = 0
+    for name, tensor in tensors.items():
+        size = tensor.numel() * tensor.element_size()
+        header[name] = {"dtype": SAFETENSORS_DTYPES[str(tensor.dtype).removeprefix("torch.")],
+                        "shape": list(tensor.shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    digest = hashlib.sha256()
+    with open(path, "wb") as fh:
+        for chunk in (len(head).to_bytes(8, "little"), head):
+            fh.write(chunk)
+            digest.update(chunk)
+        for tensor in tensors.values():
+            raw = memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
+            fh.write(raw)
+            digest.update(raw)
+    return {"bytes": 8 + len(head) + offset, "sha256": digest.hexdigest()}
 
 
 def read_marked_json(path: Path, marker: str, error: type[Exception], missing: str) -> dict:

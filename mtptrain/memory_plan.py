@@ -21,7 +21,7 @@ import torch
 from mtptrain.config import Recipe
 from mtptrain.errors import MtptrainError
 from mtptrain.features.compute import TOP_CHUNK
-from mtptrain.features.plan import resolve_layers
+from mtptrain.target.layers import resolve_layers
 from mtptrain.heads.common import FrozenTarget
 from mtptrain.heads.spec import HeadSpec
 from mtptrain.target.parts import meta_model

@@ -155,7 +155,7 @@ def build_head(recipe, model, device):
     `device` and cast to bf16 as DeepSpeed's bf16 mode holds it."""
     import torch
 
-    from mtptrain.features.plan import resolve_layers
+    from mtptrain.target.layers import resolve_layers
     from mtptrain.heads import FrozenTarget
     from mtptrain.heads.spec import HeadSpec
     from mtptrain.heads.vocab import DraftVocab

@@ -207,6 +207,26 @@ def test_stage_speed(varied_target_dir, tmp_path):
     assert same and int(same[2]) >= 6 and same[1] == same[2]
 
 
+def test_kept_states(varied_target_dir, tmp_path):
+    """Both ways of making a store, alternately; the stores hold the same conversations with close states."""
+    out = run_benchmark("kept_states.py", "--conversations", 8, "--rounds", 2,
+                        "--set", f"target.model={varied_target_dir}", "--set", "target.dtype=float32",
+                        "--set", f"data.source={write_sharegpt(tmp_path / 'c.json', 8)}", "--set",
+                        "data.max_length=160", "--set", "regenerate.max_new_tokens=16", "--set",
+                        "data.validation_fraction=0")
+    for r, way in ((1, "kept"), (1, "computed"), (2, "computed"), (2, "kept")):
+        run = re.search(rf"round {r}, {way} *: regenerate +{NUM} s, precompute +{NUM} s, both +{NUM} s "
+                        r"\([\d,]+ answer tokens, store ([\d,]+) tokens, ([\d,]+) copied\)", out)
+        assert run, (r, way)
+        store, copied = (int(x.replace(",", "")) for x in run.groups()[-2:])
+        assert store > 0 and copied == (store if way == "kept" else 0)
+    assert re.search(rf"both stages: {NUM}x faster with the states kept \(rounds: {NUM}, {NUM}\)", out)
+    same = re.search(r"(\d+) of (\d+) conversations with the same ids both ways; states: largest difference "
+                     r"([\d.e+-]+), mean relative difference ([\d.e+-]+)", out)
+    assert same and same[1] == same[2] and int(same[1]) >= 6
+    assert float(same[4]) < 1e-2
+
+
 def test_decode_attention():
     out = run_benchmark("decode_attention.py", "--rows", 4, "--rounds", 1, "--steps", 1)
     assert re.search(rf"kernel loaded in {NUM} s", out)

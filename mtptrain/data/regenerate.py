@@ -43,10 +43,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
-from mtptrain.data.chat import prompt_ids, stop_tokens
+from mtptrain.data.chat import prompt_ids, stop_tokens, tokenize_conversation
 from mtptrain.data.conversations import BadRow, normalise, unique_key
 from mtptrain.data.samples import NoUsableData, RowStats
 from mtptrain.data.readers import read_rows
@@ -55,8 +56,11 @@ from mtptrain.dist import DistInfo
 from mtptrain.engine.verify import Sampling, distribution, draw
 from mtptrain.errors import MtptrainError
 from mtptrain.io import atomic_write_json, fsync_dir
+from mtptrain.target.layers import resolve_layers
+from mtptrain.data.kept_states import entry_fits, kept_dtype, new_entry, states_dir, valid_entry, write_group
 from mtptrain.runtime.batch import Request, decode_stream
 from mtptrain.runtime.linears import fast_linears, product_for
+from mtptrain.runtime.model import FastDecoder
 from mtptrain.runtime.runner import invalid_record, runtime_for, source_record
 from mtptrain.serving.vllm_engine import (VllmError, VllmWorker, data_parallel_devices, engine_args, on_gpu,
                                           stream_requests, vllm_python)
@@ -88,6 +92,16 @@ class Job:
     stopped: str | None = None  # why no further turn is asked
     new_tokens: list[int] = field(default_factory=list)  # per answer
     finished: list[bool] = field(default_factory=list)  # per answer: ended with a stop token
+    sample_ids: list[int] | None = None  # the conversation as precompute tokenizes it, once asked for its states
+    states: torch.Tensor | None = None  # [len(sample_ids), layers, H], where the decoder kept them
+    tops: torch.Tensor | None = None  # the target's greedy next token after each, -1 where not computed
+
+
+@dataclass
+class Keep:
+    """What to keep while decoding (regenerate.keep_states): the states after `layers`, in `dtype`."""
+    layers: tuple[int, ...]
+    dtype: torch.dtype
 
 
 DATA_KEYS = ("source", "format", "dataset_split", "dataset_config", "messages_column", "max_conversations",
@@ -100,7 +114,7 @@ def settings_of(recipe: Recipe, engine: str = "runtime") -> dict:
     not the method."""
     settings = {"version": STATE_VERSION, **{k: getattr(recipe.data, k) for k in DATA_KEYS},
                 **{k: v for k, v in recipe.regenerate.model_dump(mode="json").items()
-                   if k not in ("cpu_matmul", "engine")}, "engine": engine}
+                   if k not in ("cpu_matmul", "engine", "keep_states")}, "engine": engine}
     if engine == "vllm":
         settings["vllm_dtype"] = recipe.vllm.dtype
     return settings
@@ -193,11 +207,13 @@ def sampler(sampling: Sampling, seed: int):
 
 
 def regenerate_jobs(source, tokenizer, group: list[Job], recipe: Recipe, stops: set[int],
-                    finished: Callable[[Job], None] = lambda job: None) -> int:
+                    finished: Callable[[Job], None] = lambda job: None, keep: Keep | None = None) -> int:
     """Answer every turn of a group of conversations, `regenerate.batch_size` rows at a time, on `source` (the
     target's batched decoder, or its model: runtime/batch.py's `decode_stream`; or a list of vLLM workers, each
-    keeping that many rows): a conversation's next turn is asked as soon as its answer ends. `finished(job)` is called as each conversation ends.
-    Returns the number of new tokens."""
+    keeping that many rows): a conversation's next turn is asked as soon as its answer ends. `finished(job)` is
+    called as each conversation ends. With `keep` (the native decoder only), a conversation's row then takes in
+    the conversation as precompute tokenizes it (what its cache holds is kept, so mostly the end-of-turn tail),
+    and the job gets the states of every position (`Job.states`). Returns the number of new tokens."""
     r, max_length = recipe.regenerate, recipe.data.max_length
     sampling = Sampling(r.temperature, r.top_k, r.top_p)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stops, default=0)
@@ -216,12 +232,37 @@ def regenerate_jobs(source, tokenizer, group: list[Job], recipe: Recipe, stops: 
                 asking[id(request)] = (job, turn)
                 return request
             job.stopped = "context full"
+        tail = states_request(job) if keep is not None else None
+        if tail is not None:
+            asking[id(tail)] = (job, None)
+            return tail
         finished(job)
         return None
+
+    def states_request(job: Job) -> Request | None:
+        """A last request for the row of a finished conversation: the whole conversation as precompute's sample,
+        whose every position's states the decoder hands over (one token is drawn and dropped)."""
+        if not job.messages:
+            return None
+        unfinished = frozenset(i for i, done in enumerate(job.finished) if not done)
+        try:
+            sample = tokenize_conversation(tokenizer, job.system + job.messages, max_length, recipe.data.overlong,
+                                           unfinished)
+        except BadRow:  # precompute leaves it out too
+            return None
+        if len(sample.input_ids) < 2:
+            return None
+        job.sample_ids = [int(t) for t in sample.input_ids]
+        return Request(job.sample_ids, 1, keep_states=True)
 
     def answered(request: Request) -> Request | None:
         nonlocal total
         job, turn = asking.pop(id(request))
+        if turn is None:  # the states of the whole conversation: it is over
+            if request.states is not None and request.states.shape[0] == len(job.sample_ids):
+                job.states, job.tops = request.states, request.tops
+            finished(job)
+            return None
         total += len(request.tokens)
         text = tokenizer.decode(request.tokens, skip_special_tokens=True).strip()
         if not text:  # an empty answer cannot be a training turn; the conversation ends before it
@@ -239,7 +280,8 @@ def regenerate_jobs(source, tokenizer, group: list[Job], recipe: Recipe, stops: 
     if isinstance(source, list):  # vLLM's workers (mtptrain/serving/vllm_engine.py)
         stream_requests(source, firsts, answered, r.batch_size, stops, r.temperature, r.top_k, r.top_p)
     else:
-        decode_stream(source, firsts, answered, r.batch_size, stops, pad_id, recipe.target.runtime)
+        decode_stream(source, firsts, answered, r.batch_size, stops, pad_id, recipe.target.runtime,
+                      *((keep.layers, keep.dtype) if keep is not None else ()))
     return total
 
 
@@ -280,6 +322,10 @@ def run_regenerate(recipe: Recipe, show_progress: bool = True) -> dict:
                               "already written (the file, dataset or chat template changed); write to a new "
                               "data.regenerated path")
     truncate_to(output, state["bytes"])
+    if "states" in state and not valid_entry(state["states"]):
+        log.warning("regenerate: %s: its record of the states kept for precompute is not one mtptrain wrote; "
+                    "dropped (precompute computes those conversations)", state_path(output))
+        del state["states"]
     state["plan"], state["complete"] = digests, done == len(groups)
     stops = stop_tokens(tokenizer, model) | generation_stops(recipe.target)
     counts = state["counts"]
@@ -295,10 +341,21 @@ def run_regenerate(recipe: Recipe, show_progress: bool = True) -> dict:
     with decoding(recipe, engine, model, output, state.get("runtime")) as source:
         if engine == "runtime" and "runtime" not in state:
             state["runtime"] = source_record(source)
+        keep = _keeping(recipe, source, target, state)
         started = time.perf_counter()  # decoding only: a vLLM engine's start is not its throughput
         for g in range(done, len(groups)):
             group = groups[g]
-            tokens_now += regenerate_jobs(source, tokenizer, group, recipe, stops, finished)
+            tokens_now += regenerate_jobs(source, tokenizer, group, recipe, stops, finished, keep)
+            if "states" in state:
+                state["states"]["groups"].pop(str(g), None)
+            kept = [job for job in group if job.states is not None] if keep is not None else []
+            if kept:
+                state["states"]["groups"][str(g)] = write_group(
+                    states_dir(output), g, [job.id for job in kept],
+                    [np.asarray(job.sample_ids, dtype=np.int32) for job in kept], [job.states for job in kept],
+                    [job.tops for job in kept], list(keep.layers))
+                for job in kept:
+                    job.states = job.tops = None  # the group's file holds them now
             lines = []
             for job in group:
                 if not job.messages:
@@ -322,8 +379,28 @@ def run_regenerate(recipe: Recipe, show_progress: bool = True) -> dict:
     atomic_write_json(state_path(output), state)
     summary = {"output": str(output), "groups": len(groups), **counts, "read": stats.to_dict(),
                "tokens_this_run": tokens_now, "seconds_this_run": time.perf_counter() - started}
+    kept_groups = state.get("states", {}).get("groups", {}).values()
+    if kept_groups:
+        summary["kept_states"] = {"directory": str(states_dir(output)),
+                                  "conversations": sum(g["samples"] for g in kept_groups),
+                                  "tokens": sum(g["tokens"] for g in kept_groups),
+                                  "bytes": sum(g["bytes"] for g in kept_groups)}
     log.info("regenerate: %s", summary)
     return summary
+
+
+def _keeping(recipe: Recipe, source, target, state: dict) -> Keep | None:
+    """What to keep while decoding for `mtptrain precompute` (regenerate.keep_states), with the state's record of
+    it started anew where it was kept another way (other layers, precision or runtime); None where nothing is
+    kept: the setting is off, the target decodes on vLLM or transformers' forward, or training computes its
+    states itself (train.online)."""
+    if not recipe.regenerate.keep_states or not isinstance(source, FastDecoder) or recipe.train.online:
+        return None
+    layers = resolve_layers(recipe.precompute.layers, target.num_layers)
+    dtype = kept_dtype(recipe.precompute.dtype)
+    if not entry_fits(state.get("states"), layers, dtype, state["runtime"]):
+        state["states"] = new_entry(layers, dtype, state["runtime"])
+    return Keep(tuple(layers), getattr(torch, dtype))
 
 
 def recorded_runtime(output: Path, dtype: str, setting: str = "data.regenerated") -> dict | None:
@@ -518,4 +595,11 @@ def format_summary(summary: dict) -> str:
             f"skipped: {skipped}; source: {summary['read']['rows']} rows read, "
             f"{sum(summary['read']['skipped'].values())} unusable\n"
             f"this run: {summary['tokens_this_run']:,} tokens at {rate:.0f} tok/s\n"
-            f"output: {summary['output']}")
+            f"output: {summary['output']}" + kept_line(summary.get("kept_states")))
+
+
+def kept_line(kept: dict | None) -> str:
+    if not kept:
+        return ""
+    return (f"\nstates kept for `mtptrain precompute`: {kept['conversations']:,} conversations, {kept['tokens']:,} "
+            f"tokens, {kept['bytes'] / 2**30:.2f} GiB in {kept['directory']} (delete it once the store is complete)")

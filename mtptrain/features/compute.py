@@ -21,6 +21,7 @@ from mtptrain.data.samples import Sample
 from mtptrain.config import Recipe
 from mtptrain.errors import MtptrainError
 from mtptrain.features.plan import ShardPlan, make_batches
+from mtptrain.data.kept_states import KeptStates
 from mtptrain.features.store import FP8, READ_DTYPE, ShardRecord, quantize_rows, read_complete_record, write_shard
 from mtptrain.heads.common import FrozenTarget
 from mtptrain.io import writing_to
@@ -75,8 +76,8 @@ class _ShardBuffer:
         """Copy a batch's rows into place; batches cover the shard's samples in order, so rows are contiguous."""
         for target, source in [*((self.hidden[layer], states) for layer, states in outputs.items()), (self.top, top)]:
             row = first_row
-            for b, sample in enumerate(batch):
-                target[row : row + len(sample)].copy_(source[b, : len(sample)])
+            for b, sample in enumerate(batch):  # source: [B, T, ...] padded, or one tensor per sample
+                target[row : row + len(sample)].copy_(source[b][: len(sample)])
                 row += len(sample)
         self.pending -= 1
 
@@ -154,18 +155,41 @@ def _to_host(states: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return states.to(dtype).cpu() if states.device.type != "cpu" else states
 
 
+def kept_batch(target: Target, kept: KeptStates | None, layers: list[int],
+               batch: list[Sample]) -> tuple[dict[int, list[torch.Tensor]], list[torch.Tensor]] | None:
+    """A batch's states copied from what regenerate kept (data/kept_states.py), one tensor per sample,
+    and the target's choices after them: kept where decoding computed them (after each generated token), computed
+    from the kept last layer elsewhere (a prompt's positions). None unless every sample of the batch was kept (then
+    the target runs)."""
+    if kept is None:
+        return None
+    found = []
+    for sample in batch:
+        states = kept.states_for(sample)
+        if states is None:
+            return None
+        found.append(states)
+    top = torch.cat([tops for _, tops in found])
+    missing = (top < 0).nonzero().squeeze(-1)
+    if len(missing):
+        last = torch.cat([states[target.num_layers - 1] for states, _ in found])[missing]
+        top[missing] = target_choices(FrozenTarget.of(target.model), last.to(target.model.dtype))
+    return {layer: [states[layer] for states, _ in found] for layer in layers}, list(top.split([len(s) for s in batch]))
+
+
 @dataclass
 class RankResult:
     shards_written: int = 0
     shards_skipped: int = 0
     tokens: int = 0
+    copied_tokens: int = 0  # of `tokens`, those whose states regenerate kept
     padded_tokens: int = 0
     seconds: float = 0.0
     records: list[ShardRecord] = field(default_factory=list)
 
 
 def compute_shards(target: Target, shards: list[ShardPlan], layers: list[int], recipe: Recipe, out_dir: Path,
-                   plan_id: str, rank: int, show_progress: bool) -> RankResult:
+                   plan_id: str, rank: int, show_progress: bool, kept: KeptStates | None = None) -> RankResult:
     cfg = recipe.precompute
     dtype = READ_DTYPE if cfg.dtype == FP8 else getattr(torch, cfg.dtype)  # the shard buffers' dtype
     todo = [s for s in shards if read_complete_record(out_dir / s.name, plan_id) is None]
@@ -185,12 +209,18 @@ def compute_shards(target: Target, shards: list[ShardPlan], layers: list[int], r
             buffer = _ShardBuffer.allocate(shard, layers, target.hidden_size, dtype, len(batches))
             first_row = 0
             for batch in batches:
-                outputs, top = forward_batch(target, source, layers, batch)
-                writer.put((buffer, first_row, batch, {k: _to_host(v, dtype) for k, v in outputs.items()}, top.cpu()))
                 tokens = sum(len(s) for s in batch)
+                copied = kept_batch(target, kept, layers, batch)
+                if copied is not None:
+                    writer.put((buffer, first_row, batch, *copied))
+                    result.copied_tokens += tokens
+                else:
+                    outputs, top = forward_batch(target, source, layers, batch)
+                    writer.put((buffer, first_row, batch, {k: _to_host(v, dtype) for k, v in outputs.items()},
+                                top.cpu()))
+                    result.padded_tokens += len(batch) * max(len(s) for s in batch)
                 first_row += tokens
                 result.tokens += tokens
-                result.padded_tokens += len(batch) * max(len(s) for s in batch)
                 progress.update(tokens)
     finally:
         # Always stop the writer thread: on success it flushes the last shard, on error it

@@ -22,7 +22,8 @@ from mtptrain.config import Recipe
 from mtptrain.data.prepare import prepare_samples
 from mtptrain.data.samples import Sample
 from mtptrain.features.compute import forward_batch
-from mtptrain.features.plan import make_plan_id, plan_shards, resolve_layers
+from mtptrain.features.plan import make_plan_id, plan_shards
+from mtptrain.target.layers import resolve_layers
 from mtptrain.features.store import SCHEMA_VERSION, TARGET_TOP, as_stored
 from mtptrain.runtime.runner import runtime_for
 from mtptrain.target import Target

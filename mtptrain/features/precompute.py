@@ -19,7 +19,9 @@ from mtptrain.data.samples import RowStats
 from mtptrain.config import Recipe, dump_recipe
 from mtptrain.dist import DistInfo, all_reduce_sum, barrier, destroy_process_group, init_process_group
 from mtptrain.features.compute import RankResult, compute_shards, store_writes
-from mtptrain.features.plan import ShardPlan, make_plan_id, plan_shards, resolve_layers
+from mtptrain.features.plan import ShardPlan, make_plan_id, plan_shards
+from mtptrain.target.layers import resolve_layers
+from mtptrain.data.kept_states import KeptStates
 from mtptrain.features.store import (
     MANIFEST, SCHEMA_VERSION, SPLITS, FeatureStoreError, load_manifest, read_complete_record, record_path,
     stored_bits, write_manifest,
@@ -123,7 +125,12 @@ def _precompute(recipe: Recipe, dist: DistInfo, grouped: bool, show_progress: bo
              sum(len(s) for s in samples), layers, len(plan), dist.world_size)
     runtime = _claim_runtime(out_dir, runtime_record(target.model, recipe.target.runtime))
     _remove_stale_temporaries(out_dir, mine)
-    result = compute_shards(target, mine, layers, recipe, out_dir, plan_id, dist.rank, show_progress)
+    kept = KeptStates.open(recipe.data.regenerated, layers, recipe.precompute.dtype, runtime, target.hidden_size,
+                           target.vocab_size)
+    result = compute_shards(target, mine, layers, recipe, out_dir, plan_id, dist.rank, show_progress, kept)
+    if kept is not None:
+        log.info("precompute: %d samples copied from the states %s kept, %d computed", kept.copied,
+                 Path(recipe.data.regenerated).name, kept.computed)
     if grouped:
         barrier()
     manifest, wrote = None, False
@@ -222,9 +229,10 @@ def _finish(out_dir: Path, manifest: dict | None, result: RankResult, dist: Dist
     summary = {
         "rank": dist.rank, "world_size": dist.world_size, "wrote_manifest": wrote_manifest,
         "shards_written": result.shards_written, "shards_skipped": result.shards_skipped,
-        "tokens_computed": result.tokens, "seconds": round(result.seconds, 2),
+        "tokens_computed": result.tokens, "tokens_copied": result.copied_tokens, "seconds": round(result.seconds, 2),
         "tokens_per_second": round(result.tokens / result.seconds, 1) if result.seconds else None,
-        "padding_fraction": round(1 - result.tokens / result.padded_tokens, 4) if result.padded_tokens else 0.0,
+        "padding_fraction": (round(1 - (result.tokens - result.copied_tokens) / result.padded_tokens, 4)
+                             if result.padded_tokens else 0.0),
     }
     if manifest is None:
         summary["complete"] = False
@@ -250,6 +258,8 @@ def format_summary(summary: dict) -> str:
         lines.append(f"computed {summary['tokens_computed']:,} tokens in {summary['seconds']:.1f} s: "
                      f"{summary['tokens_per_second']:,.0f} tokens/s (rank {summary['rank']} of "
                      f"{summary['world_size']}), padding {summary['padding_fraction']:.1%}")
+        if summary.get("tokens_copied"):
+            lines.append(f"of which {summary['tokens_copied']:,} copied from the states `mtptrain regenerate` kept")
     if not summary.get("complete"):
         lines.append("this rank is done; the store is complete once every rank has finished (the last one "
                      "writes manifest.json). If none is running any more, rerun the same command.")

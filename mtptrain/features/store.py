@@ -40,7 +40,7 @@ from safetensors import SafetensorError, safe_open
 
 from mtptrain.config import PrecomputeConfig
 from mtptrain.errors import MtptrainError
-from mtptrain.io import atomic_write, atomic_write_json, contained, sha256_file
+from mtptrain.io import SAFETENSORS_DTYPES, atomic_write, atomic_write_json, contained, sha256_file, write_safetensors
 from mtptrain.target import identity_mismatch
 
 log = logging.getLogger(__name__)
@@ -145,40 +145,6 @@ def write_shard(path: Path, split: str, keys: list[str], input_ids: np.ndarray, 
                          rank)
     atomic_write_json(record_path(path), asdict(record))
     return record
-
-
-_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",
-                       torch.int32: "I32", torch.uint8: "U8", torch.float8_e4m3fn: "F8_E4M3"}
-
-
-def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> dict[str, Any]:
-    """Write a safetensors file with a deterministic header, hashing it on the way.
-
-    The library's own writer orders the metadata map at random, so the same
-    shard would not be byte-identical across runs; this writer streams the
-    tensors from their buffers without an intermediate copy of the whole file.
-    Layout: u64 little-endian header length, JSON header padded to 8 bytes,
-    then the tensors' bytes back to back.
-    """
-    header: dict[str, Any] = {"__metadata__": dict(sorted(metadata.items()))}
-    offset = 0
-    for name, tensor in tensors.items():
-        size = tensor.numel() * tensor.element_size()
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
-                        "data_offsets": [offset, offset + size]}
-        offset += size
-    head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)
-    digest = hashlib.sha256()
-    with open(path, "wb") as fh:
-        for chunk in (len(head).to_bytes(8, "little"), head):
-            fh.write(chunk)
-            digest.update(chunk)
-        for tensor in tensors.values():
-            raw = memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
-            fh.write(raw)
-            digest.update(raw)
-    return {"bytes": 8 + len(head) + offset, "sha256": digest.hexdigest()}
 
 
 def read_complete_record(path: Path, plan_id: str) -> ShardRecord | None:
@@ -464,7 +430,7 @@ def shard_layout(manifest: dict[str, Any], shard: dict[str, Any]) -> dict[str, t
     tokens = shard["tokens"]
     layout = {"input_ids": ("I32", [tokens]), "loss_mask": ("U8", [tokens]),
               "offsets": ("I64", [shard["samples"] + 1]), TARGET_TOP: ("I32", [tokens])}
-    stored = _SAFETENSORS_DTYPES[getattr(torch, manifest["dtype"])]
+    stored = SAFETENSORS_DTYPES[manifest["dtype"]]
     for layer in manifest["layers"]:
         layout[hidden_key(layer)] = (stored, [tokens, manifest["target"]["hidden_size"]])
         if manifest["dtype"] == FP8:

@@ -59,6 +59,37 @@ class Request:
     seed: int | None = None  # the seed of `pick`'s stream, for an engine that draws itself (vLLM)
     tokens: list[int] = field(default_factory=list)
     stopped: bool = False
+    keep_states: bool = False  # when it ends, hand over the captured states of every position its row holds
+    states: torch.Tensor | None = None  # with keep_states: [positions, layers, H], one per id its row took in
+    tops: torch.Tensor | None = None  # with keep_states: the target's greedy next token after each (int32), -1
+    # where no logits were computed (a prompt's positions but its last)
+
+
+class Captured:
+    """The states a row's cache holds, position by position, at the layers a stream captures: segments of each
+    step's captured tensor (views), cut back when a new request keeps only part of the row's prefix."""
+
+    def __init__(self):
+        self.segments: list[tuple[torch.Tensor, torch.Tensor]] = []  # (states [n, layers, H], tops [n])
+        self.length = 0
+
+    def cut(self, keep: int) -> None:
+        while self.length > keep:
+            states, tops = self.segments[-1]
+            over = self.length - keep
+            if over >= states.shape[0]:
+                self.segments.pop()
+                self.length -= states.shape[0]
+            else:
+                self.segments[-1] = states[: states.shape[0] - over], tops[: states.shape[0] - over]
+                self.length = keep
+
+    def add(self, states: torch.Tensor, tops: torch.Tensor) -> None:
+        self.segments.append((states, tops))
+        self.length += states.shape[0]
+
+    def take(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.cat([s for s, _ in self.segments]), torch.cat([t for _, t in self.segments])
 
 
 Done = Callable[[Request], "Request | None"]  # a finished request -> the next one to decode in its place, or None
@@ -66,7 +97,8 @@ Done = Callable[[Request], "Request | None"]  # a finished request -> the next o
 
 @torch.inference_mode()
 def decode_stream(source, requests: Iterable[Request], done: Done, rows: int, stops: set[int], pad_id: int,
-                  runtime: str = "auto") -> None:
+                  runtime: str = "auto", capture: tuple[int, ...] = (),
+                  capture_dtype: torch.dtype = torch.bfloat16) -> None:
     """Decode every request, up to `rows` at once, on `source`: a batched decoder (`load_decoder(model,
     batched=True)`), or a model, on the batched decoder built for it where `runtime` allows. When one finishes,
     `done(request)` is called; the request it returns (a conversation's next turn) is decoded next, before the rest
@@ -75,15 +107,22 @@ def decode_stream(source, requests: Iterable[Request], done: Done, rows: int, st
     On the native decoder a finished row is refilled at once (continuous batching): the next request takes its row,
     keeps the cached prefix it shares with what the row held (a conversation's earlier turns, a system prompt) and
     takes in the rest with the next step. Rows leave the batch only when nothing is left to decode. On transformers'
-    forward the requests run in waves of `rows` that each finish before the next starts."""
+    forward the requests run in waves of `rows` that each finish before the next starts.
+
+    With `capture` (layer indices; the native decoder only), every step keeps the states after those layers, in
+    `capture_dtype`, for every position each row takes in, and a request with `keep_states` gets, when it ends,
+    the states of every position its row then holds (`Request.states`): its prompt and the answer's tokens but the
+    last chosen one, which no step took in."""
     pending = iter(requests)
     first = list(itertools.islice(pending, rows))
     if not first:  # nothing to decode: the model is not even looked at
         return
     decoder = source if isinstance(source, FastDecoder) else load_decoder(source, runtime, batched=True)
+    if capture and decoder is None:
+        raise ValueError("capturing states while decoding needs the native decoder (target.runtime native)")
     with decoding_kernels(decoder.device if decoder is not None else source.device):
         if decoder is not None:
-            _stream_native(decoder, first, pending, done, stops)
+            _stream_native(decoder, first, pending, done, stops, capture, capture_dtype)
         else:
             _stream_waves(source, first, pending, done, rows, pad_id, stops)
 
@@ -103,9 +142,12 @@ def _stream_waves(model, first: list[Request], pending: Iterator[Request], done:
         wave += list(itertools.islice(pending, rows - len(wave)))
 
 
-def _choose(requests: list[Request], logits: torch.Tensor) -> list[int]:
-    """Each row's next token: one argmax over the batch for the greedy rows, `pick` for the others."""
-    best = logits.max(-1).indices.tolist()  # the first of equal maxima, as argmax; 5x faster in bfloat16 on CPU
+def _choose(requests: list[Request], logits: torch.Tensor, best: torch.Tensor | None = None) -> list[int]:
+    """Each row's next token: one argmax over the batch (`best`, where the step took it) for the greedy rows,
+    `pick` for the others."""
+    if best is None:
+        best = logits.max(-1).indices  # the first of equal maxima, as argmax; 5x faster in bfloat16 on CPU
+    best = best.tolist()
     return [best[j] if r.pick is None else r.pick(logits[j].float()) for j, r in enumerate(requests)]
 
 
@@ -132,16 +174,19 @@ def _decode_wave(rows: "_TransformersRows", wave: list[Request], stops: set[int]
         logits = rows.step([chosen[j] for j in keep])
 
 
-def _stream_native(decoder, first: list[Request], pending: Iterator[Request], done: Done, stops: set[int]) -> None:
-    slots = _Slots(decoder)
+def _stream_native(decoder, first: list[Request], pending: Iterator[Request], done: Done, stops: set[int],
+                   capture: tuple[int, ...] = (), capture_dtype: torch.dtype = torch.bfloat16) -> None:
+    slots = _Slots(decoder, capture, capture_dtype)
     for request in first:
         slots.admit(None, request)
     while slots.rows:
         rows, logits = slots.step()
-        for row, token in zip(rows, _choose([row.request for row in rows], logits)):
+        for row, token in zip(rows, _choose([row.request for row in rows], logits, slots.best)):
             if not _finished(row.request, token, stops):
                 row.feed = token
                 continue
+            if row.request.keep_states and row.captured is not None:
+                row.request.states, row.request.tops = row.captured.take()
             after = done(row.request)
             if after is None:
                 after = next(pending, None)
@@ -164,6 +209,7 @@ class _Row:
     chunk: list[int] = field(default_factory=list)  # a new prompt's tokens taken in before `feed` at the next step
     band: "_Band | None" = None
     index: int = -1  # the row's place in its band's cache
+    captured: Captured | None = None  # the states of `held`, where the stream captures
 
 
 class _Band:
@@ -274,10 +320,12 @@ class _Slots:
     the prefix it shares with the prompt; the rest comes in with the next step) and then takes one token per
     step with the others; the batch's order is the bands' rows in turn."""
 
-    def __init__(self, decoder):
+    def __init__(self, decoder, capture: tuple[int, ...] = (), capture_dtype: torch.dtype = torch.bfloat16):
         self.decoder = decoder
         self.bands: list[_Band] = []
         self.rows: list[_Row] = []
+        self.capture, self.capture_dtype = tuple(capture), capture_dtype
+        self.best: torch.Tensor | None = None  # each row's most likely next token at the last step, when capturing
 
     def _band(self, length: int) -> _Band:
         limit = FIRST_BAND
@@ -307,7 +355,7 @@ class _Slots:
         """Give `row` (None: a new row) a new request. Its cache keeps the prefix it shares with the prompt; the
         rest of the prompt is taken in at the next step, with the other rows' tokens."""
         if row is None:
-            row = _Row(request, [], request.prompt[-1])
+            row = _Row(request, [], request.prompt[-1], captured=Captured() if self.capture else None)
             self.rows.append(row)
         body = request.prompt[:-1]
         keep = 0
@@ -317,6 +365,8 @@ class _Slots:
             keep += 1
         self._fit(row, len(body) + 1, keep)
         row.request, row.held, row.chunk, row.feed = request, body[:keep], body[keep:], request.prompt[-1]
+        if row.captured is not None:
+            row.captured.cut(keep)
 
     def step(self) -> tuple[list[_Row], torch.Tensor]:
         """Every row takes in its token (after the rest of its prompt, for a row just given a request): the rows
@@ -335,12 +385,35 @@ class _Slots:
         positions += [p for row in chunked for p in range(len(row.held), len(row.held) + len(row.chunk))]
         device = self.decoder.device
         step = _Step(bands, chunked, fused)
-        logits, _ = self.decoder.forward(torch.tensor([ids], device=device), torch.tensor([positions], device=device),
-                                         step, 0, None, logits_for=len(order))
+        logits, captured = self.decoder.forward(torch.tensor([ids], device=device),
+                                                torch.tensor([positions], device=device), step, 0, None,
+                                                self.capture, logits_for=len(order))
+        if self.capture:
+            self.best = logits[0].max(-1).indices
+            self._keep(order, chunked, captured, self.best)
         for row in order:
             row.held += row.chunk + [row.feed]
             row.chunk = []
         return order, logits[0]
+
+    def _keep(self, order: list[_Row], chunked: list[_Row], captured: dict[int, torch.Tensor],
+              best: torch.Tensor) -> None:
+        """Each row's states of this step, in the order of its positions: its chunk's, then its feed's (the step's
+        tokens are every row's feed, then the chunks in turn), with the most likely next token after each feed
+        (-1 after a chunk's tokens, whose logits no step computes)."""
+        states = torch.stack([captured[layer][0] for layer in self.capture], dim=1).to("cpu", self.capture_dtype)
+        tops = torch.full((states.shape[0],), -1, dtype=torch.int32)
+        tops[: len(order)] = best.to("cpu", torch.int32)
+        chunks = len(order)
+        starts = {}
+        for row in chunked:
+            starts[id(row)] = chunks
+            chunks += len(row.chunk)
+        for j, row in enumerate(order):
+            if row.chunk:
+                start = starts[id(row)]
+                row.captured.add(states[start: start + len(row.chunk)], tops[start: start + len(row.chunk)])
+            row.captured.add(states[j: j + 1], tops[j: j + 1])
 
 
 class _Step:

@@ -385,6 +385,10 @@ def test_a_killed_regeneration_resumes_to_the_same_file(varied_target_dir, tmp_p
     assert "regenerated" in result.stdout
     assert killed.read_bytes() == clean
     assert json.loads(state_path(killed).read_text())["complete"]
+    # the states kept for precompute: the same files, group by group, as the uninterrupted run's
+    kept = json.loads(state_path(killed).read_text())["states"]["groups"]
+    assert kept == json.loads(state_path(tmp_path / "clean.jsonl").read_text())["states"]["groups"]
+    assert sorted(kept) == ["0", "1", "2"] and all(g["samples"] > 0 for g in kept.values())
     assert state["runtime"]["runtime"] == "native"  # what decoded the first group, for the resume to decode with
 
 

@@ -14,7 +14,8 @@ from helpers import reference_hidden, store_samples
 from transformers import AutoModelForCausalLM
 
 from mtptrain.data.prepare import prepare_samples
-from mtptrain.features.plan import make_batches, resolve_layers
+from mtptrain.features.plan import make_batches
+from mtptrain.target.layers import resolve_layers
 from mtptrain.features.precompute import run_precompute
 from mtptrain.features.store import FeatureStore, FeatureStoreError
 from mtptrain.target import load_tokenizer
