@@ -36,6 +36,10 @@ def test_pipeline_runs_every_stage_and_resumes_without_redoing_them(varied_targe
     assert first.returncode == 0, first.stderr[-3000:]
     stages = [line for line in first.stdout.splitlines() if line.startswith("== ")]
     assert stages == ["== regenerate", "== precompute", "== train", "== eval"]
+    # precompute copied every sample's states from what regenerate kept while decoding, computing none
+    copied = [line for line in first.stdout.splitlines() if "copied from the states `mtptrain regenerate` kept" in line]
+    computed = [line for line in first.stdout.splitlines() if line.startswith("computed ") and "tokens in" in line]
+    assert copied and computed and copied[0].split()[2] == computed[0].split()[1], first.stdout
     rows = [json.loads(line) for line in (run / "regenerated.jsonl").read_text().splitlines()]
     manifest = json.loads((run / "features" / "manifest.json").read_text())
     assert manifest["data"]["regenerated"] == str(run / "regenerated.jsonl")

@@ -49,6 +49,7 @@ from tqdm import tqdm
 
 from mtptrain.data.chat import prompt_ids, stop_tokens, tokenize_conversation
 from mtptrain.data.conversations import BadRow, normalise, unique_key
+from mtptrain.data.kept_states import entry_fits, kept_dtype, new_entry, states_dir, valid_entry, write_group
 from mtptrain.data.samples import NoUsableData, RowStats
 from mtptrain.data.readers import read_rows
 from mtptrain.config import Recipe
@@ -56,8 +57,6 @@ from mtptrain.dist import DistInfo
 from mtptrain.engine.verify import Sampling, distribution, draw
 from mtptrain.errors import MtptrainError
 from mtptrain.io import atomic_write_json, fsync_dir
-from mtptrain.target.layers import resolve_layers
-from mtptrain.data.kept_states import entry_fits, kept_dtype, new_entry, states_dir, valid_entry, write_group
 from mtptrain.runtime.batch import Request, decode_stream
 from mtptrain.runtime.linears import fast_linears, product_for
 from mtptrain.runtime.model import FastDecoder
@@ -66,6 +65,7 @@ from mtptrain.serving.vllm_engine import (VllmError, VllmWorker, data_parallel_d
                                           stream_requests, vllm_python)
 from mtptrain.target import (identity_mismatch, load_identified_parts, load_target, resolve_local_dir,
                              tokenizer_fingerprint)
+from mtptrain.target.layers import resolve_layers
 
 log = logging.getLogger(__name__)
 HOW = ("version", "batch_size")  # settings that change how the work is cut, not what is asked of the target
