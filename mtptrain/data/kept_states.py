@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from mtptrain.data.samples import Sample
 from mtptrain.io import atomic_write, sha256_file, write_safetensors
@@ -119,14 +119,10 @@ class KeptStates:
         self.copied = self.computed = 0  # samples found / not found
 
     @classmethod
-    def open(cls, regenerated: str | None, layers: list[int], store_dtype: str, runtime: dict, hidden: int,
+    def open(cls, output: Path, state_file: Path, layers: list[int], store_dtype: str, runtime: dict, hidden: int,
              vocab: int) -> "KeptStates | None":
-        """The states a regeneration into `regenerated` kept, where they can stand in for this store's (see the
-        module's docstring); None otherwise, saying why in the log."""
-        if not regenerated:
-            return None
-        output = Path(regenerated)
-        state_file = output.with_name(output.name + ".state.json")
+        """The states a regeneration into `output` (its state in `state_file`) kept, where they can stand in for
+        this store's (see the module's docstring); None otherwise, saying why in the log."""
         try:
             state = json.loads(state_file.read_text())
         except (OSError, ValueError):
@@ -140,12 +136,11 @@ class KeptStates:
         why = None
         if not set(layers) <= set(entry["layers"]):
             why = f"they hold layers {entry['layers']}, this store takes {layers}"
-        elif entry.get("dtype") != kept_dtype(store_dtype):
-            why = f"they are in {entry.get('dtype')}, this store is in {store_dtype}"
-        elif not isinstance(entry.get("runtime"), dict) or \
-                (entry["runtime"].get("runtime"), entry["runtime"].get("dtype")) != \
+        elif entry["dtype"] != kept_dtype(store_dtype):
+            why = f"they are in {entry['dtype']}, this store is in {store_dtype}"
+        elif (entry["runtime"].get("runtime"), entry["runtime"].get("dtype")) != \
                 (runtime.get("runtime"), runtime.get("dtype")):
-            why = (f"the regeneration computed on {entry.get('runtime')}, this store computes on {runtime}: one store "
+            why = (f"the regeneration computed on {entry['runtime']}, this store computes on {runtime}: one store "
                    "holds one precision")
         if why is not None:
             log.info("precompute: not copying the states %s kept (%s); computing them", output.name, why)
@@ -164,7 +159,7 @@ class KeptStates:
             try:
                 with safe_open(str(path), framework="pt") as handle:
                     keys = json.loads((handle.metadata() or {}).get("keys", "null"))
-            except (OSError, ValueError, RuntimeError) as exc:  # a missing or unreadable file: its samples computed
+            except (OSError, ValueError, RuntimeError, SafetensorError) as exc:  # missing or unreadable: computed
                 log.warning("%s cannot be read (%s); its conversations are computed", path, exc)
                 self.bad.add(name)
                 continue
@@ -197,7 +192,7 @@ class KeptStates:
                     opened = {"handle": handle, "input_ids": handle.get_tensor("input_ids"),
                               "offsets": handle.get_tensor("offsets"), TARGET_TOP: handle.get_tensor(TARGET_TOP)}
                     problem = self._shape_problem(opened, len(json.loads(handle.metadata()["keys"])))
-        except (OSError, ValueError, RuntimeError) as exc:
+        except (OSError, ValueError, RuntimeError, SafetensorError) as exc:
             problem = f"it cannot be read ({exc})"
         if problem is not None:
             log.warning("%s: %s; its conversations are computed instead", path, problem)

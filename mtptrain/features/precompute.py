@@ -15,6 +15,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from mtptrain.data.prepare import prepare_samples
+from mtptrain.data.regenerate import state_path
 from mtptrain.data.samples import RowStats
 from mtptrain.config import Recipe, dump_recipe
 from mtptrain.dist import DistInfo, all_reduce_sum, barrier, destroy_process_group, init_process_group
@@ -125,8 +126,10 @@ def _precompute(recipe: Recipe, dist: DistInfo, grouped: bool, show_progress: bo
              sum(len(s) for s in samples), layers, len(plan), dist.world_size)
     runtime = _claim_runtime(out_dir, runtime_record(target.model, recipe.target.runtime))
     _remove_stale_temporaries(out_dir, mine)
-    kept = KeptStates.open(recipe.data.regenerated, layers, recipe.precompute.dtype, runtime, target.hidden_size,
-                           target.vocab_size)
+    regenerated = Path(recipe.data.regenerated) if recipe.data.regenerated else None
+    kept = None if regenerated is None else KeptStates.open(
+        regenerated, state_path(regenerated), layers, recipe.precompute.dtype, runtime, target.hidden_size,
+        target.vocab_size)
     result = compute_shards(target, mine, layers, recipe, out_dir, plan_id, dist.rank, show_progress, kept)
     if kept is not None:
         log.info("precompute: %d samples copied from the states %s kept, %d computed", kept.copied,

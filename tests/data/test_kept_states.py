@@ -13,6 +13,7 @@ from mtptrain.config import load_recipe
 from mtptrain.data.regenerate import run_regenerate, state_path
 from mtptrain.features.precompute import run_precompute
 from mtptrain.data.kept_states import states_dir, write_group
+from mtptrain.io import sha256_file
 from mtptrain.features.store import FeatureStore, TARGET_TOP, hidden_key, load_manifest
 
 LAYERS = [0, 1]
@@ -159,6 +160,16 @@ def test_a_tampered_kept_file_or_a_path_out_of_its_directory_is_computed_instead
         summary = run_precompute(_store(moved, tmp_path / "store-4"), show_progress=False)
     assert summary["complete"] and summary["tokens_copied"] == 0
     assert "its target_top is not one token id (or -1) of the target's 400 per position" in caplog.text
+    # a file whose header is not safetensors', recorded with its own sha256 (a hostile state): computed, no crash
+    garbage = states_dir(output) / "group-00000.safetensors"
+    garbage.write_bytes(b"\xff" * 64)
+    state["states"]["groups"]["0"] = {**state["states"]["groups"]["0"], "sha256": sha256_file(garbage), "bytes": 64}
+    state_path(output).write_text(json.dumps(state))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="mtptrain"):
+        summary = run_precompute(_store(moved, tmp_path / "store-5"), show_progress=False)
+    assert summary["complete"] and summary["tokens_copied"] == 0
+    assert f"{garbage} cannot be read" in caplog.text
 
 
 @pytest.mark.parametrize("entry", ["not a record", {"version": 1, "layers": [0, 1], "dtype": "bfloat16", "runtime": {},
