@@ -49,19 +49,13 @@ def wandb_env(tmp_path, monkeypatch):
 
 
 def torch_extensions_dir() -> str:
-    """Where torch's extension loader builds under the current HOME when TORCH_EXTENSIONS_DIR is unset."""
+    """Where torch's extension loader builds under the current HOME (TORCH_EXTENSIONS_DIR if set, else its default
+    root's pythonXY_cpu folder), asked of torch itself so that the two cannot drift apart."""
     import os
-    import sys
 
-    import torch
-    from torch.utils.cpp_extension import get_default_build_root
+    from torch.utils.cpp_extension import _get_build_directory
 
-    if os.environ.get("TORCH_EXTENSIONS_DIR"):
-        return os.environ["TORCH_EXTENSIONS_DIR"]
-    accelerator = (f"rocm{torch.version.hip.replace('.', '')}" if torch.version.hip else
-                   f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else "cpu")
-    python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
-    return os.path.join(get_default_build_root(), f"{python}_{accelerator}")
+    return os.path.dirname(_get_build_directory("deepspeed_shm_comm", verbose=False))
 
 
 def _recipe(tmp_path, *overrides):
