@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from mtptrain.runtime.attention import causal_mask, fused_row, plain_attention, sdpa_attention
 from mtptrain.runtime.native_kernels import blocked_linear_kernel
-from mtptrain.runtime.products import blocked, blocked_product, unblocked
+from mtptrain.runtime.products import blocked, blocked_product, holds_bfloat16, unblocked
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -81,6 +81,38 @@ def test_a_rows_product_is_the_same_alone_or_among_other_rows(kernel, dtype):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("shape", [(13, 7), (64, 33), (250, 576), (33, 1), (40, 1537)])
+def test_a_float32_weight_of_bfloat16_values_is_held_in_bfloat16_and_multiplies_bit_for_bit_as_float32(kernel, shape):
+    """A bfloat16 checkpoint run in float32: its weights are laid out in bfloat16 blocks (half the bytes) and
+    every product equals, bit for bit, the one over float32 blocks of the same values, whatever the rows; the
+    weight comes back exactly, as float32."""
+    out_features, in_features = shape
+    g = torch.Generator().manual_seed(out_features * in_features)
+    w = torch.randn(out_features, in_features, generator=g).to(torch.bfloat16).float()
+    b = torch.randn(out_features, generator=g)
+    narrow, wide = blocked(w), blocked(w, narrow=False)
+    assert narrow.blocks.dtype == torch.bfloat16 and narrow.blocks.shape[3] == 2 and narrow.dtype == torch.float32
+    assert wide.blocks.dtype == torch.float32 and wide.blocks.shape[3] == 1
+    assert unblocked(narrow).dtype == torch.float32 and torch.equal(unblocked(narrow), w)
+    x = torch.randn(37, in_features, generator=g)
+    for bias in (None, b):
+        together = blocked_product(x, narrow, bias)
+        assert together.dtype == torch.float32
+        assert torch.equal(together, blocked_product(x, wide, bias))
+        for rows in (1, 2, 3, 4, 5, 9, 12, 13):
+            assert torch.equal(blocked_product(x[:rows], narrow, bias), together[:rows]), rows
+    assert float((together.double() - _exact(x, w, b)).abs().max()) < 1e-6 * float(
+        (x.double().abs() @ w.double().abs().T).max())
+
+
+def test_a_float32_weight_with_one_value_finer_than_bfloat16_stays_float32():
+    w = torch.randn(64, 40).to(torch.bfloat16).float()
+    w[17, 3] += 2.0 ** -20  # no longer a bfloat16
+    laid_out = blocked(w)
+    assert laid_out.blocks.dtype == torch.float32 and torch.equal(unblocked(laid_out), w)
+    assert holds_bfloat16(w[:17]) and not holds_bfloat16(w) and not holds_bfloat16(w.to(torch.bfloat16))
+
+
 @pytest.mark.parametrize("dtype", DTYPES + [torch.float64])
 @pytest.mark.parametrize("shape", [(13, 7), (64, 33), (32, 64)])
 def test_the_layout_comes_back_exactly(dtype, shape):
@@ -101,6 +133,7 @@ def test_inputs_keep_their_leading_dimensions(kernel):
 
 @pytest.mark.parametrize("fault, message", [
     ("dtype", "must share a dtype"),
+    ("bfloat16 over float32", "must share a dtype, or be float32 over bfloat16 blocks"),
     ("float64", "has no Double product"),
     ("features", "has 41 features, the blocks hold 40"),
     ("out features", "do not fill 1 groups"),
@@ -110,6 +143,8 @@ def test_what_the_kernel_does_not_take_raises_a_clear_error(kernel, fault, messa
     x, w, bias, out_features = torch.randn(3, 40), blocked(torch.randn(24, 40)), None, 24
     if fault == "dtype":
         x = x.double()
+    elif fault == "bfloat16 over float32":
+        x = x.to(torch.bfloat16)
     elif fault == "float64":
         x, w = x.double(), blocked(torch.randn(24, 40).double())
     elif fault == "features":

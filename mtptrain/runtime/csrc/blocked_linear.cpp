@@ -4,7 +4,9 @@
 // Layout (runtime/products.py makes it, `blocked`): W [O, K] becomes blocks [G, KP, 32, P], G = ceil(O / 32)
 // groups of 32 output features, P = 2 for bfloat16 (pairs of inputs, as vdpbf16ps takes them) and 1 for
 // float32, KP = ceil(K / P); blocks[g, p, i, e] = W[32 g + i, P p + e], zero past O and K. A group's weights
-// are one contiguous run, and each step of the inner loop reads the next 128 bytes of it.
+// are one contiguous run, and each step of the inner loop reads the next 128 bytes of it. A float32 product
+// also takes bfloat16 blocks (a float32 weight whose values are all bfloat16): it widens each pair as it reads
+// it and sums as over float32 blocks, bit for bit the same from half the bytes.
 //
 // The loop: for a group and a block of up to 12 rows, two (float32 on AVX2: four) vectors of 16 (8) float32
 // sums per row, one per output feature; each step loads the group's next inputs of all 32 features, broadcasts
@@ -18,8 +20,8 @@
 // result is the same bit for bit whatever other rows are computed with it, and by whichever thread. Decoding
 // one token and verifying it among a draft give the same logits.
 //
-// Builds: bfloat16 needs avx512_bf16; float32 needs AVX-512 or AVX2 with FMA. `blocked_supports(dtype)` says
-// which this build has (torch's products serve the rest).
+// Builds: bfloat16 needs avx512_bf16; float32 (over float32 or bfloat16 blocks) needs AVX-512 or AVX2 with
+// FMA. `blocked_supports(dtype)` says which this build has (torch's products serve the rest).
 
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
@@ -128,6 +130,61 @@ inline void group_rows_f32(const float* wg, const float* x, int64_t K, int64_t r
 #pragma GCC unroll 16
     for (int v = 0; v < VECTORS; ++v) save(sums + j * GROUP + v * WIDTH, acc[v][j]);
 }
+
+// As group_rows_f32 for weights held in bfloat16 ([KP, 32, 2], the bfloat16 layout) and float32 inputs: each
+// word of the group's next step holds one feature's inputs 2p and 2p + 1, widened to float32 by a shift (2p,
+// the low half) and a mask (2p + 1); then multiply-adds in input order, as the float32 loop does. Widening
+// is exact, so where W holds bfloat16 values this gives the float32 loop's sums bit for bit, reading half
+// the bytes.
+#if defined(__AVX512F__)
+inline lanes low_half(__m512i words) { return _mm512_castsi512_ps(_mm512_slli_epi32(words, 16)); }
+inline lanes high_half(__m512i words) {
+  return _mm512_castsi512_ps(_mm512_and_si512(words, _mm512_set1_epi32(int32_t(0xFFFF0000u))));
+}
+inline __m512i load_words(const bf16* p) { return _mm512_loadu_si512(p); }
+#else
+inline lanes low_half(__m256i words) { return _mm256_castsi256_ps(_mm256_slli_epi32(words, 16)); }
+inline lanes high_half(__m256i words) {
+  return _mm256_castsi256_ps(_mm256_and_si256(words, _mm256_set1_epi32(int32_t(0xFFFF0000u))));
+}
+inline __m256i load_words(const bf16* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+#endif
+
+template <int RB>
+inline void group_rows_widened(const bf16* wg, const float* x, int64_t K, int64_t KP, int64_t r0, float* sums) {
+  lanes acc[VECTORS][RB];
+#pragma GCC unroll 16
+  for (int v = 0; v < VECTORS; ++v)
+#pragma GCC unroll 16
+    for (int j = 0; j < RB; ++j) acc[v][j] = zero();
+  const int64_t whole = K / 2;  // an odd K's last step has input 2p alone (its high halves are zero padding)
+  for (int64_t p = 0; p < whole; ++p) {
+    const bf16* wp = wg + p * 2 * GROUP;
+#pragma GCC unroll 16
+    for (int v = 0; v < VECTORS; ++v) {
+      const auto words = load_words(wp + v * 2 * WIDTH);
+      const lanes low = low_half(words), high = high_half(words);
+#pragma GCC unroll 16
+      for (int j = 0; j < RB; ++j) {
+        acc[v][j] = mul_add(low, broadcast(x[(r0 + j) * K + 2 * p]), acc[v][j]);
+        acc[v][j] = mul_add(high, broadcast(x[(r0 + j) * K + 2 * p + 1]), acc[v][j]);
+      }
+    }
+  }
+  if (whole < KP) {
+    const bf16* wp = wg + whole * 2 * GROUP;
+#pragma GCC unroll 16
+    for (int v = 0; v < VECTORS; ++v) {
+      const lanes low = low_half(load_words(wp + v * 2 * WIDTH));
+#pragma GCC unroll 16
+      for (int j = 0; j < RB; ++j) acc[v][j] = mul_add(low, broadcast(x[(r0 + j) * K + 2 * whole]), acc[v][j]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int j = 0; j < RB; ++j)
+#pragma GCC unroll 16
+    for (int v = 0; v < VECTORS; ++v) save(sums + j * GROUP + v * WIDTH, acc[v][j]);
+}
 #else
 constexpr bool F32 = false;
 constexpr int F32_ROWS = 1;
@@ -173,8 +230,30 @@ void group_block(const float* wg, const float* x, int64_t K, int64_t, int64_t r0
 #endif
 }
 
-template <typename T>
-void run(const T* w, const T* x, const float* bias, T* out, int64_t R, int64_t O, int64_t K, int64_t KP,
+// Float32 inputs over weights held in bfloat16, widened as they are read.
+void group_block(const bf16* wg, const float* x, int64_t K, int64_t KP, int64_t r0, int64_t rb, float* sums) {
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+  for (int64_t r = r0; r < r0 + rb; r += F32_ROWS) {
+    float* at = sums + (r - r0) * GROUP;
+    switch (std::min<int64_t>(F32_ROWS, r0 + rb - r)) {
+#if defined(__AVX512F__)
+      case 8: group_rows_widened<8>(wg, x, K, KP, r, at); break;
+      case 7: group_rows_widened<7>(wg, x, K, KP, r, at); break;
+      case 6: group_rows_widened<6>(wg, x, K, KP, r, at); break;
+      case 5: group_rows_widened<5>(wg, x, K, KP, r, at); break;
+      case 4: group_rows_widened<4>(wg, x, K, KP, r, at); break;
+      case 3: group_rows_widened<3>(wg, x, K, KP, r, at); break;
+#endif
+      case 2: group_rows_widened<2>(wg, x, K, KP, r, at); break;
+      default: group_rows_widened<1>(wg, x, K, KP, r, at); break;
+    }
+  }
+#endif
+}
+
+// W: the blocks' element type, T: the inputs' and outputs'.
+template <typename W, typename T>
+void run(const W* w, const T* x, const float* bias, T* out, int64_t R, int64_t O, int64_t K, int64_t KP,
          int64_t G) {
   // Threads take runs of whole groups. A group of the smallest layers (K = 576: 36 KB in bfloat16) is a few
   // microseconds of streaming, so a run of one group is not too fine against a parallel region's ~1 us.
@@ -186,7 +265,7 @@ void run(const T* w, const T* x, const float* bias, T* out, int64_t R, int64_t O
   at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
     float sums[ROW_BLOCK * GROUP];
     for (int64_t g = g0; g < g1; ++g) {
-      const T* wg = w + g * KP * (sizeof(T) == 2 ? 2 : 1) * GROUP;
+      const W* wg = w + g * KP * (sizeof(W) == 2 ? 2 : 1) * GROUP;
       const int64_t o0 = g * GROUP, n = std::min<int64_t>(GROUP, O - o0);
       for (int64_t r0 = 0; r0 < R; r0 += per_pass) {
         const int64_t rb = std::min<int64_t>(per_pass, R - r0);
@@ -205,17 +284,18 @@ bool supports(at::ScalarType dtype) {
   return (dtype == at::kBFloat16 && BF16) || (dtype == at::kFloat && F32);
 }
 
-// x [..., K] (float32 or bfloat16), blocks [G, KP, 32, P] of x's dtype (the layout above), bias [O] of any
-// float dtype or None. Returns x @ W.T + bias as [..., O] in x's dtype.
+// x [..., K] (float32 or bfloat16), blocks [G, KP, 32, P] of x's dtype, or of bfloat16 for a float32 x (the
+// layout above), bias [O] of any float dtype or None. Returns x @ W.T + bias as [..., O] in x's dtype.
 torch::Tensor blocked_linear(const torch::Tensor& x, const torch::Tensor& blocks, const c10::optional<torch::Tensor>& bias,
                              int64_t out_features) {
   const char* name = "blocked_linear";
   TORCH_CHECK(x.device().is_cpu() && blocks.device().is_cpu(), name, ": CPU tensors only");
-  TORCH_CHECK(x.scalar_type() == blocks.scalar_type(), name, ": x (", x.scalar_type(), ") and the blocks (",
-              blocks.scalar_type(), ") must share a dtype");
+  const bool widened = x.scalar_type() == at::kFloat && blocks.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(x.scalar_type() == blocks.scalar_type() || widened, name, ": x (", x.scalar_type(),
+              ") and the blocks (", blocks.scalar_type(), ") must share a dtype, or be float32 over bfloat16 blocks");
   TORCH_CHECK(supports(x.scalar_type()), name, ": this build has no ", x.scalar_type(),
               " product (bfloat16 needs avx512_bf16; float32 AVX-512 or AVX2 with FMA)");
-  const int64_t P = x.scalar_type() == at::kBFloat16 ? 2 : 1;
+  const int64_t P = blocks.scalar_type() == at::kBFloat16 ? 2 : 1;
   TORCH_CHECK(blocks.dim() == 4 && blocks.size(2) == GROUP && blocks.size(3) == P && blocks.is_contiguous(), name,
               ": the blocks must be a contiguous [groups, inputs / ", P, ", ", GROUP, ", ", P, "], got ", blocks.sizes());
   const int64_t G = blocks.size(0), KP = blocks.size(1), K = x.size(-1), O = out_features;
@@ -236,6 +316,8 @@ torch::Tensor blocked_linear(const torch::Tensor& x, const torch::Tensor& blocks
   if (R == 0) return out;
   if (x.scalar_type() == at::kBFloat16)
     run(blocks.data_ptr<bf16>(), rows.data_ptr<bf16>(), b, out.data_ptr<bf16>(), R, O, K, KP, G);
+  else if (widened)
+    run(blocks.data_ptr<bf16>(), rows.data_ptr<float>(), b, out.data_ptr<float>(), R, O, K, KP, G);
   else
     run(blocks.data_ptr<float>(), rows.data_ptr<float>(), b, out.data_ptr<float>(), R, O, K, KP, G);
   return out;
