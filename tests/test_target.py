@@ -259,6 +259,35 @@ def test_a_cache_that_refuses_the_converted_gguf_names_its_directory_and_mtptrai
     assert not cache.exists() or not any(cache.iterdir())
 
 
+@pytest.mark.parametrize("matrices, copy", [
+    (["Q8_0", "Q4_0"], torch.bfloat16),  # quantised: a bfloat16 copy, the weights every GPU rounds them to
+    (["BF16", "Q8_0"], torch.bfloat16),
+    (["Q8_0", "F16"], torch.float32),  # one float16 matrix: float32 keeps its values
+    (["F32"], torch.float32),
+])
+def test_a_gguf_copy_is_bfloat16_unless_a_matrix_is_stored_finer(tmp_path, matrices, copy):
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(tmp_path / "model.gguf", "llama")
+    rng = np.random.default_rng(0)
+    for i, kind in enumerate(matrices):
+        values = rng.standard_normal((8, 64)).astype(np.float32)
+        quant = gguf.GGMLQuantizationType[kind]
+        if kind == "F32":
+            writer.add_tensor(f"m{i}", values)
+        elif kind == "F16":
+            writer.add_tensor(f"m{i}", values.astype(np.float16))
+        else:
+            writer.add_tensor(f"m{i}", gguf.quants.quantize(values, quant), raw_dtype=quant)
+    writer.add_tensor("norm", rng.standard_normal(64).astype(np.float32))  # a vector: float32 in every file
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert target_source.gguf_copy_dtype(tmp_path / "model.gguf") == copy
+
+
 def test_the_target_is_read_straight_onto_its_device(tiny_target_dir, monkeypatch):
     """from_pretrained gets a device map for one device too: without one it builds the whole model in host memory
     on every rank before `.to(device)` (8 ranks x 16 GB of an 8B target on one node)."""

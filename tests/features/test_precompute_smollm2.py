@@ -1,5 +1,7 @@
 """The embedded default end to end: real SmolLM2-135M-Instruct over real ShareGPT rows."""
 
+import json
+
 import pytest
 import torch
 from helpers import reference_hidden
@@ -42,12 +44,20 @@ def test_stored_states_equal_a_fresh_forward_of_smollm2(tmp_path, dtype):
 
 
 def test_gguf_conversion_keeps_the_logits():
+    """The copy holds the GGUF's weights rounded once to bfloat16 (its matrices are quantised: target/source.py
+    says why), and computes in float32 what the GGUF model computes over those weights, bit for bit."""
     from transformers import AutoModelForCausalLM
 
     from mtptrain.config import TargetConfig
+    from mtptrain.target.source import converted_gguf_dir, gguf_copy_dtype
 
     gguf = embedded_gguf_path()
     original = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    assert gguf_copy_dtype(gguf) == torch.bfloat16
+    assert json.loads((converted_gguf_dir(gguf) / "config.json").read_text())["dtype"] == "bfloat16"
+    with torch.no_grad():
+        for parameter in original.parameters():
+            parameter.copy_(parameter.to(torch.bfloat16).float())
     converted = load_target(TargetConfig(dtype="float32"))
     assert converted.model.lm_head.weight.data_ptr() == converted.decoder().embed_tokens.weight.data_ptr()
     ids = converted.tokenizer("The feature store keeps hidden states.", return_tensors="pt").input_ids
