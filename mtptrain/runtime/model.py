@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mtptrain.runtime.attention import batch_attention, batch_mask, causal_mask, for_mask, row_attention, usable
+from mtptrain.runtime.attention import (batch_attention, batch_mask, causal_mask, for_mask, layer_mask,
+                                        row_attention, usable)
 from mtptrain.runtime.cache import Attends
 from mtptrain.runtime.native_kernels import layer_ops, step_attention_kernel
 from mtptrain.runtime.products import PRODUCTS
@@ -231,6 +232,9 @@ class FastDecoder:
         if not parted and mask is None and count > 1 and not causal:
             mask = causal_mask(count, start, ids.device)[None, None]
         attention = for_mask(self.kernels.attention_for(count), mask)
+        if not parted and mask is not None and mask.dtype == torch.bool:
+            mask = layer_mask(mask, self.choice.attention_many if count > 1 else self.choice.attention_one,
+                              self.dtype)
         captured = {}
         h = F.rms_norm(x, (x.shape[-1],), self.layers[0].norm_in, self.eps)
         for index, layer in enumerate(self.layers):

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mtptrain.runtime.attention import causal_mask, fused_row, plain_attention, sdpa_attention
+from mtptrain.runtime.attention import ATTENTION, causal_mask, fused_row, layer_mask, plain_attention, sdpa_attention
 from mtptrain.runtime.native_kernels import blocked_linear_kernel
 from mtptrain.runtime.products import blocked, blocked_product, holds_bfloat16, unblocked
 
@@ -199,3 +199,23 @@ def test_the_fused_row_attention_reads_the_cache_in_place_and_gives_a_chain_what
     tree = torch.ones(1, 1, 5, length, dtype=torch.bool).tril(length - 5)
     tree[..., 3, length - 5 + 1] = False  # token 3 does not see token 1: not a chain
     assert torch.equal(fused_row(chain, k, v, tree, False), sdpa_attention(chain, k, v, tree, False))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kernel", ["sdpa", "plain", "sdpa-f32", "plain-f32"])
+def test_a_mask_made_additive_once_a_step_gives_each_kernel_what_the_boolean_one_gives(kernel, dtype):
+    """A verification's mask (a chain's causal one, a tree's) is made additive once for every layer
+    (`layer_mask`): each kernel computes from it bit for bit what it computes from the boolean mask."""
+    g = torch.Generator().manual_seed(9)
+    heads, kv_heads, dim, past = 8, 2, 64, 150
+    attend = ATTENTION[kernel]
+    for count, mask in ((4, causal_mask(4, past)[None, None]),
+                        (3, torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool))):
+        if mask.shape[-1] == 3:  # a tree: a root and two children, after the cache
+            mask = torch.cat([torch.ones(3, past, dtype=torch.bool), mask], dim=1)[None, None]
+        q = torch.randn(1, heads, count, dim, generator=g).to(dtype)
+        k, v = (torch.randn(1, kv_heads, past + count, dim, generator=g).to(dtype) for _ in range(2))
+        additive = layer_mask(mask, kernel, dtype)
+        assert additive.dtype == (dtype if kernel == "sdpa" else torch.float32)
+        assert torch.equal(attend(q, k, v, additive, False), attend(q, k, v, mask, False)), count
+    assert layer_mask(mask, "fused", dtype) is mask  # the fused kernels read the boolean mask
