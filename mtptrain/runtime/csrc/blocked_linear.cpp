@@ -31,6 +31,7 @@
 #endif
 
 #include <algorithm>
+#include <type_traits>
 
 #include "float_math.h"
 
@@ -210,44 +211,43 @@ void group_block(const bf16* wg, const bf16* x, int64_t K, int64_t KP, int64_t r
 #endif
 }
 
-void group_block(const float* wg, const float* x, int64_t K, int64_t, int64_t r0, int64_t rb, float* sums) {
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+// Rows r0 .. r0 + rb of a group's float32 sums in blocks of up to F32_ROWS: rows(block, r, at) for each, `block`
+// a std::integral_constant of the block's rows (the loops take it as a template argument).
+template <typename Rows>
+inline void in_row_blocks(int64_t r0, int64_t rb, float* sums, Rows rows) {
   for (int64_t r = r0; r < r0 + rb; r += F32_ROWS) {
     float* at = sums + (r - r0) * GROUP;
     switch (std::min<int64_t>(F32_ROWS, r0 + rb - r)) {
 #if defined(__AVX512F__)
-      case 8: group_rows_f32<8>(wg, x, K, r, at); break;
-      case 7: group_rows_f32<7>(wg, x, K, r, at); break;
-      case 6: group_rows_f32<6>(wg, x, K, r, at); break;
-      case 5: group_rows_f32<5>(wg, x, K, r, at); break;
-      case 4: group_rows_f32<4>(wg, x, K, r, at); break;
-      case 3: group_rows_f32<3>(wg, x, K, r, at); break;
+      case 8: rows(std::integral_constant<int, 8>{}, r, at); break;
+      case 7: rows(std::integral_constant<int, 7>{}, r, at); break;
+      case 6: rows(std::integral_constant<int, 6>{}, r, at); break;
+      case 5: rows(std::integral_constant<int, 5>{}, r, at); break;
+      case 4: rows(std::integral_constant<int, 4>{}, r, at); break;
+      case 3: rows(std::integral_constant<int, 3>{}, r, at); break;
 #endif
-      case 2: group_rows_f32<2>(wg, x, K, r, at); break;
-      default: group_rows_f32<1>(wg, x, K, r, at); break;
+      case 2: rows(std::integral_constant<int, 2>{}, r, at); break;
+      default: rows(std::integral_constant<int, 1>{}, r, at); break;
     }
   }
+}
+#endif
+
+void group_block(const float* wg, const float* x, int64_t K, int64_t, int64_t r0, int64_t rb, float* sums) {
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+  in_row_blocks(r0, rb, sums, [&](auto block, int64_t r, float* at) {
+    group_rows_f32<decltype(block)::value>(wg, x, K, r, at);
+  });
 #endif
 }
 
 // Float32 inputs over weights held in bfloat16, widened as they are read.
 void group_block(const bf16* wg, const float* x, int64_t K, int64_t KP, int64_t r0, int64_t rb, float* sums) {
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-  for (int64_t r = r0; r < r0 + rb; r += F32_ROWS) {
-    float* at = sums + (r - r0) * GROUP;
-    switch (std::min<int64_t>(F32_ROWS, r0 + rb - r)) {
-#if defined(__AVX512F__)
-      case 8: group_rows_widened<8>(wg, x, K, KP, r, at); break;
-      case 7: group_rows_widened<7>(wg, x, K, KP, r, at); break;
-      case 6: group_rows_widened<6>(wg, x, K, KP, r, at); break;
-      case 5: group_rows_widened<5>(wg, x, K, KP, r, at); break;
-      case 4: group_rows_widened<4>(wg, x, K, KP, r, at); break;
-      case 3: group_rows_widened<3>(wg, x, K, KP, r, at); break;
-#endif
-      case 2: group_rows_widened<2>(wg, x, K, KP, r, at); break;
-      default: group_rows_widened<1>(wg, x, K, KP, r, at); break;
-    }
-  }
+  in_row_blocks(r0, rb, sums, [&](auto block, int64_t r, float* at) {
+    group_rows_widened<decltype(block)::value>(wg, x, K, KP, r, at);
+  });
 #endif
 }
 
