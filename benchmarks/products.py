@@ -7,10 +7,10 @@ The weights are the shapes of every layer of the recipe's target (its config, no
 values), fused as the runtime fuses them (q/k/v, gate/up), plus the LM head, each in the layout its product
 reads: torch's `F.linear` on the plain weight, oneDNN's packed layout, and the runtime's blocked layout
 (csrc/blocked_linear.cpp); in float32 also the blocked product over weights whose values are bfloat16 (a
-bfloat16 checkpoint run in float32), which the runtime holds in bfloat16 blocks. They are far more than any cache holds, so each pass streams them from memory as a
-decoding step does. For each row count, the products take turns pass by pass (`--repeats` each); the table
-shows the median ms of a pass, its bandwidth (weight bytes / time) and the ratio against oneDNN's packed
-product, which the runtime used before its own.
+bfloat16 checkpoint run in float32), which the runtime holds in bfloat16 blocks. They are far more than any
+cache holds, so each pass streams them from memory as a decoding step does. For each row count, the products
+take turns pass by pass (`--repeats` each); the table shows the median ms of a pass, its bandwidth (the bytes
+the pass reads / time) and the ratio against oneDNN's packed product, which the runtime used before its own.
 
 Then (unless --no-steps) whole decoding steps of the recipe's target on the runtime, once per product, each
 on its own copy of the model: one token after a 200-token prefix, and a verification of 4 and 8 tokens, the
@@ -89,10 +89,11 @@ def main() -> None:
     weight_bytes = sum(w.numel() * w.element_size() for w in plain)
     names = [p for p in products(dtype) if p != "skinny"]  # skinny is F.linear past 32 rows
     laid_out = {p: [PRODUCTS[p].lay_out(w) for w in plain] for p in names}
-    columns = {name: (PRODUCTS[name], laid_out[name]) for name in names}
+    columns = {name: (PRODUCTS[name], laid_out[name], weight_bytes) for name in names}  # and the bytes a pass reads
     if dtype == torch.float32 and "native" in names:  # a bfloat16 checkpoint run in float32: bfloat16 blocks
         columns["native, bf16 values"] = (PRODUCTS["native"],
-                                          [PRODUCTS["native"].lay_out(w.to(torch.bfloat16).float()) for w in plain])
+                                          [PRODUCTS["native"].lay_out(w.to(torch.bfloat16).float()) for w in plain],
+                                          weight_bytes // 2)
     cpu = describe_cpu()
     print(cpu_line(cpu) + f"; {torch.get_num_threads()} threads")
     whose = f"the target {args.model}" if args.model else f"{args.recipe}'s target"
@@ -102,20 +103,19 @@ def main() -> None:
     for rows in (int(r) for r in args.rows.split(",")):
         inputs = {i: torch.randn(rows, i, generator=generator).to(dtype) for _, i in every}
         times = {name: [] for name in columns}
-        for product, weights in columns.values():  # warm-up: first-call allocations, kernel builds
+        for product, weights, _ in columns.values():  # warm-up: first-call allocations, kernel builds
             product(inputs[every[0][1]], weights[0], None)
         for _ in range(args.repeats):
-            for name, (product, weights) in columns.items():
+            for name, (product, weights, _) in columns.items():
                 started = time.perf_counter()
                 for (_, i), w in zip(every, weights):
                     product(inputs[i], w, None)
                 times[name].append(time.perf_counter() - started)
         base = statistics.median(times["packed"]) if "packed" in times else None
         cells = []
-        for name in columns:
+        for name, (_, _, read) in columns.items():
             ms = 1000 * statistics.median(times[name])
             ratio = f" {base * 1000 / ms:.2f}x" if base else ""
-            read = weight_bytes / 2 if name == "native, bf16 values" else weight_bytes  # bytes the pass streams
             cells.append(f"{ms:8.2f} ms {read / ms / 1e6:5.1f} GB/s{ratio}")
         print(f"{rows:>5}" + "".join(f"{c:>30}" for c in cells))
     if not args.no_steps:
