@@ -127,6 +127,9 @@ def _cached_snapshot(model: str, revision: str | None, marker: str) -> str | Non
     return str(Path(found).parent) if isinstance(found, str) else None
 
 
+GGUF_COPY = 2  # how the copy is made (2: quantised matrices kept in bfloat16); part of the copy's cache key
+
+
 def converted_gguf_dir(gguf_path: Path) -> Path:
     """Dequantise a GGUF checkpoint once into a cached safetensors model directory."""
     gguf_path = gguf_path.resolve()
@@ -155,9 +158,6 @@ def converted_gguf_dir(gguf_path: Path) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
     log.info("cached converted target at %s", out)
     return out
-
-
-GGUF_COPY = 2  # how the copy is made (2: quantised matrices kept in bfloat16); part of the copy's cache key
 
 
 def gguf_copy_dtype(gguf_path: Path) -> torch.dtype:
