@@ -259,7 +259,7 @@ def kill_after_first_group(command: list, output: Path, cwd: Path, timeout: floa
     import subprocess
     import time
 
-    from mtptrain.data.regenerate import state_path
+    from mtptrain.data.resumable import state_path
 
     proc = subprocess.Popen(command, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + timeout

@@ -21,10 +21,11 @@ adds to the cached conversation), or else the next conversation.
 Resuming. Conversations are cut into groups of 8 batches in a fixed order
 (source order, sorted by first prompt length inside a group). After each
 group its conversations are appended in that order and fsynced, then the
-state records the group count and the file's byte length. A rerun cuts the
-file back to that length and goes on with the next group, which it decodes
-in the same order as an uninterrupted run would; sampling draws from one
-seeded generator per conversation and turn. A killed job therefore finishes
+state records the group count and the file's byte length
+(data/resumable.py). A rerun cuts the file back to that length and goes on
+with the next group, which it decodes in the same order as an uninterrupted
+run would, on the kernels the run began with; sampling draws from one
+seeded generator per conversation and turn (data/engines.py). A killed job therefore finishes
 with the same file as an uninterrupted one. Output written with other
 settings, by another target or by another version of this stage is refused,
 never mixed.
@@ -35,10 +36,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import time
 from collections import Counter
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -49,36 +48,26 @@ from tqdm import tqdm
 
 from mtptrain.data.chat import prompt_ids, stop_tokens, tokenize_conversation
 from mtptrain.data.conversations import BadRow, normalise, unique_key
+from mtptrain.data.engines import decoding, generation_stops, pick_engine, recorded_runtime, sampler, turn_seed
 from mtptrain.data.kept_states import entry_fits, kept_dtype, new_entry, states_dir, valid_entry, write_group
-from mtptrain.data.samples import NoUsableData, RowStats
 from mtptrain.data.readers import read_rows
+from mtptrain.data.resumable import (GROUP_BATCHES, RegenerateError, append_lines, check_written, load_state,
+                                     state_path, truncate_to)
+from mtptrain.data.samples import NoUsableData, RowStats
 from mtptrain.config import Recipe
 from mtptrain.dist import DistInfo
-from mtptrain.engine.verify import Sampling, distribution, draw
-from mtptrain.errors import MtptrainError
-from mtptrain.io import atomic_write_json, fsync_dir
+from mtptrain.engine.verify import Sampling
+from mtptrain.io import atomic_write_json
 from mtptrain.runtime.batch import Request, decode_stream
-from mtptrain.runtime.linears import fast_linears, product_for
 from mtptrain.runtime.model import FastDecoder
-from mtptrain.runtime.runner import invalid_record, runtime_for, source_record
-from mtptrain.serving.vllm_engine import (VllmError, VllmWorker, data_parallel_devices, engine_args, on_gpu,
-                                          stream_requests, vllm_python)
-from mtptrain.target import (identity_mismatch, load_identified_parts, load_target, resolve_local_dir,
-                             tokenizer_fingerprint)
+from mtptrain.runtime.runner import source_record
+from mtptrain.serving.vllm_engine import stream_requests
+from mtptrain.target import load_identified_parts, load_target, tokenizer_fingerprint
 from mtptrain.target.layers import resolve_layers
 
 log = logging.getLogger(__name__)
 HOW = ("version", "batch_size")  # settings that change how the work is cut, not what is asked of the target
-GROUP_BATCHES = 8  # a group (the unit written and resumed) holds this many batches of conversations
 STATE_VERSION = 3  # 3: rows with user turns only are answered (a self-prompts file), no longer skipped
-
-
-class RegenerateError(MtptrainError, RuntimeError):
-    """The output cannot be written or resumed; the message says why and what to do."""
-
-
-def state_path(output: Path) -> Path:
-    return output.with_name(output.name + ".state.json")
 
 
 @dataclass
@@ -118,23 +107,6 @@ def settings_of(recipe: Recipe, engine: str = "runtime") -> dict:
     if engine == "vllm":
         settings["vllm_dtype"] = recipe.vllm.dtype
     return settings
-
-
-def pick_engine(recipe: Recipe) -> str:
-    """regenerate.engine, with auto resolved: the runtime on CPU, where it decodes about twice as fast as vLLM's
-    CPU build (docs/benchmarks.md); vLLM on GPUs where its environment is found (the runtime otherwise)."""
-    choice = recipe.regenerate.engine
-    if choice != "auto":
-        return choice
-    if not on_gpu():
-        return "runtime"
-    try:
-        vllm_python(recipe.vllm.python)
-    except VllmError as missing:
-        log.info("regenerate.engine auto: vLLM's environment is missing (%s); decoding on the runtime",
-                 str(missing).split(":")[0])
-        return "runtime"
-    return "vllm"
 
 
 def read_jobs(recipe: Recipe, tokenizer, stats: RowStats) -> list[tuple[Job, int]]:
@@ -186,24 +158,6 @@ def plan_digest(groups: list[list[Job]]) -> list[str]:
     """One digest per group of its conversations (ids and questions, in order): what a resume must find again."""
     return [hashlib.sha256(json.dumps([[j.id, j.system, j.questions] for j in group]).encode()).hexdigest()[:16]
             for group in groups]
-
-
-def turn_seed(seed: int, conversation_id: str, turn: int) -> int:
-    digest = hashlib.sha256(f"{seed}:{conversation_id}:{turn}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") >> 1
-
-
-def sampler(sampling: Sampling, seed: int):
-    """A request's `pick` (runtime/batch.py): None for greedy decoding, else a draw from the distribution that
-    `sampling` makes of the logits, with its own seeded CPU generator: verify.draw reads one uniform from it and
-    draws on the logits' device, so a seed gives the same tokens on any device."""
-    if sampling.greedy:
-        return None
-    generator = torch.Generator().manual_seed(seed)
-
-    def pick(logits: torch.Tensor) -> int:
-        return draw(distribution(logits, sampling), generator)
-    return pick
 
 
 def regenerate_jobs(source, tokenizer, group: list[Job], recipe: Recipe, stops: set[int],
@@ -403,72 +357,6 @@ def _keeping(recipe: Recipe, source, target, state: dict) -> Keep | None:
     return Keep(tuple(layers), getattr(torch, dtype))
 
 
-def recorded_runtime(output: Path, dtype: str, setting: str = "data.regenerated") -> dict | None:
-    """The runtime an unfinished regeneration into `output` started with (its state's "runtime"), where the rest
-    must decode with it too: the kernels and the dtype decide near-ties of greedy decoding, so an answer written
-    after a resume (on a requeued node, or after the machine's choice was measured again) would not be the one
-    an uninterrupted run writes. None for a new or a finished file, or one whose state predates the record."""
-    path = state_path(output)
-    try:
-        state = json.loads(path.read_text())
-    except (OSError, ValueError):  # none yet, or unreadable: _resume_state says what to do
-        return None
-    if not isinstance(state, dict) or state.get("complete") or "runtime" not in state:
-        return None
-    record = state["runtime"]
-    why = invalid_record(record)
-    if why is not None:
-        raise RegenerateError(f"{path}: its \"runtime\" entry is not one mtptrain wrote ({why}); delete "
-                              f"{path.name} and {output.name} to start over")
-    if dtype not in ("auto", record["dtype"]):
-        raise RegenerateError(f"{output} was begun in {record['dtype']} and this run would decode in {dtype}: one "
-                              f"file is written in one precision; set target.dtype={record['dtype']} (or auto) to "
-                              f"finish it, or set {setting} to a new path")
-    return record
-
-
-@contextmanager
-def decoding(recipe: Recipe, engine: str, model, output: Path, recorded: dict | None = None):
-    """What decodes, for the whole run: the runtime's batched decoder (or the model, under the transformers
-    fallback), with the kernels the run `recorded` when it began where the runtime runs the model, or vLLM's
-    workers, one per data-parallel engine, each logging beside the output."""
-    if engine == "vllm":
-        cfg = recipe.vllm
-        source_dir = resolve_local_dir(recipe.target)[0]
-        workers = []
-        try:
-            for i, devices in enumerate(data_parallel_devices(cfg)):
-                workers.append(VllmWorker(cfg, output.with_name(f"{output.name}.vllm-{i}.log"), devices))
-            for worker in workers:  # they load at once
-                worker.open_begin(engine_args(cfg, source_dir, recipe.data.max_length,
-                                              max_num_seqs=recipe.regenerate.batch_size, prefix_caching=True))
-            for worker in workers:
-                worker.open_end()
-            yield workers
-        finally:
-            for worker in workers:
-                worker.close()
-        return
-    # The transformers fallback only (the native runtime has its own products): up to 8 rows the swap is faster on
-    # CPU; wider decoding batches are compute-bound and keep torch's GEMM.
-    product = product_for(recipe.regenerate.cpu_matmul, model)
-    source = runtime_for(model, recipe.target.runtime, batched=True, record=recorded)
-    with fast_linears(model, product=product, max_rows=8, enabled=source is model):
-        yield source
-
-
-def generation_stops(cfg) -> set[int]:
-    """The end-of-turn ids of the target's generation_config.json, for a target whose model was not loaded whole
-    (its config is then transformers' default)."""
-    from transformers import GenerationConfig  # lazy: transformers takes ~1 s to import, which a resume need not pay
-
-    try:
-        configured = GenerationConfig.from_pretrained(resolve_local_dir(cfg)[0]).eos_token_id
-    except OSError:  # no generation_config.json: the tokenizer's EOS stands
-        return set()
-    return set(configured if isinstance(configured, list) else [configured] if configured is not None else [])
-
-
 def _reason(job: Job) -> str:
     return "prompt over-long" if job.stopped == "context full" else (job.stopped or "no answer")
 
@@ -498,61 +386,6 @@ def _resume_state(output: Path, settings: dict, identity: dict) -> dict:
                               "over")
     check_written(state, output, identity, "data.regenerated")
     return state
-
-
-def load_state(output: Path, fresh: dict, setting: str, command: str, optional: tuple[str, ...] = ()) -> dict:
-    """The state file beside `output` (a regeneration's or a self-prompts run's), or `fresh` where there is none
-    yet. A state is refused, naming its file, unless each entry of `fresh` (and of its counts) has the type it has
-    there, entries named in `optional` only where present: a hostile or torn file neither crashes the run nor
-    steers its resume."""
-    path = state_path(output)
-    if not path.is_file():
-        if output.exists() and output.stat().st_size:
-            raise RegenerateError(f"{output} exists but has no {path.name}: it was not written by `mtptrain "
-                                  f"{command}`; move it away or choose another {setting} path")
-        return fresh
-    try:
-        state = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise RegenerateError(f"{path} is not valid JSON ({exc}); delete it and {output} to start over") from None
-
-    def typed(entries: object, like: dict) -> bool:
-        return isinstance(entries, dict) and all(type(entries.get(k)) is type(v) for k, v in like.items()
-                                                 if k in entries or k not in optional)
-    if not typed(state, {k: v for k, v in fresh.items() if k != "counts"}) or \
-            not typed(state.get("counts"), fresh["counts"]):
-        raise RegenerateError(f"{path} is not a state mtptrain wrote; delete it and {output} to start over")
-    return state
-
-
-def check_written(state: dict, output: Path, identity: dict, setting: str) -> None:
-    """A state to resume must come from this target, and its output hold at least the bytes it records."""
-    if identity_mismatch(state["target"], identity) is not None:
-        raise RegenerateError(f"{output} was written by another target or tokenizer "
-                              f"({state['target'].get('name')}); set {setting} to a new path")
-    if not output.is_file() or output.stat().st_size < state["bytes"]:
-        raise RegenerateError(f"{output} is shorter than {state_path(output).name} records ({state['bytes']} bytes): "
-                              "the file was changed outside mtptrain; delete both to start over")
-
-
-def truncate_to(output: Path, size: int) -> None:
-    """Drop whatever a killed run appended after the last recorded batch."""
-    output.parent.mkdir(parents=True, exist_ok=True)
-    with open(output, "ab") as fh:
-        if fh.tell() != size:
-            log.info("regenerate: cutting %s back to %d bytes (a batch left unfinished)", output, size)
-            fh.truncate(size)
-
-
-def append_lines(output: Path, lines: list[str]) -> int:
-    """Append and fsync `lines`; the file's new length, for the state to record."""
-    with open(output, "ab") as fh:
-        fh.write("".join(lines).encode("utf-8"))
-        fh.flush()
-        os.fsync(fh.fileno())
-        size = fh.tell()
-    fsync_dir(output.parent)
-    return size
 
 
 def check_complete(path: Path, data, tokenizer) -> None:

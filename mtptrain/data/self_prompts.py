@@ -32,9 +32,9 @@ from tqdm import tqdm
 
 from mtptrain.config import Recipe
 from mtptrain.data.chat import render, stop_tokens
-from mtptrain.data.regenerate import (GROUP_BATCHES, RegenerateError, append_lines, check_written, decoding,
-                                      generation_stops, load_state, recorded_runtime, sampler, state_path,
-                                      truncate_to, turn_seed)
+from mtptrain.data.engines import decoding, generation_stops, recorded_runtime, sampler, turn_seed
+from mtptrain.data.resumable import (GROUP_BATCHES, RegenerateError, append_lines, check_written, load_state,
+                                     state_path, truncate_to)
 from mtptrain.engine.verify import Sampling
 from mtptrain.io import atomic_write_json
 from mtptrain.runtime.batch import Request, decode_stream

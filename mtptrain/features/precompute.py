@@ -15,7 +15,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from mtptrain.data.prepare import prepare_samples
-from mtptrain.data.regenerate import state_path
+from mtptrain.data.resumable import state_path
 from mtptrain.data.samples import RowStats
 from mtptrain.config import Recipe, dump_recipe
 from mtptrain.dist import DistInfo, all_reduce_sum, barrier, destroy_process_group, init_process_group

@@ -10,7 +10,8 @@ from conftest import write_sharegpt
 from safetensors import safe_open
 
 from mtptrain.config import load_recipe
-from mtptrain.data.regenerate import run_regenerate, state_path
+from mtptrain.data.regenerate import run_regenerate
+from mtptrain.data.resumable import state_path
 from mtptrain.features.precompute import run_precompute
 from mtptrain.data.kept_states import states_dir, write_group
 from mtptrain.io import sha256_file

@@ -12,8 +12,9 @@ from transformers import AutoModelForCausalLM
 from mtptrain.data.chat import prompt_ids
 from mtptrain.data.prepare import prepare_samples, split_of
 from mtptrain.data.samples import RowStats
-from mtptrain.data.regenerate import (RegenerateError, read_jobs, regenerate_jobs, run_regenerate, sampler, state_path,
-                                     turn_seed)
+from mtptrain.data.engines import sampler, turn_seed
+from mtptrain.data.regenerate import read_jobs, regenerate_jobs, run_regenerate
+from mtptrain.data.resumable import RegenerateError, state_path
 from mtptrain.config import load_recipe
 from mtptrain.engine.verify import Sampling
 from mtptrain.runtime.batch import Request, decode_stream

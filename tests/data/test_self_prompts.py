@@ -12,7 +12,8 @@ from test_regenerate import settle_machine_choice
 
 from mtptrain.config import load_recipe
 from mtptrain.data.chat import render
-from mtptrain.data.regenerate import RegenerateError, run_regenerate, state_path
+from mtptrain.data.regenerate import run_regenerate
+from mtptrain.data.resumable import RegenerateError, state_path
 from mtptrain.data.self_prompts import normal_form, request_prefix, run_self_prompts
 from mtptrain.target import load_tokenizer
 

@@ -146,7 +146,7 @@ def test_the_ssd_drafter_draws_on_the_host():
 
 
 def test_the_regenerate_sampler_draws_on_the_host():
-    from mtptrain.data.regenerate import sampler
+    from mtptrain.data.engines import sampler
 
     pick = sampler(SAMPLING, 0)
     logits = torch.randn(12, generator=torch.Generator().manual_seed(0))

@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 
 from mtptrain.config import load_recipe
-from mtptrain.data.regenerate import RegenerateError, pick_engine, run_regenerate, state_path
+from mtptrain.data.engines import pick_engine
+from mtptrain.data.regenerate import run_regenerate
+from mtptrain.data.resumable import RegenerateError, state_path
 
 from conftest import environment, kill_after_first_group, recipe_file, write_sharegpt
 
@@ -63,12 +65,12 @@ def test_vllm_regenerates_the_file_the_runtime_writes(vllm_env, served_target_di
 
 
 def test_auto_picks_the_runtime_on_a_cpu_and_vllm_on_a_gpu_where_it_is_installed(tmp_path, monkeypatch):
-    from mtptrain.data import regenerate
+    from mtptrain.data import engines
 
-    monkeypatch.setattr(regenerate, "on_gpu", lambda: False)
+    monkeypatch.setattr(engines, "on_gpu", lambda: False)
     assert pick_engine(load_recipe(None, ["regenerate.engine=auto"])) == "runtime"
     assert pick_engine(load_recipe(None, ["regenerate.engine=vllm"])) == "vllm"
-    monkeypatch.setattr(regenerate, "on_gpu", lambda: True)
+    monkeypatch.setattr(engines, "on_gpu", lambda: True)
     missing = load_recipe(None, ["regenerate.engine=auto", f"vllm.python={tmp_path / 'none'}"])
     assert pick_engine(missing) == "runtime"
     python = tmp_path / "python"
