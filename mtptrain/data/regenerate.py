@@ -290,8 +290,7 @@ def run_regenerate(recipe: Recipe, show_progress: bool = True) -> dict:
 
     def finished(job: Job) -> None:
         progress.update(1)
-    # The transformers fallback only (the native runtime has its own products): up to 8 rows the swap is faster on
-    # CPU; wider decoding batches are compute-bound and keep torch's GEMM.
+
     with decoding(recipe, engine, model, output, state.get("runtime")) as source:
         if engine == "runtime" and "runtime" not in state:
             state["runtime"] = source_record(source)
