@@ -25,10 +25,10 @@ state records the group count and the file's byte length
 (data/resumable.py). A rerun cuts the file back to that length and goes on
 with the next group, which it decodes in the same order as an uninterrupted
 run would, on the kernels the run began with; sampling draws from one
-seeded generator per conversation and turn (data/engines.py). A killed job therefore finishes
-with the same file as an uninterrupted one. Output written with other
-settings, by another target or by another version of this stage is refused,
-never mixed.
+seeded generator per conversation and turn (data/engines.py). A killed job
+therefore finishes with the same file as an uninterrupted one. Output
+written with other settings, by another target or by another version of
+this stage is refused, never mixed.
 """
 
 from __future__ import annotations
