@@ -285,6 +285,28 @@ def test_products(tiny_target_dir):
     assert all(len(re.findall(r"[\d.]+ ms", s["cells"])) == len(names) for s in steps.values())
 
 
+def test_row_attention(tiny_target_dir):
+    """Each kernel alone and in the whole forward, against the first named; each forward relative to one token."""
+    out = run_benchmark("row_attention.py", "--model", tiny_target_dir, "--kernels", "fused,sdpa,plain",
+                        "--rounds", 1, "--prefix", 8)
+    assert re.search(r"^target .*: (float32|bfloat16)", out, re.M)
+    assert re.search(rf"other processes used {NUM} CPU cores", out)
+    alone = table(out, r"^(?P<name>fused|sdpa|plain) +(?P<one>[\d.]+) \((?P<r1>[\d.]+x)\) +(?P<four>[\d.]+) "
+                       r"\((?P<r4>[\d.]+x)\)$")
+    assert list(alone) == ["fused", "sdpa", "plain"]
+    assert all(positive(a["one"]) and positive(a["four"]) and positive(a["r1"]) and positive(a["r4"])
+               for a in alone.values())
+    assert number(alone["fused"]["r1"]) == number(alone["fused"]["r4"]) == 1.0
+    forward = table(out, r"^(?P<name>fused|sdpa|plain)(?P<cells>(?: +[\d.]+ \([\d.]+\) [\d.]+x){4})$")
+    assert list(forward) == ["fused", "sdpa", "plain"]
+    for name, row in forward.items():
+        cells = re.findall(r"([\d.]+) \(([\d.]+)\) ([\d.]+)x", row["cells"])
+        assert len(cells) == 4 and all(positive(ms) and positive(rel) and positive(ratio) for ms, rel, ratio in cells)
+        assert number(cells[0][1]) == 1.0
+        if name == "fused":
+            assert all(number(ratio) == 1.0 for _, _, ratio in cells)
+
+
 def test_ssd(tiny_target_dir, tiny_head):
     """Autoregressive, speculative and speculative speculative decoding with the draft model, all equal to ar-2;
     then the sweeps with the head (each SSD worker is a process of its own: one for each of the three)."""

@@ -25,7 +25,8 @@ Two choices depend on the CPU more than on anything else, so they are measured r
 The products are timed on the model's own shapes (its attention and MLP projections) over 1, 4 and 8
 rows (and over BATCH_PRODUCT_ROWS for batches), the attention on its heads over 512 cached positions (and
 over 256 for BATCH_ROWS rows); the answer is cached in `<cache_root>/runtime-choice.json` under a key naming
-the CPU, torch's version, the thread count and the shapes, so each machine measures once. On a GPU nothing is
+the CPU, torch's version, the thread count, the shapes and the runtime's C++ kernels as built (their
+sources among what names the build), so each machine measures once, and again when a kernel changes. On a GPU nothing is
 measured: bfloat16 and `F.linear`.
 
 The cache is a file anyone can edit, and a measurement is only as good as the machine was quiet:
@@ -57,6 +58,7 @@ from mtptrain.io import atomic_write_json, cache_root
 from mtptrain.machine import cpu_sample, describe_cpu, other_load
 from mtptrain.runtime.attention import (ATTENTION, F32_CACHE, attention_kernels, batch_attention, batch_mask,
                                         causal_mask, row_attention, usable)
+from mtptrain.runtime.native_kernels import extension_name
 from mtptrain.runtime.products import PRODUCTS, Product, products, usable_product
 
 log = logging.getLogger(__name__)
@@ -194,12 +196,21 @@ def _heads(config) -> tuple[int, int, int]:
     return heads, config.num_key_value_heads, getattr(config, "head_dim", None) or config.hidden_size // heads
 
 
+def _kernels_build() -> str:
+    """The runtime's C++ kernels as built here (their sources, torch, the CPU and the flags: `extension_name`),
+    so that timings of other kernels are measured again; "none" where their sources are missing."""
+    try:
+        return extension_name()
+    except OSError:
+        return "none"
+
+
 def _key(config) -> str:
     cpu = describe_cpu()
     return "|".join([f"v{VERSION}", cpu["model"], str(cpu["capability"]), ",".join(cpu["extensions"] or []),
                      torch.__version__,
                      f"threads={torch.get_num_threads()}", ";".join(f"{o}x{i}" for o, i in shapes(config)),
-                     "heads=%dx%dx%d" % _heads(config)])
+                     "heads=%dx%dx%d" % _heads(config), f"kernels={_kernels_build()}"])
 
 
 SECTIONS = {"products": PRODUCTS, "products_batch": PRODUCTS, "attention_one": (*ATTENTION, "fused"),

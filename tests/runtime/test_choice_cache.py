@@ -45,6 +45,15 @@ def _key() -> str:
     return choice._key(_config())
 
 
+def test_a_change_to_the_kernels_sources_is_measured_again(cache, monkeypatch, tmp_path):
+    before = _key()
+    extra = tmp_path / "changed.h"
+    extra.write_text("// a kernel's source changed\n")
+    monkeypatch.setattr(native_kernels, "HEADERS", [*native_kernels.HEADERS, extra])
+    after = _key()
+    assert after != before and after.split("|kernels=")[0] == before.split("|kernels=")[0]
+
+
 @pytest.mark.parametrize("content", [
     "null", "[]", '"abc"', "{not json",
     json.dumps({"@KEY": None}),

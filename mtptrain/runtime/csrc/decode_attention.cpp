@@ -42,8 +42,9 @@
 #include <type_traits>
 #include <vector>
 
-#ifdef __AVX512F__
+#if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
+#define DECODE_ATTENTION_VECTORS 1  // 256-bit vectors and FMA: the scores' code, shared by both vector paths
 #endif
 
 #include "float_math.h"
@@ -104,7 +105,7 @@ struct Span {
 
 // ---------------------------------------------------------------------------------------------------------
 // Portable path: any D, plain loops (vectorised by the compiler). Used for D other than 64 and 128, and for
-// every D on CPUs without AVX-512.
+// every D on CPUs without AVX2 and FMA.
 
 template <int DC, typename T>  // DC: D known at compile time, or 0 to read it from `dim`
 void item_portable(int64_t G, int64_t dim, const Span<T>* spans, int spans_count, float scale, Scratch& s) {
@@ -156,21 +157,17 @@ void item_portable(int64_t G, int64_t dim, const Span<T>* spans, int spans_count
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// AVX-512 path for D = 64 and 128. The scores are summed over 256-bit vectors: on an AMD EPYC (Zen 4),
-// which runs a 512-bit operation as two 256-bit halves, the same over 512-bit vectors (twice the shuffles
-// per score) made the whole kernel 1.2x (float32) to 1.3x (bfloat16) slower over caches larger than L3.
-// The value pass accumulates in 512-bit vectors (as many products per instruction, half the registers).
+// Vector paths for D = 64 and 128: AVX-512, and AVX2 with FMA. Both sum the scores over 256-bit vectors: on
+// an AMD EPYC (Zen 4), which runs a 512-bit operation as two 256-bit halves, the same over 512-bit vectors
+// (twice the shuffles per score) made the whole kernel 1.2x (float32) to 1.3x (bfloat16) slower over caches
+// larger than L3. The AVX-512 path's value pass accumulates in 512-bit vectors (as many products per
+// instruction, half the registers); the AVX2 path's in 256-bit ones, a 64-element slice of a head at a time.
 
-#ifdef __AVX512F__
+#ifdef DECODE_ATTENTION_VECTORS
 
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
 #define DECODE_ATTENTION_BF16_DOT 1  // vdpbf16ps: bfloat16 pairs multiplied and summed into float32 lanes
 #endif
-
-inline __m512 load16(const bf16* p) {  // 16 bfloat16 widened to float32
-  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
-}
 
 // The 8 sums of 8 vectors' lanes as one vector, in 7 adds and 14 shuffles instead of 8 horizontal sums.
 // Lane 4h + j of the result is the sum of v[2j + h]: callers put position p's vector in slot `slot8(p)`.
@@ -228,6 +225,38 @@ void score_block(int64_t G, const Q* q, const K* block, float* scores, int64_t s
   }
 }
 
+// A block's m <= 16 rows of bfloat16 keys (D apart from k) widened to float32 rows of `block`, zeros after them.
+#ifdef __AVX512F__
+inline __m512 load16(const bf16* p) {  // 16 bfloat16 widened to float32
+  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+template <int D>
+inline void widen_keys(const bf16* k, int64_t m, float* block) {
+  for (int64_t i = 0; i < 16; ++i) {
+#pragma GCC unroll 8
+    for (int j = 0; j < D / 16; ++j)
+      _mm512_storeu_ps(block + i * D + 16 * j, i < m ? load16(k + i * D + 16 * j) : _mm512_setzero_ps());
+  }
+}
+#else
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const bf16* p) {  // 8 bfloat16 widened to float32
+  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+}
+
+template <int D>
+inline void widen_keys(const bf16* k, int64_t m, float* block) {
+  for (int64_t i = 0; i < 16; ++i) {
+#pragma GCC unroll 16
+    for (int j = 0; j < D / 8; ++j)
+      _mm256_storeu_ps(block + i * D + 8 * j, i < m ? load8(k + i * D + 8 * j) : _mm256_setzero_ps());
+  }
+}
+#endif
+
 // Pass 1: scores[g][t] = q_g . k_t * scale, 16 positions at a time, each block of keys read from memory
 // once and by the G queries from L1.
 template <int D, typename T>
@@ -258,16 +287,13 @@ void key_scores(int64_t G, const Span<T>& span, float scale, Scratch& s) {
 #endif
     } else {  // bfloat16 keys without vdpbf16ps: widened to float32 once, into `row`
       float* block = s.row.data();
-      for (int64_t i = 0; i < 16; ++i) {
-#pragma GCC unroll 8
-        for (int j = 0; j < D / 16; ++j)
-          _mm512_storeu_ps(block + i * D + 16 * j,
-                           i < m ? load16(k + (t0 - span.begin + i) * D + 16 * j) : _mm512_setzero_ps());
-      }
+      widen_keys<D>(k + (t0 - span.begin) * D, m, block);
       score_block<D>(G, s.q.data(), static_cast<const float*>(block), scores, s.stride, vscale);
     }
   }
 }
+
+#ifdef __AVX512F__
 
 // exp(x) for x <= 0, 16 lanes: as exp_clamped (float_math.h), with the power of two applied by scalef.
 inline __m512 exp16(__m512 x) {
@@ -411,15 +437,120 @@ void item_avx512(int64_t G, const Span<T>* spans, int spans_count, float scale, 
     for (int64_t g = 0; g < G; ++g) unpair<D>(s.acc.data() + g * D);
 }
 
+#else  // AVX2 and FMA without AVX-512
+
+// exp(x) for x <= 0, 8 lanes: as exp_clamped (float_math.h): the same polynomial, 2^n put in the exponent bits.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);  // max(c, x) returns x when x is NaN
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 5040);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  // n in [-126, 0] here: 2^n is a normal float32 whose exponent bits are n + 127
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+inline __m256 first_lanes(int64_t count) {  // all bits set in lanes 0 .. count-1 (count >= 1), clear above
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const int32_t c = int32_t(std::min<int64_t>(count, 8));
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(c), lane));
+}
+
+inline float reduce_max8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+inline float reduce_add8(__m256 v) {
+  __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_add_ss(m, _mm_movehdup_ps(m)));
+}
+
+// Scores to unnormalised softmax weights in place (lanes past n up to the next multiple of 8 set to 0: the
+// buffer's stride is a multiple of 16), and their sums.
+inline void softmax_rows(int64_t G, int64_t n, Scratch& s) {
+  const __m256 minus_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t g = 0; g < G; ++g) {
+    float* w = s.scores.data() + g * s.stride;
+    __m256 top = minus_inf;
+    for (int64_t t = 0; t < n; t += 8)
+      top = _mm256_max_ps(top, _mm256_blendv_ps(minus_inf, _mm256_loadu_ps(w + t), first_lanes(n - t)));
+    const __m256 vmax = _mm256_set1_ps(reduce_max8(top));
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t t = 0; t < n; t += 8) {
+      const __m256 e = _mm256_and_ps(first_lanes(n - t), exp8(_mm256_sub_ps(_mm256_loadu_ps(w + t), vmax)));
+      _mm256_storeu_ps(w + t, e);
+      sum = _mm256_add_ps(sum, e);
+    }
+    s.sums[g] = reduce_add8(sum);
+  }
+}
+
+// Pass 2 for a 64-element slice of query head g's output: acc[g][64c ..] += sum over t in [t0, t1) of
+// w[g][t] * v_t[64c ..], its eight 256-bit accumulators in registers (of AVX2's 16), each value read from L1
+// (the caller's block of positions) straight into its FMA.
+template <int D, typename T>
+void add_value_slice(int64_t g, int64_t c, const T* v, int64_t t0, int64_t t1, Scratch& s) {
+  __m256 a[8];
+  float* acc = s.acc.data() + g * D + 64 * c;
+  const float* w = s.scores.data() + g * s.stride;
+#pragma GCC unroll 8
+  for (int j = 0; j < 8; ++j) a[j] = _mm256_loadu_ps(acc + 8 * j);
+  for (int64_t t = t0; t < t1; ++t) {
+    const __m256 p = _mm256_set1_ps(w[t]);
+    const T* row = v + (t - t0) * D + 64 * c;
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(p, load8(row + 8 * j), a[j]);
+  }
+#pragma GCC unroll 8
+  for (int j = 0; j < 8; ++j) _mm256_storeu_ps(acc + 8 * j, a[j]);
+}
+
+// The spans' keys and values in order, as item_avx512 reads them: each slice's sums run over the positions in
+// order, whatever the spans. The values come in blocks that stay in L1 while every head's slices read them, so
+// they come from memory once.
+template <int D, typename T>
+void item_avx2(int64_t G, const Span<T>* spans, int spans_count, float scale, Scratch& s) {
+  for (int i = 0; i < spans_count; ++i) key_scores<D>(G, spans[i], scale, s);
+  softmax_rows(G, spans[spans_count - 1].end, s);
+  std::fill(s.acc.begin(), s.acc.end(), 0.0f);
+  constexpr int64_t block = 16384 / (D * sizeof(T));
+  for (int i = 0; i < spans_count; ++i) {
+    const Span<T>& span = spans[i];
+    for (int64_t t0 = span.begin; t0 < span.end; t0 += block) {
+      const int64_t t1 = std::min(span.end, t0 + block);
+      s.keys_ahead.step((t1 - t0) * D * int64_t(sizeof(T)) / 64);
+      const T* v = span.v + (t0 - span.begin) * D;
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t c = 0; c < D / 64; ++c) add_value_slice<D>(g, c, v, t0, t1, s);
+    }
+  }
+}
+
 #endif  // __AVX512F__
+#endif  // DECODE_ATTENTION_VECTORS
 
 // ---------------------------------------------------------------------------------------------------------
 
 template <typename T>
 void one_item(int64_t G, int64_t D, const Span<T>* spans, int spans_count, float scale, Scratch& s) {
-#ifdef __AVX512F__
+#if defined(DECODE_ATTENTION_VECTORS) && defined(__AVX512F__)
   if (D == 64) return item_avx512<64>(G, spans, spans_count, scale, s);
   if (D == 128) return item_avx512<128>(G, spans, spans_count, scale, s);
+#elif defined(DECODE_ATTENTION_VECTORS)
+  if (D == 64) return item_avx2<64>(G, spans, spans_count, scale, s);
+  if (D == 128) return item_avx2<128>(G, spans, spans_count, scale, s);
 #else
   if (D == 64) return item_portable<64>(G, D, spans, spans_count, scale, s);
   if (D == 128) return item_portable<128>(G, D, spans, spans_count, scale, s);
