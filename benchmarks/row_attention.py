@@ -8,7 +8,7 @@ chose on this machine, with each attention kernel named run for one new token an
 verification after the cache), all other kernels as chosen:
 
   alone     one call over --prefix cached positions + w new tokens on the target's heads (a cache in the
-            kernel's dtype), w = 1 and 4, median µs of 200 calls, rounds interleaved;
+            kernel's dtype), w = 1 and 4, µs a call: the median over the rounds of 20 calls each;
   forward   the runtime's whole forward over w new tokens after a --prefix-token prompt, w = 1, 2, 4, 8,
             median ms over --rounds interleaved rounds, one decoder per kernel on the same weights.
 
@@ -34,7 +34,7 @@ from mtptrain.target import load_target
 
 WIDTHS = (1, 2, 4, 8)
 ALONE_WIDTHS = (1, 4)
-CALLS = 200
+CALLS = 20  # a round's calls of each kernel alone
 
 
 def parse_args() -> argparse.Namespace:
@@ -104,7 +104,7 @@ def main() -> None:
             call()
         for _ in range(args.rounds):
             for key, call in calls.items():
-                alone_us[key].append(1e6 * timed(call, CALLS // 10 if args.rounds > 10 else CALLS))
+                alone_us[key].append(1e6 * timed(call, CALLS))
             for width in WIDTHS:
                 for kernel, runner in runners.items():
                     runner.rollback(len(prompt))
