@@ -307,6 +307,33 @@ def test_row_attention(tiny_target_dir):
             assert all(number(ratio) == 1.0 for _, _, ratio in cells)
 
 
+def test_retokenization(tiny_target_dir):
+    """Every answer of both turns counted, and no more differing tokens than decoded ones."""
+    out = run_benchmark("retokenization.py", "--model", tiny_target_dir, "--prompts", 3, "--turns", 2,
+                        "--new-tokens", 8)
+    rows = table(out, r"^\| (?P<name>\d) \| (?P<answers>\d+) \| (?P<tokens>[\d,]+) \| (?P<differing>\d+) \| "
+                      r"(?P<missing>[\d,]+) \((?P<share>[\d.]+)%\) \|$")
+    assert list(rows) == ["1", "2"]
+    for row in rows.values():
+        assert row["answers"] == "3" and 0 < number(row["tokens"]) <= 3 * 8
+        assert int(row["differing"]) <= 3 and number(row["missing"]) <= number(row["tokens"])
+        assert abs(number(row["share"]) - 100 * number(row["missing"]) / number(row["tokens"])) < 0.006
+    assert re.search(r"^most frequent differences .*, of \d+:$", out, re.M)
+
+
+def test_retokenization_reads_each_stored_answer_without_its_end_marker(tiny_target_dir):
+    from mtptrain.config import TargetConfig
+    from mtptrain.target.loading import load_tokenizer
+
+    stored_answers = runpy.run_path(str(ROOT / "benchmarks" / "retokenization.py"))["stored_answers"]
+    tok = load_tokenizer(TargetConfig(model=str(tiny_target_dir)))
+    messages = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue, like the sky."},
+                {"role": "user", "content": "Another?"}, {"role": "assistant", "content": "Green, like"}]
+    answers = stored_answers(tok, messages, frozenset({1}))
+    assert [tok.decode(a) for a in answers] == ["Blue, like the sky.", "Green, like"]
+    assert all(t not in tok.all_special_ids for a in answers for t in a)
+
+
 def test_ssd(tiny_target_dir, tiny_head):
     """Autoregressive, speculative and speculative speculative decoding with the draft model, all equal to ar-2;
     then the sweeps with the head (each SSD worker is a process of its own: one for each of the three)."""
