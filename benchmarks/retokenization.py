@@ -20,7 +20,7 @@ import collections
 import difflib
 
 from mtptrain.config import load_recipe
-from mtptrain.data.chat import assistant_spans, prompt_ids, stop_tokens
+from mtptrain.data.chat import _mask_from_offsets, assistant_spans, prompt_ids, stop_tokens
 from mtptrain.engine.generate import generate
 from mtptrain.eval.prompts import load_prompts
 from mtptrain.machine import describe_cpu
@@ -43,11 +43,11 @@ def stored_answers(tokenizer, messages: list[dict], unfinished: frozenset[int]) 
     mask marks for that answer (data/chat.py), the end-of-turn marker dropped. An empty answer gives []."""
     text, spans = assistant_spans(tokenizer, messages, unfinished)
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    pairs = list(zip(encoded["input_ids"], encoded["offset_mapping"]))
     specials = set(tokenizer.all_special_ids)
     answers = []
-    for span_start, span_end in spans:
-        ids = [token for token, (start, end) in pairs if start < span_end and end > span_start]
+    for span in spans:  # the loss mask's own rule, one answer's span at a time
+        marked = _mask_from_offsets(encoded["offset_mapping"], [span])
+        ids = [token for token, on in zip(encoded["input_ids"], marked.tolist()) if on]
         while ids and ids[-1] in specials:
             ids.pop()
         answers.append(ids)
