@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import atexit
 import hashlib
+import importlib
 import json
 import logging
 import math
@@ -202,7 +203,7 @@ def run_train(recipe: Recipe, wandb: str | None = None, show_progress: bool = Tr
     _launcher_env(dist)
     device = pick_device(recipe.target.device, dist)
     if not torch_dist.is_initialized():
-        deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", auto_mpi_discovery=False)
+        _init_distributed("nccl" if device.type == "cuda" else "gloo")
         # DeepSpeed caches its process groups for the life of the process, so the group stays up
         # across runs in one process and is torn down at exit (ranks abort if it is left open).
         atexit.register(destroy_process_group)
@@ -213,6 +214,21 @@ def run_train(recipe: Recipe, wandb: str | None = None, show_progress: bool = Tr
     if ranks_must_agree(target_device, dist):  # every rank runs the target's parts with rank 0's dtype and kernels
         agree_on_dtype(config, target_device)
     return Trainer(recipe, dist, device, wandb or recipe.tracking.wandb, show_progress and dist.is_main).run()
+
+
+def _init_distributed(backend: str) -> None:
+    """deepspeed.init_distributed, without the shared-memory all-reduce op it builds on a CPU: only DeepSpeed's
+    inference all-reduce (AutoTP) calls that op, training's all-reduce is torch.distributed's, and its first build
+    compiles C++ for about 45 s per environment (2-core AMD EPYC, Zen 3) before any one-process smoke run."""
+    backends = importlib.import_module("deepspeed.comm.torch")  # the package's `torch` attribute is torch itself
+    build = getattr(backends, "build_shm_op", None)
+    if build is not None:
+        backends.build_shm_op = lambda: None
+    try:
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+    finally:
+        if build is not None:
+            backends.build_shm_op = build
 
 
 def _check_memory(recipe: Recipe, config, dist: DistInfo, device: torch.device) -> None:
