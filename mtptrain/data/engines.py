@@ -23,7 +23,7 @@ from mtptrain.data.resumable import RegenerateError, state_path
 from mtptrain.engine.verify import Sampling, distribution, draw
 from mtptrain.runtime.linears import fast_linears, product_for
 from mtptrain.runtime.runner import invalid_record, runtime_for
-from mtptrain.serving.vllm_engine import (VllmError, VllmWorker, data_parallel_devices, engine_args, on_gpu,
+from mtptrain.serving.vllm_engine import (VllmError, VllmWorker, close_all, data_parallel_devices, engine_args, on_gpu,
                                           vllm_python)
 from mtptrain.target import resolve_local_dir
 
@@ -90,8 +90,7 @@ def decoding(recipe: Recipe, engine: str, model, output: Path, recorded: dict | 
                 worker.open_end()
             yield workers
         finally:
-            for worker in workers:
-                worker.close()
+            close_all(workers)
         return
     # The transformers fallback only (the native runtime has its own products): up to 8 rows the swap is faster on
     # CPU; wider decoding batches are compute-bound and keep torch's GEMM.

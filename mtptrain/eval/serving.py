@@ -29,8 +29,8 @@ from mtptrain.engine.verify import Sampling
 from mtptrain.eval.methods import Config, EvalError, HeadInfo
 from mtptrain.export.run import export_head
 from mtptrain.export.sidecar import read_sidecar
-from mtptrain.serving.vllm_engine import (Served, VllmWorker, batch1_cache_gib, eagle3_speculation, engine_args,
-                                          on_gpu)
+from mtptrain.serving.vllm_engine import (Served, VllmWorker, batch1_cache_gib, close_all, eagle3_speculation,
+                                          engine_args, on_gpu)
 from mtptrain.target.source import resolve_local_dir
 
 PREFIX = "vllm "  # the labels of vLLM's rows
@@ -158,8 +158,7 @@ class ServingRun:
     comparable: bool = True
 
     def close(self) -> None:
-        for worker in self.workers:
-            worker.close()
+        close_all(self.workers)
 
     def record(self) -> dict:
         """results.json's "serving"."""

@@ -212,9 +212,22 @@ class VllmWorker:
         return answer["finished"], answer["running"]
 
     def close(self) -> None:
+        self.close_begin()
+        self.close_end()
+
+    def close_begin(self) -> None:
+        """Asks the worker to end without waiting for it: several workers shut their engines down at once
+        (close_end waits; 6 engines closed one after the other took 22 s of a 2-core machine, docs/benchmarks.md)."""
         if self.process.poll() is None:
             try:
-                self._call({"op": "close"}, "closing")
+                self._send({"op": "close"}, "closing")
+            except (VllmError, ValueError, OSError):
+                pass  # close_end finds it ended, or kills it
+
+    def close_end(self) -> None:
+        if self.process.poll() is None:
+            try:
+                self._receive("closing")
                 self.process.wait(timeout=60)
             except (VllmError, subprocess.TimeoutExpired, ValueError, OSError):
                 self.process.kill()
@@ -226,6 +239,14 @@ class VllmWorker:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def close_all(workers: list[VllmWorker]) -> None:
+    """Closes every worker, all shutting down at once."""
+    for worker in workers:
+        worker.close_begin()
+    for worker in workers:
+        worker.close_end()
 
 
 def stream_requests(workers: list[VllmWorker], requests: Iterable, done: Callable, rows: int, stops: set[int],
