@@ -26,9 +26,6 @@ def wandb_env(tmp_path, monkeypatch):
     init wait, and a server URL on a closed loopback port."""
     import wandb
 
-    # DeepSpeed's compiled CPU ops are cached under HOME: point at the directory the other tests' runs built them in
-    # (torch's default root and its pythonXY_cpu folder), or `train` compiles them again (39 s on 2 cores).
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", torch_extensions_dir())
     home = tmp_path / "home"
     home.mkdir()
     monkeypatch.setenv("HOME", str(home))
@@ -46,16 +43,6 @@ def wandb_env(tmp_path, monkeypatch):
     wandb.teardown()
     yield tmp_path
     wandb.teardown()
-
-
-def torch_extensions_dir() -> str:
-    """Where torch's extension loader builds under the current HOME (TORCH_EXTENSIONS_DIR if set, else its default
-    root's pythonXY_cpu folder), asked of torch itself so that the two cannot drift apart."""
-    import os
-
-    from torch.utils.cpp_extension import _get_build_directory
-
-    return os.path.dirname(_get_build_directory("deepspeed_shm_comm", verbose=False))
 
 
 def _recipe(tmp_path, *overrides):
