@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -34,14 +36,50 @@ def _log(script: str) -> Path:
     return log
 
 
+# The disk a run writes, measured on a fresh clone (docs/benchmarks.md, "The test suite's disk"): under the temporary
+# folder, the tests' own folders and the caches of the programs they start; in the checkout, each environment its
+# tests need that is not built yet. A run that finds less free stops before its first test instead of failing
+# half-way with "No space left on device" in whatever test comes next.
+# 2026-11-29: pytest's folder 2.2 GiB, torch's compile cache 0.15 GiB, vLLM's environment 3.4, the interop one 1.5.
+SUITE_TMP_GIB = 3.0
+ENVIRONMENT_DIRS = {"vllm": (".venv-vllm", 3.6), "interop": (".venv-speculators", 1.7)}
+
+
+def disk_shortfalls(markers: set[str], tmp: Path, checkout: Path) -> list[str]:
+    """What the selected tests will write where there is not room for it, one line a filesystem."""
+    wants: dict[int, tuple[Path, float, list[str]]] = {}
+
+    def want(path: Path, gib: float, what: str) -> None:
+        device = path.stat().st_dev
+        where, total, whats = wants.get(device, (path, 0.0, []))
+        wants[device] = (where, total + gib, [*whats, what])
+
+    want(tmp, SUITE_TMP_GIB, f"the tests' temporary folders under {tmp}")
+    for marker, (venv, gib) in ENVIRONMENT_DIRS.items():
+        if marker in markers and not (checkout / venv / "bin" / "python").exists():
+            want(checkout, gib, f"{checkout / venv} ({ENVIRONMENTS[marker]})")
+    lines = []
+    for where, gib, whats in wants.values():
+        free = shutil.disk_usage(where).free / 2**30
+        if free < gib:
+            lines.append(f"{where}'s filesystem has {free:.1f} GiB free; this run writes about {gib:.1f} GiB there: "
+                         + ", ".join(whats))
+    return lines
+
+
 def pytest_collection_finish(session):
     if session.config.option.collectonly:
         return
-    for marker, script in ENVIRONMENTS.items():
-        if any(item.get_closest_marker(marker) for item in session.items):
-            with open(_log(script), "w") as sink:
-                _building[script] = subprocess.Popen(["bash", script], cwd=ROOT, stdout=sink,
-                                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    markers = {marker for marker in ENVIRONMENTS if any(item.get_closest_marker(marker) for item in session.items)}
+    short = disk_shortfalls(markers, Path(tempfile.gettempdir()), ROOT)
+    if short:
+        pytest.exit("not enough disk for the tests: " + "; ".join(short) + ". Free some (old clones' "
+                    "environments, pytest's earlier folders under the temporary folder) and run again.", returncode=4)
+    for marker in markers:
+        script = ENVIRONMENTS[marker]
+        with open(_log(script), "w") as sink:
+            _building[script] = subprocess.Popen(["bash", script], cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT,
+                                                 stdin=subprocess.DEVNULL)
 
 
 def pytest_sessionfinish(session):
