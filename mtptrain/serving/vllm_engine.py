@@ -133,6 +133,7 @@ class VllmWorker:
         self.process = subprocess.Popen([str(self.python), str(WORKER)], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, stderr=self._log, env=env, text=True, bufsize=1)
         self._started = False  # its "ready" line is read with the first reply, so that workers start together
+        self._close_asked = False  # close_begin sent the close request (close_end then waits for its answer)
 
     def _call(self, message: dict | None, what: str) -> dict:
         self._send(message, what)
@@ -221,12 +222,15 @@ class VllmWorker:
         if self.process.poll() is None:
             try:
                 self._send({"op": "close"}, "closing")
+                self._close_asked = True
             except (VllmError, ValueError, OSError):
                 pass  # close_end finds it ended, or kills it
 
     def close_end(self) -> None:
         if self.process.poll() is None:
             try:
+                if not self._close_asked:  # a worker never asked would never answer: the read below would hang
+                    raise VllmError("the close request could not be sent")
                 self._receive("closing")
                 self.process.wait(timeout=60)
             except (VllmError, subprocess.TimeoutExpired, ValueError, OSError):

@@ -1,6 +1,7 @@
 """The parts of the vLLM path that need no vLLM: finding its environment, the engine settings, vLLM's counters read
 as the engine's statistics, the serving check's verdicts, and the regeneration state's engine."""
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -11,8 +12,8 @@ from mtptrain.engine.generate import GenerationStats
 from mtptrain.eval.methods import Config
 from mtptrain.eval.run import Tally, per_request_means
 from mtptrain.eval.serving import agreement, conforms, served_stats, unchecked
-from mtptrain.serving.vllm_engine import (Served, VllmError, batch1_cache_gib, engine_args, vllm_python,
-                                          worker_env)
+from mtptrain.serving.vllm_engine import (Served, VllmError, VllmWorker, batch1_cache_gib, close_all, engine_args,
+                                          vllm_python, worker_env)
 
 
 def test_a_missing_environment_names_the_setup_script(tmp_path, monkeypatch):
@@ -28,6 +29,28 @@ def test_a_missing_environment_names_the_setup_script(tmp_path, monkeypatch):
     python.chmod(0o755)
     monkeypatch.setenv("MTPTRAIN_VLLM_PYTHON", str(python))
     assert vllm_python("auto") == python
+
+
+def test_workers_close_together_and_one_that_cannot_be_asked_is_killed_not_waited_for(tmp_path):
+    """Stand-ins for vLLM's python: one answers "closing" to what it reads and exits, as the worker does; the other
+    never reads, and the close request cannot reach it (its stdin is shut): waiting for its answer would hang."""
+    answering, silent = tmp_path / "answering", tmp_path / "silent"
+    answering.write_text('#!/bin/sh\nread line\necho ready\necho \'{"closing": true}\'\n')
+    silent.write_text("#!/bin/sh\nexec sleep 600\n")
+    for script in (answering, silent):
+        script.chmod(0o755)
+    workers = [VllmWorker(VllmConfig(python=str(script)), log_path=tmp_path / f"{script.name}.log")
+               for script in (answering, silent)]
+    workers[1].process.stdin.close()
+    closing = threading.Thread(target=close_all, args=(workers,), daemon=True)
+    closing.start()
+    closing.join(timeout=30)
+    alive = closing.is_alive()
+    for worker in workers:  # never leave the stand-ins behind, whatever happened
+        worker.process.kill()
+    assert not alive, "close_all waited for an answer from a worker it could not ask"
+    assert workers[0].process.wait() == 0 and workers[0]._close_asked  # it ended by itself, asked
+    assert workers[1].process.returncode == -9 and not workers[1]._close_asked  # killed
 
 
 def test_engine_settings_on_a_cpu(tmp_path):
