@@ -14,7 +14,7 @@ of its instruction sets) and checks, on every build:
                      (float32 on every target; bfloat16 where the target has avx512_bf16)
 
 haswell stands for the AVX2-only CPUs (the portable attention, the AVX2 product), skylake-avx512 for AVX-512
-without bfloat16. Each build takes about 28 s on 2 cores. Exits 1 if any check fails.
+without bfloat16. Each build takes about 12 s on a 2-core Zen 5. Exits 1 if any check fails.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@
 // FMA. `blocked_supports(dtype)` says which this build has (torch's products serve the rest).
 
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include "torch_api.h"
 
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>

@@ -29,7 +29,7 @@
 // values are each read once, in order. The threads (at::parallel_for, torch's thread count) take runs of
 // items of about equal length.
 
-#include <torch/extension.h>
+#include "torch_api.h"
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>

@@ -13,7 +13,7 @@
 //   silu_mul(gate_up) -> silu(gate) * up, with gate_up = [gate | up] along the last dimension
 //   rope(x, cos, sin) -> x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2 | x1] for x = [x1 | x2]
 
-#include <torch/extension.h>
+#include "torch_api.h"
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
