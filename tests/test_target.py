@@ -288,6 +288,34 @@ def test_a_gguf_copy_is_bfloat16_unless_a_matrix_is_stored_finer(tmp_path, matri
     assert target_source.gguf_copy_dtype(tmp_path / "model.gguf") == copy
 
 
+def test_a_gguf_file_is_parsed_once_while_it_is_converted_and_as_often_as_asked_after(tmp_path):
+    """transformers reads the file for the tokenizer, the config and the weights: during a conversion those reads
+    share one reader, and the tensor-name map is built once; afterwards, and after a conversion that failed, gguf's
+    own names are back."""
+    import gguf
+    import numpy as np
+
+    path = tmp_path / "model.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_tensor("m", np.ones((8, 64), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    llama = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == "llama")
+    with target_source._gguf_parsed_once():
+        first = gguf.GGUFReader(path)
+        assert gguf.GGUFReader(str(path)) is first and type(first) is reader and first.tensors[0].name == "m"
+        assert gguf.GGUFReader(path, "r+") is not first
+        assert gguf.get_tensor_name_map(llama, 2) is gguf.get_tensor_name_map(llama, 2)
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (reader, name_map)
+    assert gguf.GGUFReader(path) is not gguf.GGUFReader(path)
+    with pytest.raises(ValueError, match="broken"), target_source._gguf_parsed_once():
+        raise ValueError("broken")
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (reader, name_map)
+
+
 def test_the_target_is_read_straight_onto_its_device(tiny_target_dir, monkeypatch):
     """from_pretrained gets a device map for one device too: without one it builds the whole model in host memory
     on every rank before `.to(device)` (8 ranks x 16 GB of an 8B target on one node)."""
