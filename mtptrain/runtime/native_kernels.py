@@ -17,10 +17,10 @@
   CPU's peak for hundreds; each row's result is the same whatever rows it is computed with.
 
 The first call builds them (about 12 s on a 2-core AMD EPYC Zen 5; one INFO line says so and where), later
-processes load them from `<cache_root>/kernels/` once the .so is the very file its build recorded (size and sha256): a damaged one
-(truncated, overwritten) is rebuilt after one warning instead of crashing the process that loads it. Where the
-build fails (no compiler, no ninja) it logs one warning and every function returns None: callers keep torch's
-operations.
+processes load them from `<cache_root>/kernels/` once the .so is the very file its build recorded (size and
+sha256): a damaged one (truncated, overwritten) is rebuilt after one warning instead of crashing the process that
+loads it. Where the build fails (no compiler, no ninja) it logs one warning and every function returns None:
+callers keep torch's operations.
 """
 
 from __future__ import annotations

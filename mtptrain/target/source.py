@@ -34,7 +34,7 @@ from mtptrain.embedded import wheel_file
 from mtptrain.errors import MtptrainError
 from mtptrain.io import cache_root, tmp_name, writing_to
 
-# transformers (~0.7 s to import) and huggingface_hub's download client (~0.1 s) are imported inside the
+# transformers (~0.7 s to import), gguf (~0.1 s) and huggingface_hub's download client (~0.1 s) are imported inside the
 # functions that use them: every stage imports this package, and a command's checks of its inputs (a missing
 # feature store, prompt file or export) then answer before paying for them.
 
@@ -189,8 +189,9 @@ def _gguf_parsed_once() -> Iterator[None]:
     (2.0 s each time for SmolLM2-135M on a 2-core AMD EPYC Zen 5). It also builds the tensor-name map of the same
     architecture once per module of the model (397 times, 3.7 s). A reader and a map are only read once made, and
     transformers imports both from gguf at each call, so handing out one of each for the conversion gives the same
-    copy, byte for byte, sooner (17.1 s -> 6.6 s on that machine, two alternating rounds). gguf's own names are restored after."""
-    import gguf
+    copy, byte for byte, sooner (17.1 s -> 6.6 s on that machine, two alternating rounds). gguf's own names are
+    restored after."""
+    import gguf  # lazy: see the note after the imports
 
     reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
     readers: dict[tuple[str, str], object] = {}
