@@ -139,7 +139,9 @@ class VllmWorker:
         self._send(message, what)
         return self._receive(what)
 
-    def _send(self, message: dict | None, what: str) -> None:
+    def _send(self, message: dict | None, what: str) -> bool:
+        """Writes `message` to the worker (None: nothing, the read of a reply that is already coming); False where
+        the pipe is broken and nothing reached it."""
         if self.process.poll() is not None and message is not None:
             raise VllmError(f"vLLM's worker has exited (code {self.process.returncode}) before {what}:\n"
                             f"{self.log_tail()}")
@@ -148,7 +150,8 @@ class VllmWorker:
                 self.process.stdin.write(json.dumps(message) + "\n")
                 self.process.stdin.flush()
         except BrokenPipeError:
-            pass  # the read below reports the worker's end
+            return False  # a caller that reads next finds the worker's end there
+        return True
 
     def _receive(self, what: str) -> dict:
         line = self._readline()
@@ -221,8 +224,7 @@ class VllmWorker:
         (close_end waits; 6 engines closed one after the other took 22 s of a 2-core machine, docs/benchmarks.md)."""
         if self.process.poll() is None:
             try:
-                self._send({"op": "close"}, "closing")
-                self._close_asked = True
+                self._close_asked = self._send({"op": "close"}, "closing")
             except (VllmError, ValueError, OSError):
                 pass  # close_end finds it ended, or kills it
 

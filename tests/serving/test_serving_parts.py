@@ -53,6 +53,23 @@ def test_workers_close_together_and_one_that_cannot_be_asked_is_killed_not_waite
     assert workers[1].process.returncode == -9 and not workers[1]._close_asked  # killed
 
 
+def test_a_worker_that_shut_its_end_of_the_pipe_but_lives_is_killed_at_close(tmp_path):
+    """A worker alive with its stdin closed: the close request breaks the pipe and reaches nobody, so no answer
+    will come, and close_all must not wait for one."""
+    deaf = tmp_path / "deaf"
+    deaf.write_text("#!/bin/sh\nexec 0<&-\necho shut\nexec sleep 600\n")
+    deaf.chmod(0o755)
+    worker = VllmWorker(VllmConfig(python=str(deaf)), log_path=tmp_path / "deaf.log")
+    assert worker.process.stdout.readline() == "shut\n"  # its stdin is closed from here on
+    closing = threading.Thread(target=close_all, args=([worker],), daemon=True)
+    closing.start()
+    closing.join(timeout=30)
+    alive = closing.is_alive()
+    worker.process.kill()
+    assert not alive, "close_all waited for an answer to a request the broken pipe never delivered"
+    assert worker.process.wait() == -9 and not worker._close_asked
+
+
 def test_engine_settings_on_a_cpu(tmp_path):
     args = engine_args(VllmConfig(), "/m", 2048, {"method": "eagle3", "model": "/h", "num_speculative_tokens": 3},
                        kv_cache_gib=0.25)
