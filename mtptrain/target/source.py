@@ -208,6 +208,7 @@ def _gguf_parsed_once() -> Iterator[None]:
         yield
     finally:
         gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
+        readers.clear()  # each holds its file mapped: released now, not whenever the collector finds the class
 
 
 def _convert_gguf(gguf_path: Path, out: Path) -> None:
