@@ -42,6 +42,24 @@ using namespace mtptrain_kernels;
 constexpr int64_t GROUP = 32;   // output features per group
 constexpr int ROW_BLOCK = 12;   // rows per pass over a group's weights, at most (register sums: 2 x 12 vectors)
 
+// Where a pass multiplies each weight by several rows, it asks for the weights PREFETCH_AHEAD bytes ahead of
+// the 128 it reads (the group's later steps, then the next group's: a thread's groups lie one after another).
+// The hardware's own prefetching keeps a one-row pass at the memory's speed, but once the multiply-adds of a few
+// rows take a while per step, its requests no longer run far enough ahead and the memory's latency adds to the
+// compute instead of hiding under it. Measured on a 2-core AMD EPYC Zen 5, SmolLM2-135M's 121 products in
+// bfloat16, interleaved: 1 row 4.07 ms both ways, 4 rows 5.30 -> 4.84, 8 rows 6.57 -> 5.05, 12 rows 8.14 ->
+// 5.27, 160 rows 50.4 -> 46.4. One-row passes are left alone (prefetching there cost 1-5%). Prefetching past a
+// tensor's end is harmless (a prefetch does not fault).
+constexpr int64_t PREFETCH_AHEAD = 8192;
+template <int RB, bool AHEAD = true>
+inline void prefetch_ahead(const void* weights) {
+  if constexpr (RB > 1 && AHEAD) {
+    const char* at = static_cast<const char*>(weights) + PREFETCH_AHEAD;
+    __builtin_prefetch(at, 0, 3);  // read, keep in every cache level (as _MM_HINT_T0)
+    __builtin_prefetch(at + 64, 0, 3);
+  }
+}
+
 inline void store_out(float* p, float v) { *p = v; }
 inline void store_out(bf16* p, float v) { p->x = bf16_high(bf16_round(v)); }
 
@@ -59,6 +77,7 @@ inline void group_rows(const bf16* wg, const bf16* x, int64_t K, int64_t KP, int
   const int64_t whole = K / 2;  // pairs read as one 32-bit word; an odd K's last input alone, with a zero
   for (int64_t p = 0; p < KP; ++p) {
     const bf16* wp = wg + p * 2 * GROUP;
+    prefetch_ahead<RB>(wp);
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp);
     const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wp + GROUP);
 #pragma GCC unroll 16
@@ -108,7 +127,7 @@ constexpr int F32_ROWS = 2;  // 4 x 2 sums, 4 weight vectors and a broadcast in 
 constexpr int VECTORS = GROUP / WIDTH;
 
 // As above for float32, the group at `wg` being [K, 32]; rows in blocks of F32_ROWS.
-template <int RB>
+template <int RB, bool AHEAD>
 inline void group_rows_f32(const float* wg, const float* x, int64_t K, int64_t r0, float* sums) {
   lanes acc[VECTORS][RB];
 #pragma GCC unroll 16
@@ -116,6 +135,7 @@ inline void group_rows_f32(const float* wg, const float* x, int64_t K, int64_t r
 #pragma GCC unroll 16
     for (int j = 0; j < RB; ++j) acc[v][j] = zero();
   for (int64_t k = 0; k < K; ++k) {
+    prefetch_ahead<RB, AHEAD>(wg + k * GROUP);
     lanes w[VECTORS];
 #pragma GCC unroll 16
     for (int v = 0; v < VECTORS; ++v) w[v] = load(wg + k * GROUP + v * WIDTH);
@@ -151,7 +171,7 @@ inline lanes high_half(__m256i words) {
 inline __m256i load_words(const bf16* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 #endif
 
-template <int RB>
+template <int RB, bool AHEAD>
 inline void group_rows_widened(const bf16* wg, const float* x, int64_t K, int64_t KP, int64_t r0, float* sums) {
   lanes acc[VECTORS][RB];
 #pragma GCC unroll 16
@@ -161,6 +181,7 @@ inline void group_rows_widened(const bf16* wg, const float* x, int64_t K, int64_
   const int64_t whole = K / 2;  // an odd K's last step has input 2p alone (its high halves are zero padding)
   for (int64_t p = 0; p < whole; ++p) {
     const bf16* wp = wg + p * 2 * GROUP;
+    prefetch_ahead<RB, AHEAD>(wp);
 #pragma GCC unroll 16
     for (int v = 0; v < VECTORS; ++v) {
       const auto words = load_words(wp + v * 2 * WIDTH);
@@ -212,32 +233,44 @@ void group_block(const bf16* wg, const bf16* x, int64_t K, int64_t KP, int64_t r
 }
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-// Rows r0 .. r0 + rb of a group's float32 sums in blocks of up to F32_ROWS: rows(block, r, at) for each, `block`
-// a std::integral_constant of the block's rows (the loops take it as a template argument).
+// One block of `n` rows from row r: rows(block, ahead, r, at), `block` a std::integral_constant of the block's
+// rows and `ahead` a std::bool_constant, AHEAD (the loops take both as template arguments).
+template <bool AHEAD, typename Rows>
+inline void row_block(int64_t n, int64_t r, float* at, Rows rows) {
+  const std::bool_constant<AHEAD> ahead;
+  switch (n) {
+#if defined(__AVX512F__)
+    case 8: rows(std::integral_constant<int, 8>{}, ahead, r, at); break;
+    case 7: rows(std::integral_constant<int, 7>{}, ahead, r, at); break;
+    case 6: rows(std::integral_constant<int, 6>{}, ahead, r, at); break;
+    case 5: rows(std::integral_constant<int, 5>{}, ahead, r, at); break;
+    case 4: rows(std::integral_constant<int, 4>{}, ahead, r, at); break;
+    case 3: rows(std::integral_constant<int, 3>{}, ahead, r, at); break;
+#endif
+    case 2: rows(std::integral_constant<int, 2>{}, ahead, r, at); break;
+    default: rows(std::integral_constant<int, 1>{}, ahead, r, at); break;
+  }
+}
+
+// Rows r0 .. r0 + rb of a group's float32 sums in blocks of up to F32_ROWS. The first block streams the group's
+// weights from memory and prefetches ahead; the others read them again from the caches, where prefetching the
+// next group's weights early only displaces this one's (AVX2 float32 weights, blocks of 2, 160 rows: 8% slower).
 template <typename Rows>
 inline void in_row_blocks(int64_t r0, int64_t rb, float* sums, Rows rows) {
   for (int64_t r = r0; r < r0 + rb; r += F32_ROWS) {
-    float* at = sums + (r - r0) * GROUP;
-    switch (std::min<int64_t>(F32_ROWS, r0 + rb - r)) {
-#if defined(__AVX512F__)
-      case 8: rows(std::integral_constant<int, 8>{}, r, at); break;
-      case 7: rows(std::integral_constant<int, 7>{}, r, at); break;
-      case 6: rows(std::integral_constant<int, 6>{}, r, at); break;
-      case 5: rows(std::integral_constant<int, 5>{}, r, at); break;
-      case 4: rows(std::integral_constant<int, 4>{}, r, at); break;
-      case 3: rows(std::integral_constant<int, 3>{}, r, at); break;
-#endif
-      case 2: rows(std::integral_constant<int, 2>{}, r, at); break;
-      default: rows(std::integral_constant<int, 1>{}, r, at); break;
-    }
+    const int64_t n = std::min<int64_t>(F32_ROWS, r0 + rb - r);
+    if (r == r0)
+      row_block<true>(n, r, sums, rows);
+    else
+      row_block<false>(n, r, sums + (r - r0) * GROUP, rows);
   }
 }
 #endif
 
 void group_block(const float* wg, const float* x, int64_t K, int64_t, int64_t r0, int64_t rb, float* sums) {
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-  in_row_blocks(r0, rb, sums, [&](auto block, int64_t r, float* at) {
-    group_rows_f32<decltype(block)::value>(wg, x, K, r, at);
+  in_row_blocks(r0, rb, sums, [&](auto block, auto ahead, int64_t r, float* at) {
+    group_rows_f32<decltype(block)::value, decltype(ahead)::value>(wg, x, K, r, at);
   });
 #endif
 }
@@ -245,8 +278,8 @@ void group_block(const float* wg, const float* x, int64_t K, int64_t, int64_t r0
 // Float32 inputs over weights held in bfloat16, widened as they are read.
 void group_block(const bf16* wg, const float* x, int64_t K, int64_t KP, int64_t r0, int64_t rb, float* sums) {
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-  in_row_blocks(r0, rb, sums, [&](auto block, int64_t r, float* at) {
-    group_rows_widened<decltype(block)::value>(wg, x, K, KP, r, at);
+  in_row_blocks(r0, rb, sums, [&](auto block, auto ahead, int64_t r, float* at) {
+    group_rows_widened<decltype(block)::value, decltype(ahead)::value>(wg, x, K, KP, r, at);
   });
 #endif
 }
