@@ -12,6 +12,10 @@ cache holds, so each pass streams them from memory as a decoding step does. For 
 take turns pass by pass (`--repeats` each); the table shows the median ms of a pass, its bandwidth (the bytes
 the pass reads / time) and the ratio against oneDNN's packed product, which the runtime used before its own.
 
+With --kernels-at REV (a git revision: HEAD~1, a commit; or a directory holding a copy of csrc/), also the
+native product of the kernels built from csrc/ as REV holds it, over the same blocks, in the same turns: a
+kernel change's before and after in one run.
+
 Then (unless --no-steps) whole decoding steps of the recipe's target on the runtime, once per product, each
 on its own copy of the model: one token after a 200-token prefix, and a verification of 4 and 8 tokens, the
 products' steps interleaved; the runtime's other kernels are the ones this machine measured.
@@ -20,14 +24,20 @@ products' steps interleaved; the runtime's other kernels are the ones this machi
 from __future__ import annotations
 
 import argparse
+import io
 import statistics
+import subprocess
+import tarfile
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
 from mtptrain.config import load_recipe
 from mtptrain.machine import cpu_line, describe_cpu
 from mtptrain.runtime.choice import shapes
+from mtptrain.runtime.native_kernels import extension_at
 from mtptrain.runtime.products import PRODUCTS, products
 from mtptrain.target import load_config
 
@@ -40,7 +50,36 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--recipe", default="recipes/quickstart.yaml", help="whose target's shapes")
     parser.add_argument("--model", help="target.model (a model directory, GGUF or hub id) instead of the recipe's")
     parser.add_argument("--no-steps", action="store_true", help="only the products, not whole decoding steps")
+    parser.add_argument("--kernels-at", metavar="REV",
+                        help="also time the native product built from csrc/ at this git revision (e.g. HEAD~1) or "
+                             "from this directory's copy of csrc/")
     return parser.parse_args()
+
+
+def kernels_at(revision: str):
+    """The runtime's kernels built from mtptrain/runtime/csrc as git revision `revision` of this checkout holds
+    them, or from the directory `revision` (native_kernels.extension_at)."""
+    if Path(revision).is_dir():
+        return built(extension_at(Path(revision)), revision)
+    if revision.startswith("-"):  # git would read it as an option
+        raise SystemExit(f"--kernels-at {revision}: not a revision or a directory")
+    csrc = "mtptrain/runtime/csrc"
+    root = Path(__file__).resolve().parent.parent
+    archive = subprocess.run(["git", "-C", str(root), "archive", revision, csrc], capture_output=True, check=False)
+    if archive.returncode != 0:
+        raise SystemExit(f"--kernels-at {revision}: git archive could not read {csrc} there: "
+                         f"{archive.stderr.decode(errors='replace').strip()}")
+    with tempfile.TemporaryDirectory(prefix="kernels-at-") as scratch:
+        with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+            tar.extractall(scratch, filter="data")
+        return built(extension_at(Path(scratch) / csrc), revision)
+
+
+def built(module, revision: str):
+    """`module`, or the exit that says the kernels at `revision` did not build."""
+    if module is None:
+        raise SystemExit(f"--kernels-at {revision}: its kernels did not build (the warning above says why)")
+    return module
 
 
 def steps(recipe_path: str, sets: list[str], dtype: torch.dtype, names: list[str], repeats: int) -> None:
@@ -94,6 +133,15 @@ def main() -> None:
         columns["native, bf16 values"] = (PRODUCTS["native"],
                                           [PRODUCTS["native"].lay_out(w.to(torch.bfloat16).float()) for w in plain],
                                           weight_bytes // 2)
+    if args.kernels_at:
+        if "native" not in names:
+            raise SystemExit("--kernels-at: this machine has no native product for " + args.dtype)
+        module = kernels_at(args.kernels_at)
+        if not module.blocked_supports(dtype == torch.bfloat16):
+            raise SystemExit(f"--kernels-at {args.kernels_at}: those kernels have no {args.dtype} product here")
+        columns[f"native @{args.kernels_at}"] = (
+            lambda x, w, bias: module.blocked_linear(x, w.blocks, bias, w.out_features), laid_out["native"],
+            weight_bytes)
     cpu = describe_cpu()
     print(cpu_line(cpu) + f"; {torch.get_num_threads()} threads")
     whose = f"the target {args.model}" if args.model else f"{args.recipe}'s target"

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from conftest import environment, write_sharegpt
+from mtptrain.runtime.native_kernels import blocked_linear_kernel
 
 ROOT = Path(__file__).parent.parent
 BENCHMARKS = sorted((ROOT / "benchmarks").glob("*.py"))
@@ -283,6 +284,29 @@ def test_products(tiny_target_dir):
     steps = table(out, r"^ +(?P<name>[148]) (?P<cells>(?: +[\d.]+ ms)+)$")
     assert list(steps) == ["1", "4", "8"]
     assert all(len(re.findall(r"[\d.]+ ms", s["cells"])) == len(names) for s in steps.values())
+
+
+def test_products_beside_other_kernels(tiny_target_dir):
+    """--kernels-at: the native product of another copy of csrc/ (here the checkout's own, so nothing is built
+    again) in a column of its own, every row timed; a revision git cannot read is an error that names it."""
+    args = ("--model", tiny_target_dir, "--rows", "1,4", "--repeats", 1, "--no-steps", "--dtype", "float32")
+    if blocked_linear_kernel(torch.float32) is None:  # no AVX2 here: the benchmark says so rather than time nothing
+        done = subprocess.run([sys.executable, "benchmarks/products.py", *map(str, args), "--kernels-at",
+                               "mtptrain/runtime/csrc"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert done.returncode != 0 and "no native product for float32" in done.stderr
+        return
+    out = run_benchmark("products.py", *args, "--kernels-at", "mtptrain/runtime/csrc")
+    header = re.search(r"^ rows(.*)$", out, re.M)[1]
+    assert header.split()[-2:] == ["native", "@mtptrain/runtime/csrc"]
+    columns = len(re.findall(r"linear|packed|native(?:, bf16 values| @\S+)?", header))
+    passes = table(out, r"^ +(?P<name>[14]) (?P<cells>.* GB/s.*)$")
+    assert list(passes) == ["1", "4"]
+    for row in passes.values():
+        cells = re.findall(r"([\d.]+) ms +([\d.]+) GB/s", row["cells"])
+        assert len(cells) == columns and all(positive(ms) and positive(rate) for ms, rate in cells)
+    done = subprocess.run([sys.executable, "benchmarks/products.py", *map(str, args), "--kernels-at",
+                           "no-such-revision"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode != 0 and "--kernels-at no-such-revision: git archive could not read" in done.stderr
 
 
 def test_row_attention(tiny_target_dir):

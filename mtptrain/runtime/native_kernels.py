@@ -198,6 +198,23 @@ def extension():
         return None
 
 
+def extension_at(csrc: Path):
+    """The kernels built from another copy of csrc/ (`benchmarks/products.py --kernels-at`: a change's before and
+    after in one process), built and verified like the project's own under `<cache_root>/kernels/`, by the name
+    of their own files' contents; None (one warning logged) where they do not build."""
+    sources = [csrc / source.name for source in SOURCES]
+    named = [csrc / header.name for header in HEADERS if (csrc / header.name).is_file()]
+    others = sorted(p for p in csrc.iterdir() if p.is_file() and p not in sources + named)
+    try:
+        name = extension_name(sources + named + others)  # the project's own name where the files are the same
+        build = cache_root() / "kernels" / name
+        build.mkdir(parents=True, exist_ok=True)
+        return _load_verified(name, sources, build, CFLAGS, ["-fopenmp"])
+    except Exception as error:  # as extension(): the caller says what it cannot time
+        log.warning("the kernels in %s did not build: %s", csrc, _reason(error))
+        return None
+
+
 def decode_attention_kernel() -> Callable[..., torch.Tensor] | None:
     """`attend(q, keys, values, lengths) -> out`, or None when the extension does not build.
 
