@@ -38,7 +38,10 @@ class HeadTreeProposer(HeadChainProposer):
             return torch.log_softmax(logits.double(), dim=-1)
         return distribution(logits, self.sampling).log()
 
-    def _top(self, logits: torch.Tensor) -> tuple[list[int], list[float]]:
+    def _top(self, logits: torch.Tensor) -> tuple[list, list]:
+        """The `branch` best tokens (target ids) and their log-probabilities, for logits [Vd] or for each row of
+        logits [F, Vd] (lists of lists): a level's rows in one pass (a call per row cost 38 us, 12.6 calls a
+        step of a 5-level tree on a 2-core AMD EPYC Zen 5)."""
         logp = self._scores(logits)
         values, index = logp.topk(min(self.branch, logp.shape[-1]))
         to_target = getattr(self.head, "draft_to_target", None)
@@ -67,8 +70,8 @@ class HeadTreeProposer(HeadChainProposer):
             out = self.stepper.step(features, ids, positions, seen)
             logits = self.stepper.logits(out)[0]
             children = []
-            for row, n in enumerate(frontier):
-                for token, logp in zip(*self._top(logits[row])):
+            for row, (n, tops) in enumerate(zip(frontier, zip(*self._top(logits[: len(frontier)])))):
+                for token, logp in zip(*tops):
                     child = len(node_tokens)
                     inputs[child] = out[0, row]
                     node_tokens.append(token), parents.append(n), scores.append(scores[n] + logp)
