@@ -65,7 +65,11 @@ def kernels_at(revision: str):
         raise SystemExit(f"--kernels-at {revision}: not a revision or a directory")
     csrc = "mtptrain/runtime/csrc"
     root = Path(__file__).resolve().parent.parent
-    archive = subprocess.run(["git", "-C", str(root), "archive", revision, csrc], capture_output=True, check=False)
+    try:
+        archive = subprocess.run(["git", "-C", str(root), "archive", revision, csrc], capture_output=True,
+                                 check=False)
+    except FileNotFoundError:
+        raise SystemExit(f"--kernels-at {revision}: git is not installed; pass a directory holding a copy of csrc/")
     if archive.returncode != 0:
         raise SystemExit(f"--kernels-at {revision}: git archive could not read {csrc} there: "
                          f"{archive.stderr.decode(errors='replace').strip()}")
@@ -137,6 +141,8 @@ def main() -> None:
         if "native" not in names:
             raise SystemExit("--kernels-at: this machine has no native product for " + args.dtype)
         module = kernels_at(args.kernels_at)
+        if not hasattr(module, "blocked_supports"):
+            raise SystemExit(f"--kernels-at {args.kernels_at}: those kernels have no blocked product (older than it)")
         if not module.blocked_supports(dtype == torch.bfloat16):
             raise SystemExit(f"--kernels-at {args.kernels_at}: those kernels have no {args.dtype} product here")
         columns[f"native @{args.kernels_at}"] = (
