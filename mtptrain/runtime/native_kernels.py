@@ -184,14 +184,20 @@ def _load_verified(name: str, sources: list[Path], build: Path, cflags: list[str
         return _build(name, sources, build, cflags, ldflags)
 
 
+def _built(hashed: list[Path], sources: list[Path]):
+    """The extension compiled from `sources`, named after the files `hashed` (`extension_name`), loaded from
+    `<cache_root>/kernels/<name>` where verified, else built there."""
+    name = extension_name(hashed)  # reads the files: a wheel built without csrc/ fails here, not at import
+    build = cache_root() / "kernels" / name
+    build.mkdir(parents=True, exist_ok=True)
+    return _load_verified(name, sources, build, CFLAGS, ["-fopenmp"])
+
+
 @functools.cache
 def extension():
     """The built extension, or None (one warning logged) when it does not build."""
     try:
-        name = extension_name()  # reads the sources: a wheel built without csrc/ fails here, not at import
-        build = cache_root() / "kernels" / name
-        build.mkdir(parents=True, exist_ok=True)
-        return _load_verified(name, SOURCES, build, CFLAGS, ["-fopenmp"])
+        return _built(SOURCES + HEADERS, SOURCES)
     except Exception as error:  # no source, compiler, ninja, or an import failure: the caller falls back
         log.warning("the runtime's CPU kernels (%s) did not build, torch's operations stay in use: %s",
                     ", ".join(s.name for s in SOURCES), _reason(error))
@@ -200,16 +206,13 @@ def extension():
 
 def extension_at(csrc: Path):
     """The kernels built from another copy of csrc/ (`benchmarks/products.py --kernels-at`: a change's before and
-    after in one process), built and verified like the project's own under `<cache_root>/kernels/`, by the name
-    of their own files' contents; None (one warning logged) where they do not build."""
+    after in one process), built and verified like the project's own, by the name of their own files' contents
+    (the project's own name where the files are the same); None (one warning logged) where they do not build."""
     sources = [csrc / source.name for source in SOURCES]
     named = [csrc / header.name for header in HEADERS if (csrc / header.name).is_file()]
     others = sorted(p for p in csrc.iterdir() if p.is_file() and p not in sources + named)
     try:
-        name = extension_name(sources + named + others)  # the project's own name where the files are the same
-        build = cache_root() / "kernels" / name
-        build.mkdir(parents=True, exist_ok=True)
-        return _load_verified(name, sources, build, CFLAGS, ["-fopenmp"])
+        return _built(sources + named + others, sources)
     except Exception as error:  # as extension(): the caller says what it cannot time
         log.warning("the kernels in %s did not build: %s", csrc, _reason(error))
         return None
