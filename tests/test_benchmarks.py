@@ -9,6 +9,7 @@ import math
 import os
 import re
 import runpy
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -286,9 +287,10 @@ def test_products(tiny_target_dir):
     assert all(len(re.findall(r"[\d.]+ ms", s["cells"])) == len(names) for s in steps.values())
 
 
-def test_products_beside_other_kernels(tiny_target_dir):
+def test_products_beside_other_kernels(tiny_target_dir, tmp_path):
     """--kernels-at: the native product of another copy of csrc/ (here the checkout's own, so nothing is built
-    again) in a column of its own, every row timed; a revision git cannot read is an error that names it."""
+    again) in a column of its own, every row timed; a copy that does not compile, or a revision git cannot read,
+    is an error that names it."""
     args = ("--model", tiny_target_dir, "--rows", "1,4", "--repeats", 1, "--no-steps", "--dtype", "float32")
     if blocked_linear_kernel(torch.float32) is None:  # no AVX2 here: the benchmark says so rather than time nothing
         done = subprocess.run([sys.executable, "benchmarks/products.py", *map(str, args), "--kernels-at",
@@ -307,6 +309,12 @@ def test_products_beside_other_kernels(tiny_target_dir):
     done = subprocess.run([sys.executable, "benchmarks/products.py", *map(str, args), "--kernels-at",
                            "no-such-revision"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode != 0 and "--kernels-at no-such-revision: git archive could not read" in done.stderr
+    broken = tmp_path / "csrc"  # the copy given is what is built: one that cannot compile fails (at once)
+    shutil.copytree(ROOT / "mtptrain/runtime/csrc", broken)
+    (broken / "kernels.cpp").write_text('#include "no_such_header.h"\n')
+    done = subprocess.run([sys.executable, "benchmarks/products.py", *map(str, args), "--kernels-at", str(broken)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode != 0 and f"--kernels-at {broken}: its kernels did not build" in done.stderr
 
 
 def test_row_attention(tiny_target_dir):
