@@ -191,27 +191,27 @@ fused_row.causal_after_cache = True  # `causal` holds with cached positions befo
 
 
 def tree_plan(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """The tree kernel's (lengths [T], gather [T + 1], gathered) for a mask [1, 1, T, S] (True = seen) whose
-    rows see every cached position (the first S - T) and some of the T new ones: each new token's sequence is
-    the cache, then the new positions it sees in their order, those right after the cache folded into it
-    (a chain's are all). None for any other mask."""
+    """The tree kernel's (lengths [T], gather [T + 1], gathered) for a mask [1, 1, T, S] (True = seen): each new
+    token's sequence is the run of positions it sees from 0 on (the cache, and the new positions right after
+    it, a chain's all of them), then the other positions it sees, in their order, gathered. A verified tree's
+    nodes see the whole cache and their ancestors among the new positions; a head drafting a tree sees the
+    true prefix, and its ancestors among the expanded nodes cached before. None for any other mask."""
     if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[0] != 1 or mask.shape[1] != 1:
         return None
     count, length = mask.shape[2], mask.shape[3]
-    past = length - count
-    if past < 0 or not bool(mask[0, 0, :, :past].all()):
+    if length < count:
         return None
-    seen = mask[0, 0, :, past:].cpu()
+    seen = mask[0, 0].cpu()
     sizes = seen.sum(1)
-    if past == 0 and bool((sizes == 0).any()):
+    if bool((sizes == 0).any()):
         return None
-    lead = seen.cumprod(1).sum(1)  # new positions seen right after the cache: part of the contiguous run
+    lead = seen.cumprod(1).sum(1)  # positions seen from 0 on, without a gap: the contiguous run
     rest = seen.clone()
-    rest[torch.arange(count)[None, :] < lead[:, None]] = False
+    rest[torch.arange(length)[None, :] < lead[:, None]] = False
     rows, columns = rest.nonzero(as_tuple=True)
     gather = torch.zeros(count + 1, dtype=torch.int64)
     gather[1:] = torch.bincount(rows, minlength=count).cumsum(0)
-    return (past + sizes).to(torch.int64), gather, (columns + past).to(torch.int64)
+    return sizes.to(torch.int64), gather, columns.to(torch.int64)
 
 
 def for_mask(attention, mask: torch.Tensor | None):

@@ -329,7 +329,7 @@ def test_the_tree_kernel_gives_each_node_what_decoding_its_path_gives(attend, dt
         assert torch.equal(out[node], alone[0, :, 0]), node
 
 
-def test_a_tree_plan_folds_what_follows_the_cache_and_gathers_the_rest():
+def test_a_tree_plan_folds_the_run_from_the_first_position_and_gathers_the_rest():
     from mtptrain.runtime.attention import tree_plan
 
     lengths, gather, gathered = tree_plan(_tree_mask(DraftTree([0] * 3, [-1, -1, 0]), past=3))
@@ -339,10 +339,49 @@ def test_a_tree_plan_folds_what_follows_the_cache_and_gathers_the_rest():
     chain = torch.ones(1, 1, 4, 10, dtype=torch.bool).tril(6)
     lengths, gather, gathered = tree_plan(chain)
     assert lengths.tolist() == [7, 8, 9, 10] and gather.tolist() == [0] * 5 and gathered.numel() == 0
-    unseen = _tree_mask(DraftTree.chain([0]), past=4)
-    unseen[..., 1, 2] = False  # a node that does not see all of the cache: not a tree after it
-    assert tree_plan(unseen) is None
+    gap = _tree_mask(DraftTree.chain([0]), past=4)
+    gap[..., 1, 2] = False  # a node that does not see all of the cache (a head drafting a tree): gathered past it
+    lengths, gather, gathered = tree_plan(gap)
+    assert lengths.tolist() == [5, 5] and gather.tolist() == [0, 0, 3] and gathered.tolist() == [3, 4, 5]
+    blind = gap.clone()
+    blind[..., 1, :] = False  # a row that sees nothing has no attention to compute
+    assert tree_plan(blind) is None
     assert tree_plan(torch.zeros(1, 1, 2, 6)) is None  # an additive float mask
+
+
+def _drafting_mask(past: int) -> torch.Tensor:
+    """A head's mask drafting a tree's third level after `past` true positions: the cache holds them, then the
+    first level's 3 nodes and the second level's 3 (each under one of the first); the 2 new nodes see the true
+    prefix and their own ancestors (the second under a node at the cache's first expanded slot), and a third row
+    (no true prefix: a one-token prompt's) sees only its ancestors and itself."""
+    mask = torch.zeros(1, 1, 3, past + 6 + 3, dtype=torch.bool)
+    mask[0, 0, :2, :past] = True
+    for row, ancestors in enumerate([(0, 3), (0, 4), (2, 5)]):
+        for slot in ancestors:
+            mask[0, 0, row, past + slot] = True
+        mask[0, 0, row, past + 6 + row] = True
+    return mask
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("past", [37, 5])
+def test_the_tree_kernel_attends_a_drafting_heads_nodes_over_their_ancestors_in_the_cache(attend, dtype, past):
+    """Nodes that see the true prefix and, past gaps, their ancestors cached by earlier levels: each gets what
+    decoding its sequence alone gives, bit for bit, like a verified tree's."""
+    from mtptrain.runtime.attention import tree_plan
+    from mtptrain.runtime.native_kernels import tree_attention_kernel
+
+    mask = _drafting_mask(past)
+    g = torch.Generator().manual_seed(6)
+    keys, values = (torch.randn(1, 2, mask.shape[-1] + 5, 64, generator=g).to(dtype) for _ in range(2))
+    k, v = keys[:, :, :mask.shape[-1]], values[:, :, :mask.shape[-1]]
+    q = torch.randn(3, 4, 64, generator=g).to(dtype)
+    out = tree_attention_kernel()(q, k, v, *tree_plan(mask))
+    for node in range(3):
+        positions = mask[0, 0, node].nonzero().flatten().tolist()
+        row_k, row_v = k[:, :, positions].contiguous(), v[:, :, positions].contiguous()
+        alone = attend(q[node][None, :, None], row_k, row_v, torch.tensor([len(positions)]))
+        assert torch.equal(out[node], alone[0, :, 0]), node
 
 
 @pytest.mark.parametrize("fault, message", [
