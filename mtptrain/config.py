@@ -443,11 +443,37 @@ def _distinct_positive(value: list[int]) -> list[int]:
 DistinctPositive = Annotated[list[Int], AfterValidator(_distinct_positive)]
 
 
+def _draft_temperatures(value: list[float]) -> list[float]:
+    if any(t <= 0.0 for t in value):  # nan and infinity: refused by Float, as in every float setting
+        raise ValueError("a draft temperature is above 0 (a greedy draft has no distribution to verify against "
+                         "at temperature > 0)")
+    return list(dict.fromkeys(value))
+
+
+# The temperatures a drafter draws at, one configuration each (verification reads the distribution each draft
+# was drawn from, so the output's law is the target's at the eval's temperature whatever they are).
+DraftTemperatures = Annotated[list[Float], AfterValidator(_draft_temperatures)]
+
+
 class TreeConfig(_Section):
     """The tree method: EAGLE-2 trees drafted by an eagle/eagle3 head."""
     branch: Int = Field(4, ge=1, description="Children per expanded node, and nodes expanded per level.")
     depth: Int = Field(5, ge=1, description="Levels drafted.")
     budgets: DistinctPositive = Field([8, 16, 32], description="Node budgets swept (tokens the target verifies).")
+    children: list[Literal["sampled", "top"]] = Field(
+        ["sampled"], min_length=1, description="At eval.temperature > 0, how a node's children are chosen, one "
+        "configuration each: sampled = drawn without replacement from the head's distribution and verified by "
+        "recursive rejection (Jeon et al., arXiv:2402.14160), top = the head's most likely tokens, each accepted "
+        "with the target's probability for it (SpecInfer's rule). Ignored at temperature 0, where they are the "
+        "head's best tokens.")
+    draft_temperatures: DraftTemperatures = Field(
+        [], description="At eval.temperature > 0, the temperatures the head drafts its trees at, one "
+        "configuration each, as eval.chain.draft_temperatures does for chains. Empty: the eval's temperature.")
+
+    @field_validator("children")
+    @classmethod
+    def _children(cls, value: list[str]) -> list[str]:
+        return list(dict.fromkeys(value))
 
 
 class ChainConfig(_Section):
@@ -466,19 +492,11 @@ class ChainConfig(_Section):
             raise ValueError("a stop is a probability: at least 0 (0 = always K tokens) and below 1")
         return list(dict.fromkeys(value))
 
-    draft_temperatures: list[Float] = Field(
+    draft_temperatures: DraftTemperatures = Field(
         [], description="At eval.temperature > 0, the temperatures the head drafts at, one configuration each "
         "(with every K and stop): verification stays exact at the eval's temperature, since it reads the "
         "distribution each draft was drawn from, but a sharper or flatter draft is accepted more or less often. "
         "Empty: the eval's temperature. Ignored at temperature 0, where drafts are the head's argmax.")
-
-    @field_validator("draft_temperatures")
-    @classmethod
-    def _draft_temperatures(cls, value: list[float]) -> list[float]:
-        if any(t <= 0.0 for t in value):  # nan and infinity: refused by Float, as in every float setting
-            raise ValueError("a draft temperature is above 0 (a greedy draft has no distribution to verify against "
-                             "at temperature > 0)")
-        return list(dict.fromkeys(value))
 
 
 class NgramConfig(_Section):

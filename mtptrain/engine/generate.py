@@ -149,7 +149,7 @@ def _generate(runner: Runner, prompt: list[int], max_new_tokens: int, proposer: 
             if sampling.greedy:
                 verdict = verify_tree_greedy(proposal, logits)
             else:
-                verdict = verify_tree_sampling(proposal, distribution(logits, sampling), generator)
+                verdict = verify_tree_sampling(proposal, TargetRows(logits, sampling), generator)
             runner.keep(committed, verdict.path)
             rows = [0] + [1 + i for i in verdict.path]
             drafted, size = max(proposal.depths(), default=0), len(proposal)

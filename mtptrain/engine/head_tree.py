@@ -9,6 +9,18 @@ mask; each expanded node proposes its `branch` most likely next tokens. After
 the tree the target verifies. A child never scores higher than its parent,
 so the kept nodes always include their ancestors.
 
+At temperature > 0 a node's children are by default drawn at random
+(`children="sampled"`): without replacement from the head's distribution q
+at that node, after the sampling transform, and verified by recursive rejection
+(engine/tree.py), which accepts a drawn child far more often than a
+deterministic one (the head's argmax, when the target samples, is accepted
+with probability p(argmax), below sum(min(p, q))). How many children a node
+gets is decided before they are drawn, from the q rows alone: a node scores
+the sum over its path of log q_(r), q's r-th largest probability for the
+child drawn r-th (EAGLE-2's score where the draws are the best tokens), and
+each level gives its `branch` children to the best of these scores.
+`children="top"` keeps EAGLE-2's deterministic children at any temperature.
+
 The head's cache gains the expanded nodes while drafting; the next observe
 cuts it back to the true prefix, as for chains.
 """
@@ -18,19 +30,22 @@ from __future__ import annotations
 import torch
 
 from mtptrain.engine.head_chain import HeadChainProposer
-from mtptrain.engine.tree import DraftTree
-from mtptrain.engine.verify import Sampling, distribution
+from mtptrain.engine.tree import DraftTree, TreeDraws
+from mtptrain.engine.verify import Sampling, distribution, draw_distinct
 
 
 class HeadTreeProposer(HeadChainProposer):
     name = "head-tree"
 
     def __init__(self, head, spec, branch: int = 4, depth: int = 5, budget: int = 16,
-                 sampling: Sampling = Sampling(), seed: int = 0):
+                 sampling: Sampling = Sampling(), seed: int = 0, children: str = "sampled"):
         super().__init__(head, spec, sampling, seed)
         if branch < 1 or depth < 1 or budget < 1:
             raise ValueError(f"a draft tree needs branch, depth and budget >= 1 (got {branch}, {depth}, {budget})")
+        if children not in ("sampled", "top"):
+            raise ValueError(f"a tree's children are 'sampled' or 'top' (got {children!r})")
         self.branch, self.depth, self.budget = branch, depth, budget
+        self.sampled = children == "sampled" and not sampling.greedy
 
     def _scores(self, logits: torch.Tensor) -> torch.Tensor:
         """Log-probabilities [..., Vd] the nodes are ranked by (after the sampling transform at T > 0)."""
@@ -50,6 +65,8 @@ class HeadTreeProposer(HeadChainProposer):
 
     @torch.inference_mode()
     def propose(self, tokens: list[int], k: int) -> DraftTree:
+        if self.sampled:
+            return self._propose_sampled(min(self.depth, k))
         depth = min(self.depth, k)
         past = self.stepper.length  # head positions 0 .. past-1 hold true states
         device = self.last_feature.device
@@ -83,6 +100,60 @@ class HeadTreeProposer(HeadChainProposer):
         order = sorted(keep, key=lambda n: (node_depth[n], -scores[n], n))  # parents first, best child first
         index = {n: i for i, n in enumerate(order)}
         return DraftTree([node_tokens[n] for n in order], [index[parents[n]] if parents[n] >= 0 else -1 for n in order])
+
+    def _propose_sampled(self, depth: int) -> DraftTree:
+        """A tree whose children are drawn without replacement from the head's distribution at their parent
+        (module docstring), listed level by level, siblings in the order drawn."""
+        past, device = self.stepper.length, self.last_feature.device
+        to_target = getattr(self.head, "draft_to_target", None)
+        tokens, parents, scores, columns, level_of = [], [], [], [], []
+        rows: dict[int, torch.Tensor] = {}  # node (-1: the root) -> the q its children were drawn from
+        inputs = {-1: self.last_feature[0, -1]}  # node -> its head output, which its children are run with
+        slot: dict[int, int] = {}
+        q = distribution(self.last_logits, self.sampling)[None]
+        for level in range(1, depth + 1):
+            if level > 1:
+                room = self.budget - len(tokens)
+                last = [n for n in range(len(tokens)) if level_of[n] == level - 1]
+                frontier = sorted(last, key=lambda n: (-scores[n], n))[: min(self.branch, room)]
+                if not frontier:
+                    break
+                ids = torch.tensor([[tokens[n] for n in frontier]], device=device)
+                features = torch.stack([inputs[parents[n]] for n in frontier])[None]
+                seen = self._seen(frontier, parents, slot, past, device)
+                positions = torch.full((1, len(frontier)), past - 2 + level, device=device)
+                for n in frontier:
+                    slot[n] = len(slot)
+                out = self.stepper.step(features, ids, positions, seen)
+                for row, n in enumerate(frontier):
+                    inputs[n] = out[0, row]
+                q = distribution(self.stepper.logits(out)[0, : len(frontier)], self.sampling)
+            else:
+                frontier = [-1]
+            counts, ranked = self._counts(q, [scores[n] if n >= 0 else 0.0 for n in frontier],
+                                          min(self.branch, self.budget - len(tokens)))
+            for row, n in enumerate(frontier):
+                if not counts[row]:
+                    continue
+                rows[n] = q[row]
+                for rank, column in enumerate(draw_distinct(q[row], counts[row], self.generator)):
+                    tokens.append(int(to_target[column]) if to_target is not None else column)
+                    parents.append(n), columns.append(column), level_of.append(level)
+                    scores.append((scores[n] if n >= 0 else 0.0) + ranked[row][rank])
+        return DraftTree(tokens, parents, TreeDraws(rows, columns, to_target))
+
+    def _counts(self, q: torch.Tensor, scores: list[float], room: int) -> tuple[list[int], list[list[float]]]:
+        """How many children each row of q [F, Vd] gets out of `room`, and the log of q's largest probabilities
+        per row: the r-th child of row f scores scores[f] + log q_f's r-th largest, and the `room` best scores
+        win (a row's scores fall with r, so each row's winners are its first). Zero-probability tokens are
+        never counted (a top-k or top-p cut leaves fewer than `branch` to draw)."""
+        top = q.topk(min(self.branch, q.shape[-1]), dim=-1).values.log().tolist()
+        candidates = sorted(((-(scores[f] + logq), f, r) for f, row in enumerate(top)
+                             for r, logq in enumerate(row) if logq > float("-inf")))[:room]
+        counts = [0] * len(top)
+        for _, f, _ in candidates:
+            counts[f] += 1
+        return counts, top
 
     @staticmethod
     def _seen(frontier, parents, slot, past, device) -> torch.Tensor:

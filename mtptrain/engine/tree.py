@@ -11,13 +11,23 @@ path to node i would score.
 
 Verification walks down from the root. Greedy: take the child whose token is
 the target's argmax; when none matches, the argmax is the correction. With
-sampling, the children are deterministic proposals, tried in order against
-the target's distribution p: child c is accepted with probability
-p(c) / sum(p); on rejection c's mass is removed and p renormalised. When no
-child is accepted a sample of what is left of p is emitted. Each emitted token
-is therefore distributed exactly as p (the multi-candidate rule of SpecInfer,
-Miao et al., arXiv:2305.09781, with one-hot draft distributions), whatever
-the drafter's scores were.
+sampling, the children of a node are tried in their listed order against the
+target's distribution p there, by recursive rejection sampling:
+
+    child x_j, drawn from q_j, is accepted with probability min(1, p_j(x_j) / q_j(x_j))
+    on rejection p_{j+1} = normalise(max(0, p_j - q_j)) and q_{j+1} = q_j without x_j, renormalised
+    when no child is accepted, a sample of the last p_j is emitted
+
+Where the drafter drew a node's children without replacement from a
+distribution q (`TreeDraws`: x_1 ~ q, x_2 ~ q without x_1, ...), q_j is the
+law x_j was drawn from given the children before it, so each step is
+Leviathan et al.'s speculative sampling against what is left of p, and the
+emitted token follows p exactly (recursive speculative decoding, Jeon et
+al., arXiv:2402.14160). Children the drafter chose deterministically (its
+best tokens) have a one-hot q: child c is accepted with probability p_j(c),
+and on rejection c's mass leaves p (SpecInfer's multi-candidate rule, Miao et
+al., arXiv:2305.09781). How many children a node has may depend on anything
+drawn before them, never on their own draws.
 """
 
 from __future__ import annotations
@@ -30,9 +40,21 @@ from mtptrain.engine.verify import draw, greedy_choice, uniform
 
 
 @dataclass
+class TreeDraws:
+    """Where a tree's children were drawn at random: for each node that has children (-1: the root), the
+    distribution q [Vd] they were drawn from without replacement, in their listed order; `columns[i]`, node i's
+    column in its parent's q; `support`, the target ids of q's columns (None: q spans the target's vocabulary)."""
+
+    rows: dict[int, torch.Tensor]
+    columns: list[int]
+    support: torch.Tensor | None = None
+
+
+@dataclass
 class DraftTree:
     tokens: list[int]
     parents: list[int]  # parent node index, -1 for the root (the pending token)
+    draws: TreeDraws | None = None  # None: every child a deterministic proposal (one-hot q)
 
     def __post_init__(self):
         if len(self.tokens) != len(self.parents):
@@ -107,28 +129,64 @@ def verify_tree_greedy(tree: DraftTree, target_logits: torch.Tensor) -> TreeVerd
         node = match
 
 
-def verify_tree_sampling(tree: DraftTree, target_probs: torch.Tensor, generator: torch.Generator) -> TreeVerdict:
-    """target_probs [N+1, V], the target's distributions after the sampling transform, in float64."""
+def verify_tree_sampling(tree: DraftTree, target_probs, generator: torch.Generator) -> TreeVerdict:
+    """target_probs [N+1, V] (or verify.TargetRows, computing a row when it is first read): the target's
+    distributions after the sampling transform, in float64."""
     children = tree.children()
     path, node = [], -1
     while True:
-        p = target_probs[node + 1].clone()
-        accepted = None
-        for child in children[node]:
-            token = tree.tokens[child]
-            total = float(p.sum())
-            if total <= 0:
-                break
-            if uniform(generator) * total < float(p[token]):
-                accepted = child
-                break
-            p[token] = 0.0
+        accepted, residual = _try_children(tree, node, children[node], target_probs[node + 1], generator)
         if accepted is None:
-            # every child was refused: emit a sample of the remaining mass (p itself if none is left,
-            # which only happens when the children covered p's whole support and each was refused,
-            # an event of probability zero)
-            residual = p if float(p.sum()) > 0 else target_probs[node + 1]
-            token = draw(residual, generator)
-            return TreeVerdict(path, [tree.tokens[i] for i in path] + [token])
+            return TreeVerdict(path, [tree.tokens[i] for i in path] + [draw(residual, generator)])
         path.append(accepted)
         node = accepted
+
+
+def _try_children(tree: DraftTree, node: int, kids: list[int], p: torch.Tensor, generator: torch.Generator):
+    """Recursive rejection over `kids` against p: (the accepted child, None), or (None, what is left of p, any
+    total)."""
+    if not kids:  # a leaf: its bonus token is a sample of p
+        return None, p
+    draws = tree.draws
+    if draws is None:  # deterministic proposals: q one-hot, so a refusal takes its token's mass out of p
+        total, refused = float(p.sum()), []
+        for child in kids:
+            token = tree.tokens[child]
+            mass = float(p[token])
+            if uniform(generator) * total < mass:
+                return child, None
+            total -= mass
+            refused.append(token)
+            if total <= 0:
+                # the children held all of p and each was refused, an event of probability zero (float
+                # rounding aside): any sample of p is then exact
+                return None, p
+        left = p.clone()
+        left[refused] = 0.0
+        return None, left
+    # q lives on the draft vocabulary's columns (`support`): only they change, so the work is on them. Both
+    # distributions stay unnormalised: `inside` is p on the columns and `off` p's mass elsewhere, which no
+    # refusal changes (a refusal at normalised p_j = [inside, off] / T, q_j = q / Q leaves T times
+    # [max(0, inside / T - q / Q), off / T] = [max(0, inside - q T / Q), off]).
+    q, support = draws.rows[node].clone(), draws.support
+    inside = p if support is None else p[support]
+    off = 0.0 if support is None else max(0.0, float(p.sum()) - float(inside.sum()))
+    q_total = float(q.sum())
+    for child in kids:
+        if q_total <= 0:  # more children than q's support: none can have been drawn from what is left
+            break
+        column = draws.columns[child]
+        total = float(inside.sum()) + off
+        q_column = float(q[column])
+        if uniform(generator) * q_column * total < float(inside[column]) * q_total:  # u < (inside / T) / (q / Q)
+            return child, None
+        inside = torch.sub(inside, q, alpha=total / q_total).clamp_min_(0.0)
+        q[column] = 0.0
+        q_total -= q_column
+        if float(inside.sum()) + off <= 0:
+            return None, p  # p_j was q_j exactly: the refusal had probability zero
+    if support is None:
+        return None, inside
+    left = p.clone()
+    left[support] = inside
+    return None, left

@@ -47,7 +47,8 @@ class Config:
     budget: int | None = None  # tree nodes
     make: Callable[[], object] | None = None  # a fresh proposer (None: the baseline)
     stop: float = 0.0  # a chain's early stop (eval.chain.stops; 0: always K tokens)
-    draft_temperature: float | None = None  # the head drafts at it (eval.chain.draft_temperatures; None: the eval's)
+    draft_temperature: float | None = None  # the head drafts at it (eval.*.draft_temperatures; None: the eval's)
+    children: str | None = None  # a tree's, at temperature > 0: "sampled" or "top" (eval.tree.children)
     uses_head: bool = False
     threads: int | None = None  # the target's CPU threads while this runs (ssd: the drafter has the others)
     keeps_proposer: bool = False  # one proposer for warm-up and measurement (ssd: a worker process each)
@@ -155,20 +156,27 @@ class Chain(EvalMethod):
 
 
 class Tree(EvalMethod):
-    """EAGLE-2 trees from the head's family's tree drafter, per node budget of eval.tree.budgets."""
+    """EAGLE-2 trees from the head's family's tree drafter, per node budget of eval.tree.budgets; at temperature
+    > 0 also per way of choosing children (eval.tree.children; "top" is named in the label) and per draft
+    temperature."""
 
     name = "tree"
     head = True
 
     def configs(self, drafting):
-        tree, spec = drafting.recipe.eval.tree, drafting.spec
+        tree, spec, sampling = drafting.recipe.eval.tree, drafting.spec, drafting.sampling
         if spec.family.no_tree:
             drafting.notes.append(f"tree: {spec.family.no_tree}")
             return []
-        return [Config(f"tree N={budget}", self.name, tree.depth, budget, functools.partial(
-                    spec.family.tree, drafting.head, spec, tree.branch, tree.depth, budget, drafting.sampling,
-                    drafting.seed), uses_head=True)
-                for budget in tree.budgets]
+        greedy = sampling.greedy
+        return [Config(f"tree N={budget}" + (" top" if children == "top" and not greedy else "")
+                       + (f" draft T {t:g}" if t is not None else ""), self.name, tree.depth, budget,
+                       functools.partial(spec.family.tree, drafting.head, spec, tree.branch, tree.depth, budget,
+                                         sampling if t is None else replace(sampling, temperature=t),
+                                         drafting.seed, children),
+                       uses_head=True, draft_temperature=t, children=None if greedy else children)
+                for budget in tree.budgets for children in (["top"] if greedy else tree.children)
+                for t in ([None] if greedy else tree.draft_temperatures or [None])]
 
 
 class Draft(EvalMethod):

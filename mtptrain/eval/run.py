@@ -115,6 +115,7 @@ class Tally:
             "label": c.label, "method": c.method, "engine": c.engine, "k": c.k, "budget": c.budget,
             **({"stop": c.stop} if c.stop else {}),
             **({"draft_temperature": c.draft_temperature} if c.draft_temperature is not None else {}),
+            **({"children": c.children} if c.children is not None else {}),
             "tokens": self.tokens, **timing_summary(self.repeat_tokens, self.repeat_seconds,
                                                     baseline.tokens_per_second()),
             **decoding,

@@ -99,8 +99,9 @@ class HeadFamily(ABC):
         return None
 
     def tree(self, head: nn.Module, spec: HeadSettings, branch: int, depth: int, budget: int,
-             sampling: Sampling = Sampling(), seed: int = 0) -> Proposer:
-        """The engine's tree drafter for this head (only where `no_tree` is None)."""
+             sampling: Sampling = Sampling(), seed: int = 0, children: str = "sampled") -> Proposer:
+        """The engine's tree drafter for this head (only where `no_tree` is None); `children` at temperature > 0:
+        "sampled" (drawn from the head) or "top" (its best tokens)."""
         raise ValueError(f"{self.kind} heads draft no trees: {self.no_tree}")
 
     def reads(self, spec: HeadSettings) -> str:
@@ -123,5 +124,5 @@ class EagleStyleFamily(HeadFamily):
     def chain(self, head, spec, sampling=Sampling(), seed=0, stop=0.0):
         return HeadChainProposer(head, spec, sampling, seed, stop)
 
-    def tree(self, head, spec, branch, depth, budget, sampling=Sampling(), seed=0):
-        return HeadTreeProposer(head, spec, branch, depth, budget, sampling, seed)
+    def tree(self, head, spec, branch, depth, budget, sampling=Sampling(), seed=0, children="sampled"):
+        return HeadTreeProposer(head, spec, branch, depth, budget, sampling, seed, children)

@@ -8,7 +8,7 @@ from law import engine_two_token_law, exact_law_after_the_first
 from mtptrain.engine.generate import generate
 from mtptrain.engine.head_chain import HeadChainProposer
 from mtptrain.runtime.runner import open_runner
-from mtptrain.engine.verify import Sampling
+from mtptrain.engine.verify import Sampling, distribution
 from mtptrain.heads import FrozenTarget
 from mtptrain.heads.spec import HeadSpec
 
@@ -185,6 +185,73 @@ def test_head_tree_keeps_the_best_scored_nodes_with_their_ancestors():
     first = proposer.last_logits.topk(3).indices.tolist()
     assert [t for t, p in zip(tree.tokens, tree.parents) if p < 0] == first  # best first
     assert proposer.stepper.length == len(prompt) + 2 * 3  # true prefix, then two expanded levels
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+@torch.no_grad()
+def test_a_sampled_trees_children_are_drawn_from_the_heads_distribution_after_their_path(kind):
+    """At temperature > 0 every node's children were drawn from q, the head's distribution after the node's
+    path, as a chain drafting that path computes it: the tree's head steps read the right features, positions
+    and ancestors. Each level's children go to the best-scored nodes, siblings listed in the order drawn."""
+    from mtptrain.engine.head_tree import HeadTreeProposer
+
+    model, spec, head, runner = _setup(kind)
+    sampling = Sampling(temperature=0.7)
+    proposer = HeadTreeProposer(head, spec, branch=3, depth=4, budget=10, sampling=sampling, seed=3)
+    prompt = torch.randint(0, 400, (9,), generator=torch.Generator().manual_seed(5)).tolist()
+    proposer.reset(prompt)
+    runner.reset()
+    runner.forward(prompt)
+    proposer.observe(0, runner.hidden, prompt[1:] + [7])
+    tree = proposer.propose(prompt + [7], 4)
+    assert len(tree) == 10 and max(tree.depths()) == 4
+    assert [tree.depths().count(d) for d in (1, 2, 3, 4)] == [3, 3, 3, 1]
+    to_target = getattr(head, "draft_to_target", None)
+    chain = HeadChainProposer(head, spec, sampling)
+    for node, q in tree.draws.rows.items():
+        path = _path(tree.parents, node)
+        chain.reset(prompt)
+        chain.observe(0, runner.hidden, prompt[1:] + [7])
+        feature, logits = chain.last_feature, chain.last_logits
+        for n in path:
+            feature = chain.stepper.step(feature, torch.tensor([[tree.tokens[n]]]))
+            logits = chain.stepper.logits(feature)[0, -1]
+        assert torch.allclose(q, distribution(logits, sampling), atol=1e-9), (node, path)
+        kids = [c for c, parent in enumerate(tree.parents) if parent == node]
+        assert [tree.draws.columns[c] for c in kids] == list(dict.fromkeys(tree.draws.columns[c] for c in kids))
+        for c in kids:
+            column = tree.draws.columns[c]
+            assert tree.tokens[c] == (int(to_target[column]) if to_target is not None else column)
+
+
+def _path(parents: list[int], node: int) -> list[int]:
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
+
+
+def test_sampling_with_sampled_head_trees_stays_exact_in_law():
+    """Temperature 1, 12-token vocabulary: with trees whose children are drawn from the head (three at the root,
+    then two levels), the law of the two tokens the first verification decides is the target's. The eagle3 head
+    drafts from an 8-token draft vocabulary at a temperature of its own (a whole vocabulary at the target's
+    temperature: the per-node test in tests/engine/test_tree.py)."""
+    from mtptrain.engine.head_tree import HeadTreeProposer
+
+    vocab = 12
+    model = make_tiny_llama(vocab, seed=4).double()
+    spec = HeadSpec("eagle3", last_layer=3, feature_layers=[0, 1, 2], ttt_steps=2, draft_vocab_size=8)
+    torch.manual_seed(0)
+    head = spec.family.build(spec, FrozenTarget.of(model)).double()
+    prompt, sampling = [1, 5, 7, 2], Sampling(temperature=1.0)
+    exact = exact_law_after_the_first(model, prompt, sampling)
+    drafting = Sampling(temperature=0.6)
+    make = lambda seed: HeadTreeProposer(head, spec, 3, 2, 6, drafting, seed=seed)  # noqa: E731
+    empirical, drafted, rejected = engine_two_token_law(model, prompt, sampling, make, 2500, capture=spec.layers,
+                                                        after=1)
+    assert drafted > 0 and rejected > 0
+    assert 0.5 * (empirical - exact).abs().sum() < 0.15
 
 
 MTP_SPECS = [HeadSpec("mtp", last_layer=3, mtp_depths=3), HeadSpec("mtp", last_layer=3, mtp_depths=2, mtp_share=True),

@@ -11,8 +11,8 @@ from law import engine_two_token_law, exact_two_token_law
 from mtptrain.engine.proposer import ProposerBase
 from mtptrain.engine.generate import generate
 from mtptrain.runtime.runner import open_runner
-from mtptrain.engine.tree import DraftTree, verify_tree_greedy
-from mtptrain.engine.verify import Sampling, verify_greedy
+from mtptrain.engine.tree import DraftTree, TreeDraws, verify_tree_greedy, verify_tree_sampling
+from mtptrain.engine.verify import Sampling, draw_distinct, verify_greedy
 
 VOCAB = 400
 
@@ -191,6 +191,41 @@ def test_a_tree_sampler_that_skips_the_residual_is_caught():
     finally:
         generate_module.verify_tree_sampling = original
     assert 0.5 * (empirical - exact).abs().sum() > 0.12
+
+
+def _first_token_law(p: torch.Tensor, q: torch.Tensor, support, children: int, trials: int,
+                     drawn: bool = True) -> torch.Tensor:
+    """The law of the token a root with `children` children drawn from q emits, by `trials` verifications."""
+    generator, draws = torch.Generator().manual_seed(0), torch.Generator().manual_seed(1)
+    counts = torch.zeros(len(p), dtype=torch.float64)
+    rows = torch.stack([p] * (children + 1))  # the children's own rows only give bonus tokens, not counted
+    for _ in range(trials):
+        if drawn:  # without replacement, as the head tree draws
+            columns = draw_distinct(q, children, draws)
+        else:  # q's best tokens, passed off as drawn from q
+            columns = q.topk(children).indices.tolist()
+        tokens = [int(support[c]) if support is not None else c for c in columns]
+        tree = DraftTree(tokens, [-1] * children, TreeDraws({-1: q}, columns, support))
+        counts[verify_tree_sampling(tree, rows, generator).emitted[0]] += 1
+    return counts / trials
+
+
+@pytest.mark.parametrize(("support", "q"), [
+    (None, [0.30, 0.02, 0.25, 0.30, 0.03, 0.10]),
+    (torch.tensor([0, 2, 3, 5]), [0.40, 0.05, 0.25, 0.30]),
+    (torch.tensor([0, 2, 3]), [0.50, 0.30, 0.20]),
+], ids=["whole-vocabulary", "draft-vocabulary", "children-cover-q"])
+def test_children_drawn_without_replacement_and_verified_recursively_emit_the_targets_law(support, q):
+    """Recursive rejection over three children drawn without replacement (q far from p, so most are refused
+    and the residual carries the law; in the last case the three are all of q's tokens, the third drawn with
+    certainty): the emitted token follows p within sampling noise, and a root whose children are q's best
+    tokens, verified as if drawn from q, is caught by the same bound."""
+    p = torch.tensor([0.05, 0.30, 0.10, 0.05, 0.40, 0.10], dtype=torch.float64)
+    q = torch.tensor(q, dtype=torch.float64)
+    law = _first_token_law(p, q, support, 3, 20000)
+    assert 0.5 * (law - p).abs().sum() < 0.02  # sampling noise: about 0.005 at 20,000 trials
+    wrong = _first_token_law(p, q, support, 3, 5000, drawn=False)
+    assert 0.5 * (wrong - p).abs().sum() > 0.1
 
 
 def test_trees_are_refused_when_a_child_precedes_its_parent():

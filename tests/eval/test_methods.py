@@ -112,6 +112,34 @@ def test_chains_draft_at_each_draft_temperature_only_when_the_eval_samples(tiny_
             recipe(tiny_target_dir, f"eval.chain.draft_temperatures=[{bad}]")
 
 
+def test_trees_take_each_way_of_choosing_children_and_draft_temperature_only_when_the_eval_samples(
+        tiny_target_dir, tmp_path):
+    from mtptrain.heads import FrozenTarget
+    from mtptrain.heads.checkpoint import save_head
+    from mtptrain.heads.spec import HeadSpec
+
+    target = load_target(TargetConfig(model=str(tiny_target_dir)))
+    spec = HeadSpec("eagle3", last_layer=3, feature_layers=[0, 1, 2], ttt_steps=2, draft_vocab_size=64)
+    save_head(tmp_path / "head", spec.family.build(spec, FrozenTarget.of(target.model)), spec, target.identity())
+    settings = ("eval.methods=[tree]", f"eval.head={tmp_path / 'head'}", "eval.tree.budgets=[4,8]",
+                "eval.tree.children=[sampled,top,sampled]", "eval.tree.draft_temperatures=[0.85]")
+    sampled = build_configs(recipe(tiny_target_dir, *settings), target, Sampling(1.0))[0][1:]
+    assert [c.label for c in sampled] == ["tree N=4 draft T 0.85", "tree N=4 top draft T 0.85",
+                                          "tree N=8 draft T 0.85", "tree N=8 top draft T 0.85"]
+    proposers = [c.make() for c in sampled]
+    assert [p.sampled for p in proposers] == [True, False] * 2
+    assert all(p.sampling == Sampling(0.85) for p in proposers)
+    assert [c.children for c in sampled] == ["sampled", "top"] * 2
+    # greedy: the head's best tokens, one configuration per budget, whatever the settings
+    greedy = build_configs(recipe(tiny_target_dir, *settings), target, Sampling())[0][1:]
+    assert [c.label for c in greedy] == ["tree N=4", "tree N=8"]
+    assert all(not c.make().sampled and c.children is None and c.draft_temperature is None for c in greedy)
+    with pytest.raises(RecipeError, match="eval.tree.children"):
+        recipe(tiny_target_dir, "eval.tree.children=[best]")
+    with pytest.raises(RecipeError, match="a draft temperature is above 0"):
+        recipe(tiny_target_dir, "eval.tree.draft_temperatures=[0]")
+
+
 def test_a_chain_drafting_at_its_own_temperature_hands_verification_that_distribution(tiny_target_dir, tmp_path):
     """Exactness at temperature > 0 rests on verification reading the distribution each draft was drawn from."""
     from mtptrain.engine.verify import distribution
