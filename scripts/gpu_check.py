@@ -10,7 +10,8 @@ or crashes is recorded, and the next part runs):
                            nvcc and CUDA_HOME
   runtime_vs_transformers  `mtptrain eval` of the shipped head on the embedded SmolLM2-135M in bfloat16, on the
                            runtime and on transformers' forward: chain and tree at temperature 0 (every output
-                           checked against plain greedy decoding), the chain at temperature 1; tau and tokens/s
+                           checked against plain greedy decoding), the chain and a tree of children drawn from
+                           the head at temperature 1; tau and tokens/s
   split_target             the same eval with the target split over two GPUs (target.gpus_per_rank 2); not run on
                            one GPU
   torchrun_train           torchrun over min(2, GPUs) processes, NCCL, bf16, ZeRO-1: 100 steps of an EAGLE-3 head on

@@ -21,7 +21,7 @@ TINY_GPU_EVAL = ["target.dtype=bfloat16", "eval.max_turns=1", "eval.max_new_toke
                  "eval.k=[3]", "eval.tree.budgets=[8]", "eval.tree.depth=3", "eval.tree.branch=2"]
 TINY_GPU_PROMPTS = DRY_PROMPTS + ["tell me about the sea", "1 2 3 4 5 6", "write a short poem about a cat"]
 RUNS = {"T=0": ["eval.temperature=0", "eval.methods=[chain,tree]"],
-        "T=1": ["eval.temperature=1", "eval.methods=[chain]"]}
+        "T=1": ["eval.temperature=1", "eval.methods=[chain,tree]"]}  # trees of children drawn from the head
 SUBSTITUTE = "a tiny random Llama and a random EAGLE-3 head on the CPU in float32, 1 prompt x 8 tokens"
 
 
