@@ -168,7 +168,9 @@ def _try_children(tree: DraftTree, node: int, kids: list[int], p: torch.Tensor, 
     # distributions stay unnormalised: `inside` is p on the columns and `off` p's mass elsewhere, which no
     # refusal changes (a refusal at normalised p_j = [inside, off] / T, q_j = q / Q leaves T times
     # [max(0, inside / T - q / Q), off / T] = [max(0, inside - q T / Q), off]).
-    q, support = draws.rows[node].clone(), draws.support
+    # on p's device: a split target's logits come from its last GPU, the head's rows from its first
+    q = draws.rows[node].to(p.device, copy=True)
+    support = None if draws.support is None else draws.support.to(p.device)
     inside = p if support is None else p[support]
     off = 0.0 if support is None else max(0.0, float(p.sum()) - float(inside.sum()))
     q_total = float(q.sum())

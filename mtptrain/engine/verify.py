@@ -141,10 +141,12 @@ class DraftProbs:
 
     def residual(self, i: int, p: torch.Tensor) -> torch.Tensor:
         """max(0, p - q_i) over the whole vocabulary."""
+        q = self.rows[i].to(p.device)  # a split target's logits come from its last GPU, the head's from its first
         if self.support is None:
-            return (p - self.rows[i]).clamp_min(0.0)
+            return (p - q).clamp_min(0.0)
+        support = self.support.to(p.device)
         residual = p.clone()
-        residual[self.support] = (p[self.support] - self.rows[i]).clamp_min(0.0)
+        residual[support] = (p[support] - q).clamp_min(0.0)
         return residual
 
 
