@@ -305,21 +305,23 @@ def _tree_mask(tree: DraftTree, past: int) -> torch.Tensor:
     return torch.cat([torch.ones(len(seen), past, dtype=torch.bool), seen], dim=1)[None, None]
 
 
+@pytest.mark.parametrize("masked", ["verified", "drafting"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(9, 3, 64, 37), (8, 2, 128, 48), (4, 4, 80, 20), (16, 2, 64, 5), (9, 3, 64, 0)])
-def test_the_tree_kernel_gives_each_node_what_decoding_its_path_gives(attend, dtype, shape):
+def test_the_tree_kernel_gives_each_node_what_decoding_its_path_gives(attend, dtype, shape, masked):
     """Each node attends over the cache and then its ancestors and itself, gathered: bit for bit what
     decode_attention computes over a row holding that sequence, whatever the prefix's length against the
-    kernel's blocks of 16 positions (37, 48, 5, none), on both of its paths (D 64 and 128, and 80)."""
+    kernel's blocks of 16 positions (37, 48, 5, none), on both of its paths (D 64 and 128, and 80). For a
+    verified tree's nodes, and for a drafting head's, which see their ancestors past gaps in the cache."""
     from mtptrain.runtime.attention import tree_plan
     from mtptrain.runtime.native_kernels import tree_attention_kernel
 
     heads, kv_heads, dim, past = shape
-    mask = _tree_mask(TREE, past)
-    count = mask.shape[2]
+    mask = _tree_mask(TREE, past) if masked == "verified" else _drafting_mask(past)
+    count, length = mask.shape[2], mask.shape[3]
     g = torch.Generator().manual_seed(5)
-    keys, values = (torch.randn(1, kv_heads, past + count + 7, dim, generator=g).to(dtype) for _ in range(2))
-    k, v = keys[:, :, :past + count], values[:, :, :past + count]  # views, as the cache hands them out
+    keys, values = (torch.randn(1, kv_heads, length + 7, dim, generator=g).to(dtype) for _ in range(2))
+    k, v = keys[:, :, :length], values[:, :, :length]  # views, as the cache hands them out
     q = torch.randn(count, heads, dim, generator=g).to(dtype)
     out = tree_attention_kernel()(q, k, v, *tree_plan(mask))
     for node in range(count):
@@ -327,6 +329,20 @@ def test_the_tree_kernel_gives_each_node_what_decoding_its_path_gives(attend, dt
         row_k, row_v = k[:, :, positions].contiguous(), v[:, :, positions].contiguous()
         alone = attend(q[node][None, :, None], row_k, row_v, torch.tensor([len(positions)]))
         assert torch.equal(out[node], alone[0, :, 0]), node
+
+
+def _drafting_mask(past: int) -> torch.Tensor:
+    """A head's mask drafting a tree's third level after `past` true positions: the cache holds them, then the
+    first level's 3 nodes and the second level's 3 (each under one of the first); the 2 new nodes see the true
+    prefix and their own ancestors (the second under a node at the cache's first expanded slot), and a third row
+    (no true prefix: a one-token prompt's) sees only its ancestors and itself."""
+    mask = torch.zeros(1, 1, 3, past + 6 + 3, dtype=torch.bool)
+    mask[0, 0, :2, :past] = True
+    for row, ancestors in enumerate([(0, 3), (0, 4), (2, 5)]):
+        for slot in ancestors:
+            mask[0, 0, row, past + slot] = True
+        mask[0, 0, row, past + 6 + row] = True
+    return mask
 
 
 def test_a_tree_plan_folds_the_run_from_the_first_position_and_gathers_the_rest():
@@ -347,41 +363,6 @@ def test_a_tree_plan_folds_the_run_from_the_first_position_and_gathers_the_rest(
     blind[..., 1, :] = False  # a row that sees nothing has no attention to compute
     assert tree_plan(blind) is None
     assert tree_plan(torch.zeros(1, 1, 2, 6)) is None  # an additive float mask
-
-
-def _drafting_mask(past: int) -> torch.Tensor:
-    """A head's mask drafting a tree's third level after `past` true positions: the cache holds them, then the
-    first level's 3 nodes and the second level's 3 (each under one of the first); the 2 new nodes see the true
-    prefix and their own ancestors (the second under a node at the cache's first expanded slot), and a third row
-    (no true prefix: a one-token prompt's) sees only its ancestors and itself."""
-    mask = torch.zeros(1, 1, 3, past + 6 + 3, dtype=torch.bool)
-    mask[0, 0, :2, :past] = True
-    for row, ancestors in enumerate([(0, 3), (0, 4), (2, 5)]):
-        for slot in ancestors:
-            mask[0, 0, row, past + slot] = True
-        mask[0, 0, row, past + 6 + row] = True
-    return mask
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("past", [37, 5])
-def test_the_tree_kernel_attends_a_drafting_heads_nodes_over_their_ancestors_in_the_cache(attend, dtype, past):
-    """Nodes that see the true prefix and, past gaps, their ancestors cached by earlier levels: each gets what
-    decoding its sequence alone gives, bit for bit, like a verified tree's."""
-    from mtptrain.runtime.attention import tree_plan
-    from mtptrain.runtime.native_kernels import tree_attention_kernel
-
-    mask = _drafting_mask(past)
-    g = torch.Generator().manual_seed(6)
-    keys, values = (torch.randn(1, 2, mask.shape[-1] + 5, 64, generator=g).to(dtype) for _ in range(2))
-    k, v = keys[:, :, :mask.shape[-1]], values[:, :, :mask.shape[-1]]
-    q = torch.randn(3, 4, 64, generator=g).to(dtype)
-    out = tree_attention_kernel()(q, k, v, *tree_plan(mask))
-    for node in range(3):
-        positions = mask[0, 0, node].nonzero().flatten().tolist()
-        row_k, row_v = k[:, :, positions].contiguous(), v[:, :, positions].contiguous()
-        alone = attend(q[node][None, :, None], row_k, row_v, torch.tensor([len(positions)]))
-        assert torch.equal(out[node], alone[0, :, 0]), node
 
 
 @pytest.mark.parametrize("fault, message", [
