@@ -70,7 +70,6 @@ class HeadTreeProposer(HeadChainProposer):
             return self._propose_sampled(min(self.depth, k))
         depth = min(self.depth, k)
         past = self.stepper.length  # head positions 0 .. past-1 hold true states
-        device = self.last_feature.device
         node_tokens, parents, scores, node_depth = [], [], [], []
         inputs: dict[int, torch.Tensor] = {}  # node -> the feature it is run with (its parent's output)
         for token, score in zip(*self._top(self.last_logits)):
@@ -79,16 +78,10 @@ class HeadTreeProposer(HeadChainProposer):
         frontier = list(range(len(node_tokens)))
         slot: dict[int, int] = {}  # expanded node -> its entry in the head cache, after the true prefix
         for level in range(1, depth):
-            ids = torch.tensor([[node_tokens[n] for n in frontier]], device=device)
-            features = torch.stack([inputs[n] for n in frontier])[None]
-            seen = self._seen(frontier, parents, slot, past, device)
-            positions = torch.full((1, len(frontier)), past - 1 + level, device=device)
-            for n in frontier:
-                slot[n] = len(slot)
-            out = self.stepper.step(features, ids, positions, seen)
-            logits = self.stepper.logits(out)[0]
+            out, logits = self._expand(frontier, node_tokens, parents, [inputs[n] for n in frontier], slot, past,
+                                       past - 1 + level)
             children = []
-            for row, (n, tops) in enumerate(zip(frontier, zip(*self._top(logits[: len(frontier)])))):
+            for row, (n, tops) in enumerate(zip(frontier, zip(*self._top(logits)))):
                 for token, logp in zip(*tops):
                     child = len(node_tokens)
                     inputs[child] = out[0, row]
@@ -105,7 +98,7 @@ class HeadTreeProposer(HeadChainProposer):
     def _propose_sampled(self, depth: int) -> DraftTree:
         """A tree whose children are drawn without replacement from the head's distribution at their parent
         (module docstring), listed level by level, siblings in the order drawn."""
-        past, device = self.stepper.length, self.last_feature.device
+        past = self.stepper.length
         to_target = getattr(self.head, "draft_to_target", None)
         tokens, parents, scores, columns, level_of = [], [], [], [], []
         rows: dict[int, torch.Tensor] = {}  # node (-1: the root) -> the q its children were drawn from
@@ -119,16 +112,11 @@ class HeadTreeProposer(HeadChainProposer):
                 frontier = sorted(last, key=lambda n: (-scores[n], n))[: min(self.branch, room)]
                 if not frontier:
                     break
-                ids = torch.tensor([[tokens[n] for n in frontier]], device=device)
-                features = torch.stack([inputs[parents[n]] for n in frontier])[None]
-                seen = self._seen(frontier, parents, slot, past, device)
-                positions = torch.full((1, len(frontier)), past - 2 + level, device=device)
-                for n in frontier:
-                    slot[n] = len(slot)
-                out = self.stepper.step(features, ids, positions, seen)
+                out, logits = self._expand(frontier, tokens, parents, [inputs[parents[n]] for n in frontier], slot,
+                                           past, past - 2 + level)
                 for row, n in enumerate(frontier):
                     inputs[n] = out[0, row]
-                q = distribution(self.stepper.logits(out)[0, : len(frontier)], self.sampling)
+                q = distribution(logits, self.sampling)
             else:
                 frontier = [-1]
             counts, ranked = self._counts(q, [scores[n] if n >= 0 else 0.0 for n in frontier],
@@ -155,6 +143,20 @@ class HeadTreeProposer(HeadChainProposer):
         for _, f, _ in candidates:
             counts[f] += 1
         return counts, top
+
+    def _expand(self, frontier: list[int], tokens: list[int], parents: list[int], features: list[torch.Tensor],
+                slot: dict[int, int], past: int, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One head step over the frontier's nodes (each run with its entry of `features`, its parent's output) at
+        `position`, each seeing the true prefix, its expanded ancestors and itself; each node takes the next
+        slot of the head cache. The step's outputs [1, F, H] and the logits [F, Vd] of its rows."""
+        device = self.last_feature.device
+        ids = torch.tensor([[tokens[n] for n in frontier]], device=device)
+        seen = self._seen(frontier, parents, slot, past, device)
+        positions = torch.full((1, len(frontier)), position, device=device)
+        for n in frontier:
+            slot[n] = len(slot)
+        out = self.stepper.step(torch.stack(features)[None], ids, positions, seen)
+        return out, self.stepper.logits(out)[0, : len(frontier)]
 
     @staticmethod
     def _seen(frontier, parents, slot, past, device) -> torch.Tensor:
