@@ -4,6 +4,7 @@ import pytest
 import torch
 from conftest import make_tiny_llama
 from law import engine_two_token_law, exact_law_after_the_first
+from test_tree import _path
 
 from mtptrain.engine.generate import generate
 from mtptrain.engine.head_chain import HeadChainProposer
@@ -174,10 +175,7 @@ def test_head_tree_keeps_the_best_scored_nodes_with_their_ancestors():
     model, spec, head, runner = _setup("eagle")
     proposer = HeadTreeProposer(head, spec, branch=3, depth=3, budget=7)
     prompt = torch.randint(0, 400, (9,), generator=torch.Generator().manual_seed(5)).tolist()
-    proposer.reset(prompt)
-    runner.reset()
-    runner.forward(prompt)
-    proposer.observe(0, runner.hidden, prompt[1:] + [7])
+    _read_prompt(proposer, runner, prompt)
     tree = proposer.propose(prompt + [7], 3)
     assert len(tree) == 7
     assert all(p < i for i, p in enumerate(tree.parents))
@@ -199,19 +197,15 @@ def test_a_sampled_trees_children_are_drawn_from_the_heads_distribution_after_th
     sampling = Sampling(temperature=0.7)
     proposer = HeadTreeProposer(head, spec, branch=3, depth=4, budget=10, sampling=sampling, seed=3)
     prompt = torch.randint(0, 400, (9,), generator=torch.Generator().manual_seed(5)).tolist()
-    proposer.reset(prompt)
-    runner.reset()
-    runner.forward(prompt)
-    proposer.observe(0, runner.hidden, prompt[1:] + [7])
+    _read_prompt(proposer, runner, prompt)
     tree = proposer.propose(prompt + [7], 4)
     assert len(tree) == 10 and max(tree.depths()) == 4
     assert [tree.depths().count(d) for d in (1, 2, 3, 4)] == [3, 3, 3, 1]
     to_target = getattr(head, "draft_to_target", None)
     chain = HeadChainProposer(head, spec, sampling)
     for node, q in tree.draws.rows.items():
-        path = _path(tree.parents, node)
-        chain.reset(prompt)
-        chain.observe(0, runner.hidden, prompt[1:] + [7])
+        path = _path(tree, node)
+        _read_prompt(chain, runner, prompt)
         feature, logits = chain.last_feature, chain.last_logits
         for n in path:
             feature = chain.stepper.step(feature, torch.tensor([[tree.tokens[n]]]))
@@ -224,12 +218,12 @@ def test_a_sampled_trees_children_are_drawn_from_the_heads_distribution_after_th
             assert tree.tokens[c] == (int(to_target[column]) if to_target is not None else column)
 
 
-def _path(parents: list[int], node: int) -> list[int]:
-    path = []
-    while node >= 0:
-        path.append(node)
-        node = parents[node]
-    return path[::-1]
+def _read_prompt(proposer, runner, prompt: list[int]) -> None:
+    """The target reads `prompt` and the proposer its states, token 7 pending: ready to draft."""
+    proposer.reset(prompt)
+    runner.reset()
+    runner.forward(prompt)
+    proposer.observe(0, runner.hidden, prompt[1:] + [7])
 
 
 def test_sampling_with_sampled_head_trees_stays_exact_in_law():
