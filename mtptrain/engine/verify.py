@@ -102,8 +102,8 @@ def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
 def draw_distinct(probs: torch.Tensor, count: int, generator: torch.Generator) -> list[int]:
     """`count` distinct tokens drawn from probs [V] without replacement, in the order drawn: each by `draw` from
     what the ones before it left (the first from probs, the second from probs without the first, ...). Three
-    draws over 8,192 tokens cost about a tenth of a Gumbel top-k's exponential noise (355 us in float64 on a
-    2-core AMD EPYC Zen 4). `count` must not exceed the tokens of positive probability."""
+    draws over 8,192 float64 probabilities take 62 us against 176 us for a Gumbel top-3 (exponential noise over
+    every token), on a 2-core AMD EPYC Zen 4. `count` must not exceed the tokens of positive probability."""
     left, out = probs.clone(), []
     for _ in range(count):
         out.append(draw(left, generator))
