@@ -187,6 +187,34 @@ def test_head_tree_keeps_the_best_scored_nodes_with_their_ancestors():
 
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
 @torch.no_grad()
+def test_a_tree_expands_only_nodes_that_can_have_a_kept_child_and_stays_the_same_tree(kind):
+    """A node scoring no more than the budget-th best node so far can have no kept descendant: leaving it
+    unexpanded (and a level with none left, its head step) gives the tree of expanding every frontier node."""
+    from mtptrain.engine.head_tree import HeadTreeProposer
+
+    model, spec, head, runner = _setup(kind)
+    saved = 0
+    for seed in range(8):
+        prompt = torch.randint(0, 400, (9,), generator=torch.Generator().manual_seed(seed)).tolist()
+        made = []
+        for every in (False, True):
+            proposer = HeadTreeProposer(head, spec, branch=3, depth=4, budget=6)
+            sharp = proposer.stepper.logits  # a sure head (a random one is flat): nodes fall behind the budget
+            proposer.stepper.logits = lambda out, sharp=sharp: sharp(out) * 40
+            if every:
+                proposer._keepable = lambda frontier, scores: frontier
+            _read_prompt(proposer, runner, prompt)
+            tree = proposer.propose(prompt + [7], 4)
+            made.append((tree.tokens, tree.parents, proposer.stepper.length))
+        (tokens, parents, pruned), (all_tokens, all_parents, expanded) = made
+        assert (tokens, parents) == (all_tokens, all_parents) and len(tokens) == 6
+        assert pruned <= expanded
+        saved += pruned < expanded
+    assert saved >= 2, saved
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+@torch.no_grad()
 def test_a_sampled_trees_children_are_drawn_from_the_heads_distribution_after_their_path(kind):
     """At temperature > 0 every node's children were drawn from q, the head's distribution after the node's
     path, as a chain drafting that path computes it: the tree's head steps read the right features, positions
