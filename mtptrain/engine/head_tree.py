@@ -7,7 +7,9 @@ tracks the chance that the target accepts it. At each level only the
 mask; each expanded node proposes its `branch` most likely next tokens. After
 `depth` levels, the `budget` best-scoring nodes of everything proposed become
 the tree the target verifies. A child never scores higher than its parent,
-so the kept nodes always include their ancestors.
+so the kept nodes always include their ancestors, and a node already
+behind the `budget` best so far is not expanded (`_keepable`): none of its
+descendants could be kept.
 
 At temperature > 0 a node's children are by default drawn at random
 (`children="sampled"`): without replacement from the head's distribution q
