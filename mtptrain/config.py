@@ -376,6 +376,12 @@ class TrainConfig(_Section):
         False, description="Score draft position p only where positions 1..p-1 drafted the target's own choices, "
         "the only places a greedy chain drafts it from (GRIFFIN's token-alignable training, arXiv:2502.11018); "
         "each position's loss is the mean over those places. Position 1 is scored everywhere.")
+    ema_decay: Float | None = Field(
+        None, gt=0, lt=1, description="Keep an exponential moving average of the trained weights (a = d a + "
+        "(1 - d) p after each optimizer step, d ramped up as min(ema_decay, (1 + step) / (10 + step))) and "
+        "validate, snapshot and export it instead of the last step's weights; checkpoints carry it. Its half-life "
+        "is about 0.69 / (1 - ema_decay) steps: 0.99 averages over the last ~70. null = off (the last step's "
+        "weights).")
     loss_chunk: Int = Field(1024, ge=1, description="Positions per chunk of full-vocabulary logits.")
     num_workers: Int = Field(1, ge=0, description="Data-loader worker processes.")
     pad_multiple: Annotated[int, Strict(), Field(ge=1)] | Literal["auto"] = Field(

@@ -126,7 +126,8 @@ def train_load(recipe: Recipe, shape: TargetShape, head_params: int, world: int,
     (mixed precision: 16-bit weights and gradients, float32 master weights and two AdamW moments, 12 bytes a
     parameter, sharded over the ranks by ZeRO-1/2), and the training-time-test activations: per token and TTT step
     about 12 hidden-size and 3 intermediate-size values kept for backward, plus the distillation targets over the
-    draft vocabulary (float32, every position) and one loss chunk's full-vocabulary logits. The micro-batch's
+    draft vocabulary (float32, every position) and one loss chunk's full-vocabulary logits; under train.ema_decay
+    a float32 copy of the head's weights. The micro-batch's
     length is data.max_length rounded up as train.pad_multiple rounds it on a GPU."""
     cfg = recipe.train
     width = DTYPE_BYTES[recipe.target.dtype]
@@ -138,6 +139,8 @@ def train_load(recipe: Recipe, shape: TargetShape, head_params: int, world: int,
     sharded_states = states / world if stage >= 1 else states
     sharded_grads = grads / world if stage >= 2 else grads
     gpu.add("head weights, gradients, optimizer", head_params * (weights + sharded_grads + sharded_states))
+    if cfg.ema_decay:  # every rank keeps the whole average, in float32
+        gpu.add("weight average (train.ema_decay)", head_params * 4)
     multiple = cfg.pad_multiple_on("cuda")  # the longest micro-batch, rounded on the GPU
     tokens = cfg.micro_batch_size * -(-recipe.data.max_length // multiple) * multiple
     steps = getattr(recipe.head, "ttt_steps", None) or getattr(recipe.head, "depths", None) or 1

@@ -34,6 +34,7 @@ import shutil
 import socket
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 
 import deepspeed
@@ -66,6 +67,7 @@ from mtptrain.target import (
     ARCHITECTURE_FIELDS, Target, checkpoint_fingerprint, compared_fields, load_config, load_frozen_target, load_target,
     rank_devices,
 )
+from mtptrain.train.averaging import WeightAverage
 from mtptrain.train.checkpoints import commit, latest_tag, load, restore_rng, rng_state, tag_for, verify
 from mtptrain.train.checkpoints import RunMismatch  # noqa: F401 (verify raises it; callers catch it here)
 from mtptrain.train.data import BatchPlan, loader, steps_for
@@ -163,7 +165,7 @@ def trained_parameters(head: nn.Module, cfg: TrainConfig) -> list:
 
 # train fields added after checkpoints were written, with their defaults: at the default they stay out of the
 # fingerprint, so that those checkpoints still resume
-LATER_FIELDS = {"reachable": False}
+LATER_FIELDS = {"reachable": False, "ema_decay": None}
 
 
 def run_fingerprint(recipe: Recipe, manifest: dict, world_size: int) -> str:
@@ -373,6 +375,8 @@ class Trainer:
             log.info("train.grad_clip=%g is not applied under Muon, which bounds its own steps", self.cfg.grad_clip)
         engine, _, _, scheduler = deepspeed.initialize(
             model=head, model_parameters=trained_parameters(head, self.cfg), config=config)
+        # every rank averages its own copy of the (replicated) weights, so any rank's is the run's
+        self.average = WeightAverage(engine.module, self.cfg.ema_decay) if self.cfg.ema_decay else None
         return engine, scheduler
 
     def _resume(self, engine) -> dict:
@@ -383,6 +387,8 @@ class Trainer:
         verify(self.ckpt_dir, tag, self.fingerprint, self._made_with())
         client = load(engine, self.ckpt_dir, tag)
         restore_rng(client["rng"])
+        if self.average is not None:  # the fingerprint holds ema_decay: a checkpoint of this run has its averages
+            self.average.load_state_dict(client.get("ema"), str(self.ckpt_dir / tag))
         log.info("resumed from %s at step %d", self.ckpt_dir / tag, client["step"])
         return client
 
@@ -433,6 +439,8 @@ class Trainer:
                 step += 1
                 grad_norm = engine.get_global_grad_norm()  # None where DeepSpeed computed none (fp32, ZeRO-0)
                 stop = self._check_step(engine, step, unhealthy, grad_norm, last_checkpoint)
+                if self.average is not None:
+                    self.average.update(step)
                 progress.update(1)
                 if step < self.steps and stop:
                     return self._stop(engine, step, metrics.run_id)
@@ -446,14 +454,16 @@ class Trainer:
                     metrics.log(step, logged)
                     progress.set_postfix(loss=f"{logged['train/loss']:.3f}", acc1=f"{logged['train/acc_1']:.3f}")
                 if step % self.cfg.eval_every == 0 or step == self.steps:
-                    self.last_validation = self.validate(head, dtype)
-                    if self.prompts and self.dist.is_main:
-                        self.last_validation.update(self._draft(head, step))
+                    with self._averaged():  # the head the run exports: the average under train.ema_decay
+                        self.last_validation = self.validate(head, dtype)
+                        if self.prompts and self.dist.is_main:
+                            self.last_validation.update(self._draft(head, step))
                     # the tokens seen so far (exact, from the batch plan): the x axis of a learning curve
                     metrics.log(step, {**self.last_validation, "train/tokens_seen": self.plan.tokens_through(step)})
                 if step % self.cfg.checkpoint_every == 0 or step == self.steps:
                     if self.cfg.head_snapshots and self.dist.is_main:  # first: a resume starts after the checkpoint
-                        self._snapshot(head, step)
+                        with self._averaged():
+                            self._snapshot(head, step)
                     last_checkpoint = self._checkpoint(engine, step, metrics.run_id)
                 clock = time.perf_counter()  # logging, validation and checkpoints are not waiting for data
             progress.close()
@@ -545,13 +555,18 @@ class Trainer:
         """Save every rank's state for `step`; rank 0 then records the files and moves `latest` to them."""
         tag = tag_for(step)
         client = {"fingerprint": self.fingerprint, "step": step, "micro_batch": step * self.plan.micro_batches_per_step,
-                  "checkpoint": str(self.ckpt_dir / tag), "wandb_id": wandb_id, "rng": rng_state()}
+                  "checkpoint": str(self.ckpt_dir / tag), "wandb_id": wandb_id, "rng": rng_state(),
+                  **({"ema": self.average.state_dict()} if self.average is not None else {})}
         engine.save_checkpoint(str(self.ckpt_dir), tag=tag, client_state=client, save_latest=False)
         if self.dist.is_main:  # DeepSpeed's save ends in a barrier: every rank's files are written
             commit(self.ckpt_dir, tag, self.fingerprint, self._made_with())
         if self.dist.world_size > 1:
             torch_dist.barrier()
         return str(self.ckpt_dir / tag)
+
+    def _averaged(self):
+        """The weight average in the head while the block runs (train.ema_decay), the live weights otherwise."""
+        return self.average.applied() if self.average is not None else nullcontext()
 
     def _snapshot(self, head, step: int) -> None:
         self._save(self.run_dir / "snapshots" / f"step-{step:07d}", head, step, exported=False)
@@ -563,7 +578,8 @@ class Trainer:
                    "checkpoint": last_checkpoint, "head": str(self.run_dir / "head")}
         if self.dist.is_main:
             summary.update(getattr(self, "last_validation", {}))
-            self._export(head, step, summary)
+            with self._averaged():
+                self._export(head, step, summary)
         if torch_dist.is_initialized():
             torch_dist.barrier()
         return summary
@@ -578,7 +594,8 @@ class Trainer:
         elif self.dist.is_main:
             log.info("%s already finished its %d steps; exporting the %s head as engine_eval.select_best now asks",
                      self.run_dir, self.steps, "last step's" if want is None else f"step {want}")
-            self._export(head, step, summary)
+            with self._averaged():
+                self._export(head, step, summary)
         if torch_dist.is_initialized():
             torch_dist.barrier()
         return {**summary, "rank": self.dist.rank}

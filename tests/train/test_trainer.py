@@ -424,3 +424,71 @@ def test_a_recipe_keeps_the_run_fingerprint_its_checkpoints_recorded():
     trained under."""
     recorded = json.loads((PRETRAINED_HEAD / "config.json").read_text())["train"]["recipe"]
     assert run_fingerprint(validate_recipe(recorded), {"plan_id": "p"}, 1) == "22b51b0114e4eadb"
+
+
+def _checkpointed(run_dir, step):
+    """The live weights and the weight average a checkpoint of `run_dir` holds at `step`."""
+    from mtptrain.train.checkpoints import WeightsOnlyLoads
+
+    states = WeightsOnlyLoads(None).load(str(run_dir / "checkpoints" / f"step-{step:07d}" /
+                                             "mp_rank_00_model_states.pt"))
+    return states["module"], states["ema"]
+
+
+def test_the_weight_average_is_exported_and_a_stopped_run_averages_on(tiny_target_dir, tiny_store, tmp_path):
+    """train.ema_decay: each step's average is the last one moved toward that step's live weights by the ramped
+    decay (read back from a checkpoint a step); the export is the last average, not the live weights; a run
+    resumed from its third step exports the same average."""
+    from mtptrain.train.averaging import ramped
+
+    args = ("head.kind=eagle", "train.max_steps=6", "train.checkpoint_every=1", "train.ema_decay=0.7")
+    clean = tmp_path / "clean"
+    run_train(train_recipe(tiny_target_dir, tiny_store, clean, *args), show_progress=False)
+    for step in range(2, 7):
+        _, before = _checkpointed(clean, step - 1)
+        live, after = _checkpointed(clean, step)
+        d = ramped(0.7, step)
+        assert d == (0.7 if step >= 15 else (1 + step) / (10 + step))
+        for name, average in after.items():
+            assert torch.allclose(average, d * before[name] + (1 - d) * live[name].float(), atol=1e-6), (step, name)
+    live, average = _checkpointed(clean, 6)
+    exported = load_file(clean / "head" / "model.safetensors")
+    assert average.keys() <= exported.keys()
+    assert all(torch.equal(exported[name], average[name]) for name in average)
+    assert any(not torch.allclose(exported[name], live[name], atol=1e-4) for name in average)
+    resumed = tmp_path / "resumed"  # the clean run as if killed after step 3
+    shutil.copytree(clean / "checkpoints", resumed / "checkpoints",
+                    ignore=lambda _, names: [n for n in names if n.startswith("step-") and n > "step-0000003"])
+    (resumed / "checkpoints" / "latest").write_text("step-0000003")
+    run_train(train_recipe(tiny_target_dir, tiny_store, resumed, *args), show_progress=False)
+    again = load_file(resumed / "head" / "model.safetensors")
+    for name in average:
+        assert torch.allclose(again[name], exported[name], atol=1e-6, rtol=1e-5), name
+
+
+def test_a_weight_average_is_swapped_in_and_the_live_weights_come_back_bit_for_bit():
+    from mtptrain.train.averaging import WeightAverage
+
+    torch.manual_seed(0)
+    head = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3)).to(torch.bfloat16)
+    head[1].weight.requires_grad_(False)  # a frozen parameter is not averaged
+    average = WeightAverage(head, 0.5)
+    first = {n: p.detach().clone() for n, p in head.named_parameters()}
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(1.0)
+    average.update(1)  # ramped: min(0.5, 2 / 11)
+    live = {n: p.detach().clone() for n, p in head.named_parameters()}
+    assert "1.weight" not in average.average
+    with pytest.raises(RuntimeError, match="inside"):
+        with average.applied():
+            for name, p in head.named_parameters():
+                if name in average.average:
+                    expected = (2 / 11 * first[name].float() + 9 / 11 * live[name].float()).to(torch.bfloat16)
+                    assert torch.equal(p, expected), name
+                else:
+                    assert torch.equal(p, live[name])
+            raise RuntimeError("inside")
+    assert all(torch.equal(p, live[n]) for n, p in head.named_parameters())
+    with pytest.raises(ValueError, match="no weight average"):
+        average.load_state_dict({"0.weight": torch.zeros(3, 4)}, "somewhere")
