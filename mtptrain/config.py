@@ -382,6 +382,11 @@ class TrainConfig(_Section):
         "validate, snapshot and export it instead of the last step's weights; checkpoints carry it. Its half-life "
         "is about 0.69 / (1 - ema_decay) steps: 0.99 averages over the last ~70. null = off (the last step's "
         "weights).")
+    topk_loss: Int = Field(
+        0, ge=0, description="> 0: add to each draft position's loss topk_loss_weight x the cross-entropy over the "
+        "target's K most likely tokens (-sum of p_v log q_v over them), HASS's top-K distillation term "
+        "(arXiv:2408.15766): the head's capacity weighted toward ranking the tokens a draft is accepted on. 0 = off.")
+    topk_loss_weight: Float = Field(1.0, gt=0, description="The weight of the topk_loss term.")
     loss_chunk: Int = Field(1024, ge=1, description="Positions per chunk of full-vocabulary logits.")
     num_workers: Int = Field(1, ge=0, description="Data-loader worker processes.")
     pad_multiple: Annotated[int, Strict(), Field(ge=1)] | Literal["auto"] = Field(

@@ -34,6 +34,12 @@ the target's own choices: the only places a greedy chain ever drafts position p
 from (the token-alignable training of GRIFFIN, Hu et al., arXiv:2502.11018).
 Each position's loss is then the mean over its reachable places; the metrics
 stay over every place, so that runs with and without it compare.
+
+`Loss.topk` adds topk_weight x (-sum over the target's K most likely tokens of
+p_v log q_v) to each position's loss: those tokens' share of the
+cross-entropy counted again, so that the head spends its capacity on ranking
+the tokens a draft can be accepted on (the top-K term of HASS's harmonized
+objective distillation, Zhang et al., arXiv:2408.15766).
 """
 
 from __future__ import annotations
@@ -57,6 +63,8 @@ class Loss:
     kind: str = "kl"
     eta: float = 3.0
     reachable: bool = False  # position p scored only where positions 1..p-1 drafted the target's choices
+    topk: int = 0  # > 0: the target's top-k tokens' cross-entropy added, times topk_weight
+    topk_weight: float = 1.0
 
     def __post_init__(self):
         if self.kind not in LOSS_KINDS:
@@ -110,6 +118,9 @@ def _chunk_terms(head_logits: Callable, target_logits: Callable, predicted: torc
     with torch.no_grad():
         tops = torch.stack([head_logp.argmax(-1), target_logp.argmax(-1)])
     value = loss.per_position(cross_entropy, entropy, alpha)
+    if loss.topk:
+        top_p, top_ids = target_p.topk(min(loss.topk, target_p.shape[-1]), dim=-1)
+        value = value - loss.topk_weight * (top_p * head_logp.gather(-1, top_ids)).sum(-1)
     value = value.sum() if weight is None else (value * weight.to(value.dtype)).sum()
     return (value, (cross_entropy.detach() - entropy).sum(),
             alpha.detach().sum(), tops)

@@ -165,7 +165,7 @@ def trained_parameters(head: nn.Module, cfg: TrainConfig) -> list:
 
 # train fields added after checkpoints were written, with their defaults: at the default they stay out of the
 # fingerprint, so that those checkpoints still resume
-LATER_FIELDS = {"reachable": False, "ema_decay": None}
+LATER_FIELDS = {"reachable": False, "ema_decay": None, "topk_loss": 0, "topk_loss_weight": 1.0}
 
 
 def run_fingerprint(recipe: Recipe, manifest: dict, world_size: int) -> str:
@@ -316,7 +316,8 @@ class Trainer:
                                          verify="size")
         self.weights = step_weights(recipe.head.step_weights, self.spec.draft_positions)
         self.feature_weight = self.spec.family.feature_weight(recipe.head)
-        self.loss = Loss(self.cfg.loss, self.cfg.loss_eta, self.cfg.reachable)
+        self.loss = Loss(self.cfg.loss, self.cfg.loss_eta, self.cfg.reachable, self.cfg.topk_loss,
+                         self.cfg.topk_loss_weight)
         self.steps = steps_for(len(self.train_store), self.cfg.micro_batch_size, dist.world_size,
                                self.cfg.grad_accum, self.cfg.epochs, self.cfg.max_steps)
         self.plan = BatchPlan(self.train_store.lengths(), self.cfg.micro_batch_size, self.cfg.seed,

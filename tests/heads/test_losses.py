@@ -95,6 +95,34 @@ def test_acceptance_losses_and_their_gradients_equal_their_formulas(kind):
     assert abs(stats.alpha - alpha.mean().item()) < 1e-9 and abs(stats.kl - kl.mean().item()) < 1e-9
 
 
+@pytest.mark.parametrize("kind", ["kl", "lk-hybrid"])
+def test_the_top_k_term_and_its_gradient_equal_their_formula(kind):
+    """topk adds w x (-sum over the target's K most likely tokens of p log q) to the loss of any kind."""
+    head_logits, target_logits, predicted, target_hidden, mask, head_w = _setup(seed=5)
+    loss = Loss(kind, 2.0, topk=4, topk_weight=0.5)
+    stats = distill_loss(head_logits, target_logits, predicted, target_hidden, mask, chunk=5, loss=loss)
+    stats.loss.backward()
+    grads = predicted.grad.clone(), head_w.grad.clone()
+    predicted.grad, head_w.grad = None, None
+
+    keep = mask.bool()
+    p = F.softmax(target_logits(target_hidden[keep]), -1)
+    logq = F.log_softmax(head_logits(predicted[keep]), -1)
+    order = p.argsort(-1, descending=True)[:, :4]
+    top = -(p.gather(-1, order) * logq.gather(-1, order)).sum(-1)
+    alpha = torch.minimum(p, logq.exp()).sum(-1)
+    blend = torch.exp(-2.0 * alpha.detach())
+    base = {"kl": -(p * logq).sum(-1),
+            "lk-hybrid": blend * (p * (p.log() - logq)).sum(-1) + (1 - blend) * (1 - alpha)}[kind]
+    direct = (base + 0.5 * top).mean()
+    direct.backward()
+    assert torch.allclose(stats.loss, direct)
+    assert torch.allclose(grads[0], predicted.grad) and torch.allclose(grads[1], head_w.grad)
+    plain = distill_loss(head_logits, target_logits, predicted, target_hidden, mask, chunk=5, loss=Loss(kind, 2.0))
+    assert torch.allclose(plain.loss, base.mean()) and not torch.allclose(plain.loss, stats.loss)
+    assert abs(stats.kl - plain.kl) < 1e-12  # the metrics stay the distribution's
+
+
 def test_alpha_is_reported_under_kl_without_entering_its_gradient():
     head_logits, target_logits, predicted, target_hidden, mask, _ = _setup(seed=3)
     stats = distill_loss(head_logits, target_logits, predicted, target_hidden, mask, chunk=7)

@@ -492,3 +492,20 @@ def test_a_weight_average_is_swapped_in_and_the_live_weights_come_back_bit_for_b
     assert all(torch.equal(p, live[n]) for n, p in head.named_parameters())
     with pytest.raises(ValueError, match="no weight average"):
         average.load_state_dict({"0.weight": torch.zeros(3, 4)}, "somewhere")
+
+
+def test_the_top_k_term_reaches_the_trained_loss_and_makes_another_run(tiny_target_dir, tiny_store, tmp_path):
+    """train.topk_loss: the first step's loss (the same initial weights and batch) is the plain run's plus the
+    top-K cross-entropy, which is positive; the recipe with it does not resume the plain run's checkpoints."""
+    from mtptrain.train.trainer import RunMismatch
+
+    first = {}
+    for name, extra in (("plain", []), ("topk", ["train.topk_loss=5"])):
+        run_train(train_recipe(tiny_target_dir, tiny_store, tmp_path / name, "head.kind=eagle3", "train.max_steps=1",
+                               *extra), show_progress=False)
+        first[name] = _metrics(tmp_path / name)[0]
+    assert first["topk"]["train/kl_1"] == pytest.approx(first["plain"]["train/kl_1"], rel=1e-6)
+    assert first["topk"]["train/loss_1"] > first["plain"]["train/loss_1"] + 0.1
+    with pytest.raises(RunMismatch, match="another run"):
+        run_train(train_recipe(tiny_target_dir, tiny_store, tmp_path / "plain", "head.kind=eagle3",
+                               "train.max_steps=1", "train.topk_loss=5"), show_progress=False)
