@@ -18,6 +18,12 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from mtptrain.errors import MtptrainError
+
+
+class AverageRefused(MtptrainError, ValueError):
+    pass
+
 
 def ramped(decay: float, step: int) -> float:
     """The decay applied after optimizer step `step` (1, 2, ...)."""
@@ -54,9 +60,13 @@ class WeightAverage:
         return {name: a.clone() for name, a in self.average.items()}
 
     def load_state_dict(self, state: object, where: str) -> None:
-        """Averages from a checkpoint (already verified as this run's): the same names and shapes, or refused."""
+        """Averages from a checkpoint (already verified as this run's): floating-point tensors of the trained
+        parameters' names and shapes, or refused naming `where`."""
         if not isinstance(state, dict) or state.keys() != self.average.keys() or any(
-                not isinstance(state[n], torch.Tensor) or state[n].shape != a.shape for n, a in self.average.items()):
-            raise ValueError(f"{where} holds no weight average of this head's trained parameters")
+                not isinstance(state[n], torch.Tensor) or not state[n].is_floating_point() or state[n].shape != a.shape
+                for n, a in self.average.items()):
+            raise AverageRefused(f"{where} holds no weight average of this head's trained parameters, so it was not "
+                                 "resumed; resume it with the recipe that wrote it, or start the run in a fresh "
+                                 "train.output_dir")
         for name, a in self.average.items():
             a.copy_(state[name])

@@ -435,7 +435,7 @@ def _checkpointed(run_dir, step):
     return states["module"], states["ema"]
 
 
-def test_the_weight_average_is_exported_and_a_stopped_run_averages_on(tiny_target_dir, tiny_store, tmp_path):
+def test_the_weight_average_is_exported_and_a_resumed_run_averages_on(tiny_target_dir, tiny_store, tmp_path):
     """train.ema_decay: each step's average is the last one moved toward that step's live weights by the ramped
     decay (read back from a checkpoint a step); the export is the last average, not the live weights; a run
     resumed from its third step exports the same average."""
@@ -490,8 +490,14 @@ def test_a_weight_average_is_swapped_in_and_the_live_weights_come_back_bit_for_b
                     assert torch.equal(p, live[name])
             raise RuntimeError("inside")
     assert all(torch.equal(p, live[n]) for n, p in head.named_parameters())
-    with pytest.raises(ValueError, match="no weight average"):
+    from mtptrain.errors import MtptrainError
+
+    with pytest.raises(MtptrainError, match="somewhere holds no weight average .* fresh train.output_dir"):
         average.load_state_dict({"0.weight": torch.zeros(3, 4)}, "somewhere")
+    state = average.state_dict()
+    with pytest.raises(MtptrainError, match="no weight average"):
+        average.load_state_dict({**state, "0.bias": state["0.bias"].long()}, "somewhere")
+    average.load_state_dict(state, "somewhere")  # its own state loads back
 
 
 def test_the_top_k_term_reaches_the_trained_loss_and_makes_another_run(tiny_target_dir, tiny_store, tmp_path):
