@@ -380,8 +380,8 @@ class TrainConfig(_Section):
         None, gt=0, lt=1, description="Keep an exponential moving average of the trained weights (a = d a + "
         "(1 - d) p after each optimizer step, d ramped up as min(ema_decay, (1 + step) / (10 + step))) and "
         "validate, snapshot and export it instead of the last step's weights; checkpoints carry it. Its half-life "
-        "is about 0.69 / (1 - ema_decay) steps: 0.99 averages over the last ~70. null = off (the last step's "
-        "weights).")
+        "is about 0.69 / (1 - ema_decay) steps once the ramp allows it: the ramp reaches 0.99 at step 890, and "
+        "before that averages over about the last ninth of the steps. null = off (the last step's weights).")
     topk_loss: Int = Field(
         0, ge=0, description="> 0: add to each draft position's loss topk_loss_weight x the cross-entropy over the "
         "target's K most likely tokens (-sum of p_v log q_v over them), HASS's top-K distillation term "

@@ -127,8 +127,8 @@ def train_load(recipe: Recipe, shape: TargetShape, head_params: int, world: int,
     parameter, sharded over the ranks by ZeRO-1/2), and the training-time-test activations: per token and TTT step
     about 12 hidden-size and 3 intermediate-size values kept for backward, plus the distillation targets over the
     draft vocabulary (float32, every position) and one loss chunk's full-vocabulary logits; under train.ema_decay
-    a float32 copy of the head's weights. The micro-batch's
-    length is data.max_length rounded up as train.pad_multiple rounds it on a GPU."""
+    a float32 copy of the head's weights. The micro-batch's length is data.max_length rounded up as
+    train.pad_multiple rounds it on a GPU."""
     cfg = recipe.train
     width = DTYPE_BYTES[recipe.target.dtype]
     gpu = GpuLoad("train", rank)
