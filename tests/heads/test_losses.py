@@ -15,6 +15,23 @@ def _setup(seed=0, vocab=50, hidden=8, n=37):
     return (lambda x: x @ head_w.T), (lambda x: x @ target_w.T), predicted, target_hidden, mask, head_w
 
 
+def _loss_and_grads(setup, loss: Loss):
+    """distill_loss over `setup` (chunks of 5) with its gradients in (predicted, head weights), cleared after."""
+    head_logits, target_logits, predicted, target_hidden, mask, head_w = setup
+    stats = distill_loss(head_logits, target_logits, predicted, target_hidden, mask, chunk=5, loss=loss)
+    stats.loss.backward()
+    grads = predicted.grad.clone(), head_w.grad.clone()
+    predicted.grad, head_w.grad = None, None
+    return stats, grads
+
+
+def _direct(setup):
+    """The target's p and the head's log q at the masked positions, computed whole."""
+    head_logits, target_logits, predicted, target_hidden, mask, _ = setup
+    keep = mask.bool()
+    return F.softmax(target_logits(target_hidden[keep]), -1), F.log_softmax(head_logits(predicted[keep]), -1)
+
+
 def test_chunked_loss_and_gradient_equal_the_direct_computation():
     head_logits, target_logits, predicted, target_hidden, mask, head_w = _setup()
     stats = distill_loss(head_logits, target_logits, predicted, target_hidden, mask, chunk=5)
@@ -76,15 +93,10 @@ def test_keeping_the_logits_for_backward_gives_the_recomputed_loss_and_gradients
 @pytest.mark.parametrize("kind", ["tv", "lk", "lk-hybrid"])
 def test_acceptance_losses_and_their_gradients_equal_their_formulas(kind):
     """alpha = sum_v min(p_v, q_v), the acceptance probability of speculative sampling; each loss from it."""
-    head_logits, target_logits, predicted, target_hidden, mask, head_w = _setup(seed=2)
-    stats = distill_loss(head_logits, target_logits, predicted, target_hidden, mask, chunk=5, loss=Loss(kind, 2.0))
-    stats.loss.backward()
-    grads = predicted.grad.clone(), head_w.grad.clone()
-    predicted.grad, head_w.grad = None, None
-
-    keep = mask.bool()
-    p = F.softmax(target_logits(target_hidden[keep]), -1)
-    logq = F.log_softmax(head_logits(predicted[keep]), -1)
+    setup = _setup(seed=2)
+    _, _, predicted, _, _, head_w = setup
+    stats, grads = _loss_and_grads(setup, Loss(kind, 2.0))
+    p, logq = _direct(setup)
     alpha = torch.minimum(p, logq.exp()).sum(-1)
     kl = (p * (p.log() - logq)).sum(-1)
     blend = torch.exp(-2.0 * alpha.detach())
@@ -98,16 +110,10 @@ def test_acceptance_losses_and_their_gradients_equal_their_formulas(kind):
 @pytest.mark.parametrize("kind", ["kl", "lk-hybrid"])
 def test_the_top_k_term_and_its_gradient_equal_their_formula(kind):
     """topk adds w x (-sum over the target's K most likely tokens of p log q) to the loss of any kind."""
-    head_logits, target_logits, predicted, target_hidden, mask, head_w = _setup(seed=5)
-    loss = Loss(kind, 2.0, topk=4, topk_weight=0.5)
-    stats = distill_loss(head_logits, target_logits, predicted, target_hidden, mask, chunk=5, loss=loss)
-    stats.loss.backward()
-    grads = predicted.grad.clone(), head_w.grad.clone()
-    predicted.grad, head_w.grad = None, None
-
-    keep = mask.bool()
-    p = F.softmax(target_logits(target_hidden[keep]), -1)
-    logq = F.log_softmax(head_logits(predicted[keep]), -1)
+    setup = _setup(seed=5)
+    _, _, predicted, _, _, head_w = setup
+    stats, grads = _loss_and_grads(setup, Loss(kind, 2.0, topk=4, topk_weight=0.5))
+    p, logq = _direct(setup)
     order = p.argsort(-1, descending=True)[:, :4]
     top = -(p.gather(-1, order) * logq.gather(-1, order)).sum(-1)
     alpha = torch.minimum(p, logq.exp()).sum(-1)
@@ -118,7 +124,7 @@ def test_the_top_k_term_and_its_gradient_equal_their_formula(kind):
     direct.backward()
     assert torch.allclose(stats.loss, direct)
     assert torch.allclose(grads[0], predicted.grad) and torch.allclose(grads[1], head_w.grad)
-    plain = distill_loss(head_logits, target_logits, predicted, target_hidden, mask, chunk=5, loss=Loss(kind, 2.0))
+    plain, _ = _loss_and_grads(setup, Loss(kind, 2.0))
     assert torch.allclose(plain.loss, base.mean()) and not torch.allclose(plain.loss, stats.loss)
     assert abs(stats.kl - plain.kl) < 1e-12  # the metrics stay the distribution's
 
