@@ -387,10 +387,6 @@ class TrainConfig(_Section):
         "target's K most likely tokens (-sum of p_v log q_v over them), HASS's top-K distillation term "
         "(arXiv:2408.15766): the head's capacity weighted toward ranking the tokens a draft is accepted on. 0 = off.")
     topk_loss_weight: Float = Field(1.0, gt=0, description="The weight of the topk_loss term.")
-    init_layer: Int | None = Field(
-        None, description="eagle3: start the head's decoder layer as a copy of this decoder layer of the target "
-        "(-1 = its last): the feature half of the attention's q/k/v, o_proj, the MLP and the norms, with fc "
-        "starting as the identity on the highest fused layer, instead of random weights. null = random.")
     loss_chunk: Int = Field(1024, ge=1, description="Positions per chunk of full-vocabulary logits.")
     num_workers: Int = Field(1, ge=0, description="Data-loader worker processes.")
     pad_multiple: Annotated[int, Strict(), Field(ge=1)] | Literal["auto"] = Field(
@@ -760,13 +756,6 @@ class Recipe(_Section):
     export: ExportConfig = ExportConfig()
     vllm: VllmConfig = VllmConfig()
     slurm: SlurmConfig = SlurmConfig()
-
-    @model_validator(mode="after")
-    def _init_layer_of_eagle3(self) -> Recipe:
-        if self.train.init_layer is not None and self.head.kind != "eagle3":
-            raise ValueError(f"train.init_layer starts an eagle3 head's layer from the target's; head.kind is "
-                             f"{self.head.kind}: set head.kind=eagle3 or train.init_layer=null")
-        return self
 
 
 # --------------------------------------------------------------------------- loading

@@ -15,10 +15,9 @@ from mtptrain.config import TargetConfig, load_recipe
 from mtptrain.dist import DistInfo
 from mtptrain.io import WriteRefusedError
 import mtptrain.target.source as target_source
-import mtptrain.target.parts as parts
 from mtptrain.target import (
-    TargetError, frozen_parameters, identity_mismatch, layer_tensors, load_frozen_target, load_identified_parts,
-    load_target, model_fingerprint, rank_devices, split_device_map,
+    frozen_parameters, identity_mismatch, load_frozen_target, load_identified_parts, load_target, model_fingerprint,
+    rank_devices, split_device_map,
 )
 from mtptrain.target.parts import meta_model
 
@@ -333,21 +332,3 @@ def test_the_target_is_read_straight_onto_its_device(tiny_target_dir, monkeypatc
     target = load_target(TargetConfig(model=str(tiny_target_dir), device="cpu", dtype="float32"))
     assert calls and calls[0]["device_map"] == {"": "cpu"}
     assert {p.device for p in target.model.parameters()} == {torch.device("cpu")}
-
-
-def test_a_layers_weights_come_from_the_safetensors_files_or_the_loaded_model(tiny_target_dir, monkeypatch):
-    """layer_tensors (train.init_layer): read by name from the checkpoint even where the trainer left the layers
-    on the meta device; from the model where the checkpoint is in other files and the layers are loaded; refused,
-    naming the fix, where they are neither."""
-    cfg = TargetConfig(model=str(tiny_target_dir), dtype="float32")
-    whole = AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32)
-    expected = dict(whole.model.layers[2].named_parameters())
-    partial = load_frozen_target(cfg).model
-    assert partial.model.layers[2].mlp.up_proj.weight.is_meta
-    read = layer_tensors(cfg, partial, 2)
-    assert sorted(read) == sorted(expected) and all(torch.equal(read[n], expected[n]) for n in expected)
-    monkeypatch.setattr(parts, "checkpoint_weight_map", lambda source, cfg: None)
-    taken = layer_tensors(cfg, whole, 2)
-    assert all(taken[n] is not None and torch.equal(taken[n], expected[n]) for n in expected)
-    with pytest.raises(TargetError, match="decoder layer 2's weights are neither in safetensors files nor loaded"):
-        layer_tensors(cfg, partial, 2)

@@ -69,32 +69,6 @@ class Eagle3Head(nn.Module):
         self.register_buffer("draft_to_target", vocab.draft_to_target.clone())
         self.register_buffer("target_to_draft", vocab.target_to_draft.clone())
 
-    def start_as_target_layer(self, weights: dict[str, torch.Tensor]) -> None:
-        """Start from a decoder layer of the target (`weights`, named as within the layer) instead of random
-        weights: its attention's projections as the feature half of q/k/v (the embedding half keeps its random
-        start), its o_proj, MLP and post-attention norm as they are, its input norm as the feature's norm
-        (hidden_norm; the embedding's norm stays at ones), and fc as the identity on the highest fused layer. A
-        feature that is the target's state at that layer then goes through the target's own layer, but for what
-        the embedding half adds."""
-        hidden = self.fc.out_features
-        with torch.no_grad():
-            for name, param in self.layer.named_parameters():
-                if name not in weights:
-                    raise HeadSettingsError(f"the target's layer has no {name}: its layers differ from the "
-                                            "head's, so train.init_layer cannot start the head from one")
-                source = weights[name].to(param.dtype)
-                if name == "input_layernorm.weight":
-                    self.hidden_norm.weight.copy_(source)
-                elif param.shape == source.shape:
-                    param.copy_(source)
-                elif param.dim() == 2 and param.shape == (source.shape[0], 2 * source.shape[1]):
-                    param[:, hidden:].copy_(source)  # [embedding ; feature]: the target's layer reads the feature
-                else:
-                    raise HeadSettingsError(f"the target's {name} has shape {tuple(source.shape)}, the head's "
-                                            f"{tuple(param.shape)}: train.init_layer cannot copy it")
-            self.fc.weight.zero_()
-            self.fc.weight[:, -hidden:].copy_(torch.eye(hidden))
-
     def fuse(self, layer_states: list[torch.Tensor]) -> torch.Tensor:
         """The step-0 feature from the target's states at the captured layers, low to high."""
         if self.fc_norm is not None:

@@ -8,12 +8,12 @@ from mtptrain.target.fingerprint import (
 from mtptrain.target.loading import (
     Target, load_frozen_target, load_identified_parts, load_target, load_tokenizer, rank_devices, split_device_map,
 )
-from mtptrain.target.parts import frozen_parameters, layer_tensors, load_config, read_weight_map
+from mtptrain.target.parts import frozen_parameters, load_config, read_weight_map
 from mtptrain.target.source import TargetError, embedded_gguf_path, resolve_local_dir
 
 __all__ = [
     "ARCHITECTURE_FIELDS", "Target", "TargetError", "checkpoint_fingerprint", "compared_fields", "embedded_gguf_path",
-    "frozen_parameters", "identity_mismatch", "layer_tensors", "load_config", "load_frozen_target", "load_identified_parts",
+    "frozen_parameters", "identity_mismatch", "load_config", "load_frozen_target", "load_identified_parts",
     "load_target", "load_tokenizer", "model_fingerprint", "rank_devices", "read_weight_map", "resolve_local_dir",
     "split_device_map", "tokenizer_fingerprint",
 ]

@@ -86,25 +86,6 @@ def read_checkpoint_tensors(source: str, cfg: TargetConfig, names: list[str]) ->
     return tensors
 
 
-def layer_tensors(cfg: TargetConfig, model: nn.Module, index: int) -> dict[str, torch.Tensor]:
-    """Decoder layer `index`'s weights named as within the layer (self_attn.q_proj.weight, mlp.up_proj.weight,
-    ...): read from the checkpoint's safetensors files, or taken from `model` where its layers are loaded."""
-    layer = model.get_decoder().layers[index]
-    prefix = next(name for name, module in model.named_modules() if module is layer) + "."
-    local = dict(layer.named_parameters())
-    source, _ = resolve_local_dir(cfg)
-    names = [prefix + name for name in local]
-    weight_map = checkpoint_weight_map(source, cfg) or {}
-    if all(name in weight_map for name in names):
-        tensors = read_checkpoint_tensors(source, cfg, names)
-        return {name.removeprefix(prefix): tensor for name, tensor in tensors.items()}
-    if any(p.is_meta for p in local.values()):
-        raise TargetError(f"{cfg.model}: decoder layer {index}'s weights are neither in safetensors files nor "
-                          "loaded: give the target as a directory of safetensors files, or leave train.init_layer "
-                          "unset")
-    return {name: p.detach() for name, p in local.items()}
-
-
 def checkpoint_weight_map(source: str, cfg: TargetConfig) -> dict[str, str] | None:
     """Tensor name -> safetensors file of the checkpoint (an index, or a single file); None without one."""
     index = checkpoint_file(source, "model.safetensors.index.json", cfg)

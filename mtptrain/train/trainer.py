@@ -64,8 +64,8 @@ from mtptrain.runtime.choice import choose
 from mtptrain.runtime.dtype import agree_on_dtype, ranks_must_agree
 from mtptrain.runtime.runner import runtime_for, runtime_record
 from mtptrain.target import (
-    ARCHITECTURE_FIELDS, Target, checkpoint_fingerprint, compared_fields, layer_tensors, load_config,
-    load_frozen_target, load_target, rank_devices,
+    ARCHITECTURE_FIELDS, Target, checkpoint_fingerprint, compared_fields, load_config, load_frozen_target, load_target,
+    rank_devices,
 )
 from mtptrain.train.averaging import WeightAverage
 from mtptrain.train.checkpoints import commit, latest_tag, load, restore_rng, rng_state, tag_for, verify
@@ -165,7 +165,7 @@ def trained_parameters(head: nn.Module, cfg: TrainConfig) -> list:
 
 # train fields added after checkpoints were written, with their defaults: at the default they stay out of the
 # fingerprint, so that those checkpoints still resume
-LATER_FIELDS = {"reachable": False, "ema_decay": None, "topk_loss": 0, "topk_loss_weight": 1.0, "init_layer": None}
+LATER_FIELDS = {"reachable": False, "ema_decay": None, "topk_loss": 0, "topk_loss_weight": 1.0}
 
 
 def run_fingerprint(recipe: Recipe, manifest: dict, world_size: int) -> str:
@@ -365,8 +365,6 @@ class Trainer:
         torch.manual_seed(self.cfg.seed)
         frozen = FrozenTarget.of(self.target.model)
         head = self.spec.family.build(self.spec, frozen, self._draft_vocab()).to(self.device)
-        if self.cfg.init_layer is not None:  # a resumed run then loads its checkpoint's weights over these
-            self._start_as_target_layer(head)
         config = deepspeed_config(self.cfg, self.steps, self.dist.world_size, self.precision, self.device.type)
         if self.dist.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -381,19 +379,6 @@ class Trainer:
         # every rank averages its own copy of the (replicated) weights, so any rank's is the run's
         self.average = WeightAverage(engine.module, self.cfg.ema_decay) if self.cfg.ema_decay else None
         return engine, scheduler
-
-    def _start_as_target_layer(self, head: nn.Module) -> None:
-        """train.init_layer: the head's layer starts as that layer of the target (Eagle3Head.start_as_target_layer)."""
-        count = self.target.model.config.num_hidden_layers
-        index = self.cfg.init_layer
-        if not -count <= index < count:
-            raise MtptrainError(f"train.init_layer={index}, but the target has {count} decoder layers: give "
-                                f"0..{count - 1}, or -1 for the last")
-        index %= count
-        head.start_as_target_layer(layer_tensors(self.recipe.target, self.target.model, index))
-        if self.dist.is_main:
-            log.info("head's layer starts as the target's layer %d, fc as the identity on the highest fused layer",
-                     index)
 
     def _resume(self, engine) -> dict:
         """The state of the checkpoint `latest` names, verified by every rank before any file of it is loaded."""

@@ -7,7 +7,6 @@ from transformers import DynamicCache
 
 from mtptrain.heads import FrozenTarget
 from mtptrain.heads.eagle3 import Eagle3Head, ttt_mask
-from mtptrain.heads.family import HeadSettingsError
 from mtptrain.heads.vocab import DraftVocab
 
 
@@ -143,34 +142,3 @@ def test_eagle31_settings_belong_to_eagle3_heads():
     assert spec.fc_norm and spec.norm_output and spec.feature_layers == (1, 2)
     with pytest.raises(RecipeError, match="eagle3 heads"):
         load_recipe(None, ["head.kind=eagle", "head.fc_norm=true"])
-
-
-def test_a_head_started_as_a_target_layer_computes_that_layer_on_the_top_fused_state():
-    """train.init_layer: with the embedding half of q/k/v zeroed, the started head's step on one position is the
-    target's layer on the highest fused layer's state, norms (moved away from ones) in their places."""
-    model = make_tiny_llama(400, layers=3).double()
-    layer = model.model.layers[1]
-    with torch.no_grad():
-        for name, p in layer.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-    head = Eagle3Head(FrozenTarget.of(model), DraftVocab.from_counts(Counter(), 50, 400)).double()
-    head.start_as_target_layer({name: p.detach() for name, p in layer.named_parameters()})
-    assert torch.equal(head.layer.mlp.down_proj.weight, layer.mlp.down_proj.weight)
-    assert torch.equal(head.layer.self_attn.k_proj.weight[:, 64:], layer.self_attn.k_proj.weight)
-    assert not torch.equal(head.layer.self_attn.k_proj.weight[:, :64], torch.zeros(32, 64))  # its random start
-    assert torch.equal(head.layer.input_layernorm.weight, torch.ones(64, dtype=torch.float64))
-    with torch.no_grad():
-        for name in ("q_proj", "k_proj", "v_proj"):
-            getattr(head.layer.self_attn, name).weight[:, :64].zero_()
-    states = [torch.randn(1, 1, 64, dtype=torch.float64) for _ in range(3)]
-    fused = head.fuse(states)
-    assert torch.equal(fused, states[-1])
-    positions = torch.tensor([[0]])
-    expected = layer(states[-1], position_embeddings=model.model.rotary_emb(states[-1], positions),
-                     position_ids=positions)
-    expected = expected[0] if isinstance(expected, tuple) else expected
-    assert torch.allclose(head(fused, torch.tensor([[7]]), positions), expected, atol=1e-12)
-    other = make_tiny_llama(400, layers=1, hidden_size=32).double().model.layers[0]
-    with pytest.raises(HeadSettingsError, match="shape"):
-        head.start_as_target_layer({name: p.detach() for name, p in other.named_parameters()})

@@ -11,11 +11,9 @@ import time
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
 from train_helpers import REPO, clean_env, train_cmd, train_recipe
 
 from mtptrain.config import validate_recipe
-from mtptrain.errors import MtptrainError
 from mtptrain.features.store import FeatureStoreError
 from mtptrain.heads.checkpoint import PRETRAINED_HEAD
 from mtptrain.train.trainer import TrainingDiverged, run_fingerprint, run_train
@@ -517,27 +515,3 @@ def test_the_top_k_term_reaches_the_trained_loss_and_makes_another_run(tiny_targ
     with pytest.raises(RunMismatch, match="another run"):
         run_train(train_recipe(tiny_target_dir, tiny_store, tmp_path / "plain", "head.kind=eagle3",
                                "train.max_steps=1", "train.topk_loss=5"), show_progress=False)
-
-
-def test_a_run_started_as_a_target_layer_starts_from_its_weights(tiny_target_dir, tiny_store, tmp_path):
-    """train.init_layer=-1: the run's head starts as the target's last layer, read from its safetensors files (the
-    trainer loads only the frozen parts), and fc as the identity on the highest fused layer: after one step at a
-    negligible rate the exported weights are still those. A layer the target lacks is refused naming the range."""
-    run_train(train_recipe(tiny_target_dir, tiny_store, tmp_path / "run", "head.kind=eagle3", "train.max_steps=1",
-                           "train.lr=1e-12", "train.init_layer=-1"), show_progress=False)
-    exported = load_file(tmp_path / "run" / "head" / "model.safetensors")
-    target = AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32).model.layers[-1]
-    hidden = target.mlp.down_proj.weight.shape[0]
-    for name in ("mlp.gate_proj.weight", "mlp.down_proj.weight", "self_attn.o_proj.weight",
-                 "post_attention_layernorm.weight"):
-        assert torch.allclose(exported[f"layer.{name}"].float(), target.get_parameter(name), atol=1e-6), name
-    assert torch.allclose(exported["layer.self_attn.v_proj.weight"][:, hidden:].float(),
-                          target.self_attn.v_proj.weight, atol=1e-6)
-    assert torch.allclose(exported["hidden_norm.weight"].float(), target.input_layernorm.weight, atol=1e-6)
-    fc = exported["fc.weight"].float()
-    assert torch.allclose(fc[:, -hidden:], torch.eye(hidden), atol=1e-6) and fc[:, :-hidden].abs().max() < 1e-6
-    with pytest.raises(MtptrainError, match=r"init_layer=4, but the target has 4 decoder layers: give 0\.\.3"):
-        run_train(train_recipe(tiny_target_dir, tiny_store, tmp_path / "out", "head.kind=eagle3", "train.max_steps=1",
-                               "train.init_layer=4"), show_progress=False)
-    with pytest.raises(ValueError, match="head.kind is mtp"):
-        train_recipe(tiny_target_dir, tiny_store, tmp_path / "mtp", "head.kind=mtp", "train.init_layer=0")
