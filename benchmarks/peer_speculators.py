@@ -14,6 +14,7 @@
    MT-bench prompts. Prints tau, acceptance per position and speedup side by side, with the tokens each trained
    on. Every stage is reused when the script runs again.
 
+Settings of the evals only (both heads): `--eval-set eval.methods=[chain] --eval-set eval.repeats=2`.
 A second run of ours against the same speculators head, with settings of our trainer only:
     ... --ours mtptrain-muon --ours-set train.optimizer=muon
 speculators at another learning rate, against the same run of ours (the ablation of docs/reference-run.md):
@@ -59,6 +60,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prompts", type=int, default=80, help="MT-bench questions evaluated")
     parser.add_argument("--k", default="[2,3,4]", help="chain lengths evaluated")
     parser.add_argument("--set", action="append", default=[], dest="sets", help="recipe override, both trainers")
+    parser.add_argument("--eval-set", action="append", default=[], dest="eval_sets",
+                        help="recipe override for both evals only (eval.methods=[chain], eval.repeats=2: the "
+                        "recipe's trees and three repeats take about 25 minutes a head for 80 questions on 2 cores)")
     parser.add_argument("--ours", default="mtptrain", help="name of our run under --out (a second run of ours "
                         "with other --ours-set settings gets another name)")
     parser.add_argument("--ours-set", action="append", default=[], dest="ours_sets",
@@ -119,7 +123,7 @@ def main() -> None:
         eval_dir = out / f"eval-{name}"
         if not evaluated(eval_dir, head_dir, args):
             cli("eval", "--recipe", args.recipe, "--no-wandb", "--no-progress",
-                sets=args.sets + [f"eval.head={head_dir}", f"eval.output_dir={eval_dir}",
+                sets=args.sets + args.eval_sets + [f"eval.head={head_dir}", f"eval.output_dir={eval_dir}",
                                   f"eval.max_prompts={args.prompts}", f"eval.k={args.k}"])
         results = json.loads((eval_dir / "results.json").read_text())
         for method in results["methods"][1:]:

@@ -453,12 +453,13 @@ def test_peer_speculators(head_recipe, tmp_path):
     environment("scripts/setup_interop.sh")  # the suite's background build of it, done (the benchmark's own run: seconds)
     out = tmp_path / "peer"
     printed = run_benchmark("peer_speculators.py", "--recipe", head_recipe, "--out", out, "--prompts", 1,
-                            "--k", "[2]", "--total-seq-len", 256)
+                            "--k", "[2]", "--total-seq-len", 256, "--eval-set", "eval.max_new_tokens=6")
     theirs = json.loads((out / "speculators-head" / "config.json").read_text())
     assert theirs["imported"] and theirs["head"]["kind"] == "eagle3"
     for name in ("mtptrain", "speculators"):
         results = json.loads((out / f"eval-{name}" / "results.json").read_text())
         assert results["methods"][1]["exactness"] == {"checked": 1, "identical": 1, "near_ties": [], "failures": []}
+        assert results["settings"]["max_new_tokens"] == 6  # --eval-set reaches both evals
         assert re.search(rf"^\| {name} \| chain K=2 \| [\d.]+ \| [\d.]+x \| [\d.]+ / [\d.]+ \|$", printed, re.M)
     tokens = re.search(rf"training tokens: mtptrain ({NUM}); speculators 1 x ({NUM})", printed)
     assert tokens and positive(tokens[1]) and positive(tokens[2])
