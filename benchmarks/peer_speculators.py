@@ -29,7 +29,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from mtptrain.config import Eagle3HeadConfig, load_recipe
+from mtptrain.config import Eagle3HeadConfig, EvalConfig, load_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 SPECULATORS_PYTHON = REPO / ".venv-speculators" / "bin" / "python"
@@ -70,21 +70,27 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def evaluated(eval_dir: Path, head: Path, args) -> bool:
-    """An eval of this head on these prompts and chain lengths already finished (a rerun keeps it)."""
-    path = eval_dir / "results.json"
-    if not path.is_file():
+def evaluated(eval_dir: Path, head: Path, args, settings: EvalConfig) -> bool:
+    """An eval of this head already finished with these settings (prompts, chain lengths, methods, tokens, repeats,
+    temperature: what --prompts, --k, --set and --eval-set give): a rerun keeps it, and runs it again where any
+    differs or its results.json does not read back."""
+    try:
+        results = json.loads((eval_dir / "results.json").read_text())
+        done = results["settings"]
+        chains = sorted(m["k"] for m in results["methods"] if m["method"] == "chain" and "stop" not in m)
+        return (results["head"] or {}).get("path") == str(head) and done["prompt_count"] == args.prompts \
+            and chains == sorted(json.loads(args.k)) and {m["method"] for m in results["methods"][1:]} == \
+            set(settings.methods) and [done["max_new_tokens"], done["repeats"], done["temperature"]] == \
+            [settings.max_new_tokens, settings.repeats, settings.temperature]
+    except (OSError, ValueError, LookupError, TypeError, AttributeError):  # absent, truncated, not an eval's: again
         return False
-    results = json.loads(path.read_text())
-    chains = sorted(m["k"] for m in results["methods"] if m["method"] == "chain" and "stop" not in m)
-    return (results["head"] or {}).get("path") == str(head) and results["settings"]["prompt_count"] == args.prompts \
-        and chains == sorted(json.loads(args.k))
 
 
 def main() -> None:
     args = parse_args()
     out = Path(args.out).resolve()
     recipe = load_recipe(Path(args.recipe), args.sets)
+    evaluation = load_recipe(Path(args.recipe), args.sets + args.eval_sets).eval  # a bad --eval-set stops here
     head = recipe.head
     if not isinstance(head, Eagle3HeadConfig):
         sys.exit(f"{args.recipe}: head.kind is {head.kind}; speculators trains EAGLE-3 heads: give an eagle3 recipe")
@@ -121,7 +127,7 @@ def main() -> None:
     rows = []
     for name, head_dir in ((args.ours, ours_run / "head"), (theirs_name, theirs)):
         eval_dir = out / f"eval-{name}"
-        if not evaluated(eval_dir, head_dir, args):
+        if not evaluated(eval_dir, head_dir, args, evaluation):
             cli("eval", "--recipe", args.recipe, "--no-wandb", "--no-progress",
                 sets=args.sets + args.eval_sets + [f"eval.head={head_dir}", f"eval.output_dir={eval_dir}",
                                   f"eval.max_prompts={args.prompts}", f"eval.k={args.k}"])
