@@ -22,7 +22,7 @@ from mtptrain.errors import MtptrainError
 
 
 class AverageRefused(MtptrainError, ValueError):
-    pass
+    """A checkpoint's weight average that does not fit the head; the message names the checkpoint and the fix."""
 
 
 def ramped(decay: float, step: int) -> float:

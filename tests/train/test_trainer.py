@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 from train_helpers import REPO, clean_env, train_cmd, train_recipe
 
 from mtptrain.config import validate_recipe
+from mtptrain.errors import MtptrainError
 from mtptrain.features.store import FeatureStoreError
 from mtptrain.heads.checkpoint import PRETRAINED_HEAD
 from mtptrain.train.trainer import TrainingDiverged, run_fingerprint, run_train
@@ -490,8 +491,6 @@ def test_a_weight_average_is_swapped_in_and_the_live_weights_come_back_bit_for_b
                     assert torch.equal(p, live[name])
             raise RuntimeError("inside")
     assert all(torch.equal(p, live[n]) for n, p in head.named_parameters())
-    from mtptrain.errors import MtptrainError
-
     with pytest.raises(MtptrainError, match="somewhere holds no weight average .* fresh train.output_dir"):
         average.load_state_dict({"0.weight": torch.zeros(3, 4)}, "somewhere")
     state = average.state_dict()
