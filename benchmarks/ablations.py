@@ -43,6 +43,7 @@ import time
 from pathlib import Path
 
 from mtptrain.config import MTPHeadConfig, Recipe, load_recipe
+from mtptrain.eval.run import finished_eval
 from mtptrain.features.stores import open_stores
 from mtptrain.train.data import BatchPlan
 
@@ -93,16 +94,15 @@ def eval_sets(args, head: Path, out: Path) -> list[str]:
             f"eval.max_turns={args.turns}", f"eval.max_new_tokens={args.tokens}", f"eval.output_dir={out}"]
 
 
-def evaluated(out: Path, head: Path, args) -> bool:
-    """An eval of this head with these settings already finished (a rerun reuses it)."""
-    path = out / "results.json"
-    if not path.is_file():
-        return False
-    r = json.loads(path.read_text())
-    s = r["settings"]
-    return (r["head"] or {}).get("path") == str(head) and s["prompt_count"] == args.prompts and \
-        s["max_new_tokens"] == args.tokens and s["requests"] == args.prompts * args.turns and \
-        sorted(c["k"] for c in chain_rows(r)) == sorted(json.loads(args.k))
+def evaluate(args, sets: list[str]) -> dict:
+    """The results of `mtptrain eval` with these overrides: an earlier run's where it finished with the same
+    settings and head weights, else run now."""
+    recipe = load_recipe(args.recipe, sets)
+    results = finished_eval(recipe)
+    if results is None:
+        cli("eval", "--recipe", args.recipe, "--no-wandb", "--no-progress", sets=sets)
+        results = json.loads((Path(recipe.eval.output_dir) / "results.json").read_text())
+    return results
 
 
 def tokens_seen(run: Path, steps: int) -> int:
@@ -181,12 +181,9 @@ def run_arm(args, arm: str, stores: dict[str, str], out: Path) -> dict:
         sets.append(f"head.mtp_depths={args.mtp_depths}")
     cli("train", "--recipe", args.recipe, "--no-wandb", "--no-progress", sets=sets)
     head = run_dir / "train" / "head"
-    if not evaluated(run_dir / "eval", head, args):
-        cli("eval", "--recipe", args.recipe, "--no-wandb", "--no-progress",
-            sets=sets + eval_sets(args, head, run_dir / "eval"))
+    results = evaluate(args, sets + eval_sets(args, head, run_dir / "eval"))
     agreement = score_agreement(args, head, run_dir / "agreement.json", out)
     summary = json.loads((run_dir / "train" / "summary.json").read_text())
-    results = json.loads((run_dir / "eval" / "results.json").read_text())
     return {"arm": arm, "steps": summary["steps"], "tokens": tokens_seen(run_dir / "train", summary["steps"]),
             "val_acc": [v for k, v in sorted(summary.items()) if k.startswith("val/acc_")],
             "agreement": json.loads(agreement.read_text()) if agreement.is_file() else None,
@@ -209,10 +206,7 @@ def learning_curve(args, base: Recipe, out: Path) -> list[dict]:
     snapshots = sorted((Path(base.train.output_dir) / "snapshots").glob("step-*")) if args.curve else []
     for snap in snapshots:
         info = json.loads((snap / "config.json").read_text())
-        if not evaluated(out / "curve" / snap.name, snap, args):
-            cli("eval", "--recipe", args.recipe, "--no-wandb", "--no-progress",
-                sets=args.sets + eval_sets(args, snap, out / "curve" / snap.name))
-        results = json.loads((out / "curve" / snap.name / "results.json").read_text())
+        results = evaluate(args, args.sets + eval_sets(args, snap, out / "curve" / snap.name))
         curve.append({"step": info["train"]["steps"], "tokens": info["train"]["tokens"],
                       "chains": chain_rows(results)})
     return curve

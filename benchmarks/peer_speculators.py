@@ -29,7 +29,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from mtptrain.config import Eagle3HeadConfig, EvalConfig, load_recipe
+from mtptrain.config import Eagle3HeadConfig, load_recipe
+from mtptrain.eval.run import finished_eval
 
 REPO = Path(__file__).resolve().parents[1]
 SPECULATORS_PYTHON = REPO / ".venv-speculators" / "bin" / "python"
@@ -70,27 +71,11 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def evaluated(eval_dir: Path, head: Path, args, settings: EvalConfig) -> bool:
-    """An eval of this head already finished with these settings (prompts, chain lengths, methods, tokens, repeats,
-    temperature: what --prompts, --k, --set and --eval-set give): a rerun keeps it, and runs it again where any
-    differs or its results.json does not read back."""
-    try:
-        results = json.loads((eval_dir / "results.json").read_text())
-        done = results["settings"]
-        chains = sorted(m["k"] for m in results["methods"] if m["method"] == "chain" and "stop" not in m)
-        return (results["head"] or {}).get("path") == str(head) and done["prompt_count"] == args.prompts \
-            and chains == sorted(json.loads(args.k)) and {m["method"] for m in results["methods"][1:]} == \
-            set(settings.methods) and [done["max_new_tokens"], done["repeats"], done["temperature"]] == \
-            [settings.max_new_tokens, settings.repeats, settings.temperature]
-    except (OSError, ValueError, LookupError, TypeError, AttributeError):  # absent, truncated, not an eval's: again
-        return False
-
-
 def main() -> None:
     args = parse_args()
     out = Path(args.out).resolve()
     recipe = load_recipe(Path(args.recipe), args.sets)
-    evaluation = load_recipe(Path(args.recipe), args.sets + args.eval_sets).eval  # a bad --eval-set stops here
+    load_recipe(Path(args.recipe), args.sets + args.eval_sets)  # a bad --eval-set stops here, before any training
     head = recipe.head
     if not isinstance(head, Eagle3HeadConfig):
         sys.exit(f"{args.recipe}: head.kind is {head.kind}; speculators trains EAGLE-3 heads: give an eagle3 recipe")
@@ -126,12 +111,12 @@ def main() -> None:
                                            "train.head_snapshots=false", "train.engine_eval.select_best=false"])
     rows = []
     for name, head_dir in ((args.ours, ours_run / "head"), (theirs_name, theirs)):
-        eval_dir = out / f"eval-{name}"
-        if not evaluated(eval_dir, head_dir, args, evaluation):
-            cli("eval", "--recipe", args.recipe, "--no-wandb", "--no-progress",
-                sets=args.sets + args.eval_sets + [f"eval.head={head_dir}", f"eval.output_dir={eval_dir}",
-                                  f"eval.max_prompts={args.prompts}", f"eval.k={args.k}"])
-        results = json.loads((eval_dir / "results.json").read_text())
+        sets = args.sets + args.eval_sets + [f"eval.head={head_dir}", f"eval.output_dir={out / f'eval-{name}'}",
+                                             f"eval.max_prompts={args.prompts}", f"eval.k={args.k}"]
+        results = finished_eval(load_recipe(Path(args.recipe), sets))  # kept when its settings and head match
+        if results is None:
+            cli("eval", "--recipe", args.recipe, "--no-wandb", "--no-progress", sets=sets)
+            results = json.loads((out / f"eval-{name}" / "results.json").read_text())
         for method in results["methods"][1:]:
             rows.append((name, method["label"], method["tau"], method.get("speedup"),
                          " / ".join(f"{a:.2f}" for a in method.get("acceptance", []))))

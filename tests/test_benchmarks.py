@@ -13,13 +13,12 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from conftest import environment, write_sharegpt
-from mtptrain.config import load_recipe
+from mtptrain.config import dump_recipe, load_recipe
 from mtptrain.runtime.native_kernels import blocked_linear_kernel
 
 ROOT = Path(__file__).parent.parent
@@ -95,8 +94,6 @@ def tiny_head(tiny_target_dir, tmp_path_factory) -> Path:
 def head_recipe(varied_target_dir, tmp_path_factory) -> Path:
     """The recipe file of the head-quality benchmarks' stages: the varied target (its answers are text to train
     and score on), one feature layer, two TTT steps, one eval prompt of one turn."""
-    from mtptrain.config import dump_recipe, load_recipe
-
     tmp = tmp_path_factory.mktemp("bench-recipe")
     prompts = tmp / "prompts.jsonl"
     prompts.write_text(json.dumps({"id": "q0", "turns": ["the word is hot and you see", "say it again"]}) + "\n")
@@ -431,8 +428,6 @@ def test_head_agreement_scores_the_first_tokens_of_each_answer():
 
 def test_head_agreement(ablation, head_recipe):
     """The ablation's head scored teacher-forced on the store's validation split and on its eval's answers."""
-    from mtptrain.config import load_recipe
-
     out, printed = ablation
     head = out / "eagle3" / "train" / "head"
     scores = json.loads((out / "eagle3" / "agreement.json").read_text())
@@ -466,31 +461,6 @@ def test_peer_speculators(head_recipe, tmp_path):
     tokens = re.search(rf"training tokens: mtptrain ({NUM}); speculators 1 x ({NUM})", printed)
     assert tokens and positive(tokens[1]) and positive(tokens[2])
 
-
-
-def test_peer_speculators_reruns_an_eval_whose_settings_or_file_differ(tmp_path):
-    """A rerun keeps an eval only where results.json reads back with this head, prompts, chain lengths, methods,
-    tokens, repeats and temperature; a truncated or foreign file is evaluated again, not a crash."""
-    evaluated = runpy.run_path(str(ROOT / "benchmarks" / "peer_speculators.py"))["evaluated"]
-    args = SimpleNamespace(prompts=40, k="[3]")
-    settings = load_recipe(None, ["eval.methods=[chain]", "eval.max_new_tokens=64", "eval.repeats=2"]).eval
-    head = tmp_path / "head"
-    results = {"head": {"path": str(head)}, "settings": {"prompt_count": 40, "max_new_tokens": 64, "repeats": 2,
-                                                         "temperature": 0.0},
-               "methods": [{"method": "baseline"}, {"method": "chain", "k": 3}]}
-    path = tmp_path / "results.json"
-    path.write_text(json.dumps(results))
-    assert evaluated(tmp_path, head, args, settings)
-    for changed in ("eval.repeats=3", "eval.max_new_tokens=32", "eval.methods=[chain, tree]", "eval.temperature=1"):
-        other = load_recipe(None, ["eval.methods=[chain]", "eval.max_new_tokens=64", "eval.repeats=2", changed]).eval
-        assert not evaluated(tmp_path, head, args, other), changed
-    assert not evaluated(tmp_path, head, SimpleNamespace(prompts=40, k="[2,3]"), settings)
-    assert not evaluated(tmp_path, tmp_path / "other-head", args, settings)
-    for broken in (json.dumps(results)[:50], "[]", json.dumps({**results, "settings": "x"})):
-        path.write_text(broken)
-        assert not evaluated(tmp_path, head, args, settings)
-    path.unlink()
-    assert not evaluated(tmp_path, head, args, settings)
 
 @pytest.fixture(scope="module")
 def served_head(served_target_dir, tmp_path_factory) -> Path:

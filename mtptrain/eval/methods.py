@@ -27,7 +27,7 @@ from mtptrain.errors import MtptrainError
 from mtptrain.eval.drafters import draft_lm, head_parts
 from mtptrain.export.source import load_head_directory
 from mtptrain.heads import FrozenTarget
-from mtptrain.heads.checkpoint import head_directory
+from mtptrain.heads.checkpoint import head_directory, weights_digest
 from mtptrain.heads.spec import HeadSpec
 from mtptrain.runtime.runner import runtime_for
 from mtptrain.target import load_target, load_tokenizer
@@ -63,12 +63,13 @@ class HeadInfo:
     path: Path
     spec: HeadSpec
     parameters: int
+    sha256: str | None = None  # of its weights, as its config.json recorded them (checked on loading)
 
     def record(self) -> dict:
         """results.json's "head"."""
         spec = self.spec
         return {"path": str(self.path), "kind": spec.kind, "norms": spec.norms, "last_layer": spec.last_layer,
-                "feature_layers": list(spec.feature_layers), "parameters": self.parameters}
+                "feature_layers": list(spec.feature_layers), "parameters": self.parameters, "sha256": self.sha256}
 
 
 @dataclass
@@ -293,7 +294,7 @@ def _load_head(recipe: Recipe, target) -> tuple[torch.nn.Module, HeadInfo]:
                         f"directory, or drop {'/'.join(named)} from mtptrain.eval.methods")
     head, spec = load_head_directory(directory, FrozenTarget.of(target.model), target.identity())
     head.to(dtype=next(target.model.parameters()).dtype)
-    return head, HeadInfo(directory, spec, sum(p.numel() for p in head.parameters()))
+    return head, HeadInfo(directory, spec, sum(p.numel() for p in head.parameters()), weights_digest(directory))
 
 
 def _draft_model(recipe: Recipe, target):

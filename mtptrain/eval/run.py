@@ -18,6 +18,7 @@ mtptrain/eval/exactness.py's.
 
 from __future__ import annotations
 
+import json
 import logging
 import statistics
 import time
@@ -37,6 +38,8 @@ from mtptrain.eval.serving import agreement, unchecked, vllm_configs
 from mtptrain.config import Recipe
 from mtptrain.engine.generate import GenerationStats, generate
 from mtptrain.engine.verify import Sampling
+from mtptrain.errors import MtptrainError
+from mtptrain.heads.checkpoint import head_directory, weights_digest
 from mtptrain.io import atomic_write_json
 from mtptrain.machine import cpu_sample, describe_cpu, other_load
 from mtptrain.runtime.linears import fast_linears, product_for
@@ -226,6 +229,7 @@ def run_eval(recipe: Recipe, wandb: str | None = None, show_progress: bool = Tru
                      "tree": {"branch": ev.tree.branch, "depth": ev.tree.depth}, "repeats": ev.repeats,
                      "max_spread": ev.max_spread, "max_other_load": ev.max_other_load},
         "machine": _machine(target, plain, product, *measured),
+        "config": settings_record(recipe),
         "notes": notes,
         "methods": [t.summary(tallies[t.reference]) for t in tallies],
         "conversations": answers,  # the baseline's answers: the context of every later turn
@@ -245,6 +249,31 @@ def run_eval(recipe: Recipe, wandb: str | None = None, show_progress: bool = Tru
     results["files"] = write_report(results, out_dir)
     _log_wandb(recipe, results, out_dir, wandb)
     return results
+
+
+def settings_record(recipe: Recipe) -> dict:
+    """results.json's "config": every setting an eval's numbers depend on (the whole eval section but its output
+    folder, the target, the prompt length it truncates to), so that a script rerunning many evals can tell one it
+    may keep (`finished_eval`)."""
+    return {"eval": recipe.eval.model_dump(mode="json", exclude={"output_dir"}),
+            "target": recipe.target.model_dump(mode="json"), "max_length": recipe.data.max_length}
+
+
+def finished_eval(recipe: Recipe) -> dict | None:
+    """The results an eval of this recipe already wrote to eval.output_dir, for scripts that rerun many evals and
+    keep what an earlier run finished: None (run it again) where any setting differs, the head's weights are not
+    the ones it drafted with (retrained in place), or results.json does not read back."""
+    try:
+        results = json.loads((Path(recipe.eval.output_dir) / "results.json").read_text())
+        if results["config"] != settings_record(recipe):
+            return None
+        if results["head"] is not None:
+            recorded = results["head"]["sha256"]
+            if recorded is None or recorded != weights_digest(head_directory(recipe)):
+                return None
+        return results
+    except (OSError, ValueError, LookupError, TypeError, MtptrainError):  # absent, truncated, not an eval's
+        return None
 
 
 @dataclass

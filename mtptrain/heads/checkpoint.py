@@ -88,6 +88,13 @@ def read_head(directory: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     return config, load_file(str(weights))
 
 
+def weights_digest(directory: Path) -> str | None:
+    """The sha256 of a head's weights its config.json recorded when training wrote it (None for a head written
+    before heads recorded one); `read_head` checks it against the weights."""
+    recorded = read_head_config(directory).get(DIGEST)
+    return recorded.get("weights") if isinstance(recorded, dict) else None
+
+
 def check_config_digest(config: dict, where: Path) -> dict | None:
     """The digests `config` records, refused unless its content is the one they were taken of; None, with a
     warning, for a head written before heads recorded them (it is used unchecked)."""

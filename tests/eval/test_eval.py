@@ -163,6 +163,41 @@ def test_a_divergence_that_is_not_a_near_tie_fails_the_command(tiny_target_dir, 
     assert "FAILURE" in (out / "report.md").read_text()
 
 
+def test_a_finished_eval_is_kept_only_with_the_same_settings_head_weights_and_a_whole_file(
+        tiny_target_dir, tmp_path):
+    """What scripts that rerun many evals keep (benchmarks/ablations.py, peer_speculators.py): an eval written
+    with every setting and the head's weights as now; any other setting, a head retrained in place, or a results.json
+    truncated or not an eval's is run again."""
+    from mtptrain.config import load_recipe
+    from mtptrain.eval.run import finished_eval
+
+    spec = HeadSpec("eagle3", last_layer=3, feature_layers=[0, 1, 2], ttt_steps=2, draft_vocab_size=64)
+    head = save_random_head(tiny_target_dir, tmp_path / "head", spec)
+    out = tmp_path / "eval"
+    args = eval_args(tiny_target_dir, head, write_prompts(tmp_path / "p.jsonl", 1), out, "eval.methods=[chain]",
+                     "eval.k=[2]", "eval.max_turns=1", "eval.max_new_tokens=6")
+    assert CliRunner().invoke(app, [*args, "--no-wandb"]).exit_code == 0
+    sets = [a for a in args[2:] if a != "--set"]
+    written = json.loads((out / "results.json").read_text())
+    assert finished_eval(load_recipe(None, sets)) == written
+    for changed in ("eval.repeats=2", "eval.max_new_tokens=7", "eval.k=[2,3]", "eval.methods=[chain,tree]",
+                    "eval.temperature=1", "eval.max_prompts=1", f"eval.prompts={tmp_path / 'other.jsonl'}",
+                    f"eval.head={tmp_path / 'other-head'}", "data.max_length=64", "target.dtype=bfloat16"):
+        assert finished_eval(load_recipe(None, [*sets, changed])) is None, changed
+    assert finished_eval(load_recipe(None, [*sets, f"eval.output_dir={tmp_path / 'none'}"])) is None
+    torch.manual_seed(1)  # retrained in place: other weights, so another sha256 in its config.json
+    target = load_target(TargetConfig(model=str(tiny_target_dir)))
+    save_head(head, spec.family.build(spec, FrozenTarget.of(target.model)), spec, target.identity())
+    assert finished_eval(load_recipe(None, sets)) is None
+    save_random_head(tiny_target_dir, head, spec)  # the weights it drafted with, again
+    assert finished_eval(load_recipe(None, sets)) == written
+    text = (out / "results.json").read_text()
+    for broken in (text[:len(text) // 2], "[]", json.dumps({**written, "config": "x"}), json.dumps({**written,
+                                                                                                  "head": {}})):
+        (out / "results.json").write_text(broken)
+        assert finished_eval(load_recipe(None, sets)) is None
+
+
 def test_sampled_eval_runs_every_method_and_skips_the_exactness_check(tiny_target_dir, eagle3_head, tmp_path):
     out = tmp_path / "eval"
     args = eval_args(tiny_target_dir, eagle3_head, write_prompts(tmp_path / "p.jsonl", 2), out,
