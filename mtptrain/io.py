@@ -78,10 +78,21 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: di
 
 def read_marked_json(path: Path, marker: str, error: type[Exception], missing: str) -> dict:
     """A JSON object whose "format" must be `marker` (a file this project wrote, of that kind); `error` with
-    `missing` when there is no such file, or naming the format found."""
+    `missing` when there is no such file, or saying why it does not read back (cut short, not an object, another
+    format)."""
     if not path.is_file():
         raise error(missing)
-    obj = json.loads(path.read_text())
+
+    def unreadable(why: object) -> Exception:
+        return error(f"{path} does not read as a {marker!r} file ({why}): it was cut short or changed after it was "
+                     "written. Restore it, or write it again with the command that made it.")
+
+    try:
+        obj = json.loads(path.read_text())
+    except (ValueError, RecursionError) as exc:  # cut short, not text, or nested past the parser's depth
+        raise unreadable(exc) from None
+    if not isinstance(obj, dict):
+        raise unreadable(f"a JSON {type(obj).__name__}, not an object")
     if obj.get("format") != marker:
         raise error(f"{path}: format {obj.get('format')!r}, expected {marker!r}")
     return obj

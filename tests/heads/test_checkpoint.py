@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from mtptrain.config import FLAT_HEAD_DEFAULTS, HEAD_CONFIGS, Eagle3HeadConfig, flat_head, load_recipe, validate_recipe
 from mtptrain.heads import FrozenTarget
-from mtptrain.heads.checkpoint import PRETRAINED_HEAD, HeadCheckpointError, load_head, read_head, save_head
+from mtptrain.heads.checkpoint import HEAD_FORMAT, PRETRAINED_HEAD, HeadCheckpointError, load_head, read_head, save_head
 from mtptrain.heads.spec import HeadSpec
 from mtptrain.heads.vocab import DraftVocab
 
@@ -86,6 +86,18 @@ def test_a_head_written_before_digests_loads_with_one_warning(tmp_path, caplog):
     assert [r.getMessage() for r in caplog.records] == [
         f"{path} records no sha256 of the head (written before mtptrain recorded one): it is used unchecked; "
         "train the head again to have edits after training caught"]
+
+
+@pytest.mark.parametrize("text", ['{"format": "mtptrain-head/1", "head": {', "[1, 2]", "[" * 100_000, "\udcff"],
+                         ids=["cut-short", "a-list", "nested-past-the-parser", "not-utf8"])
+def test_a_head_config_that_does_not_read_back_is_refused_with_the_fix(text, tmp_path):
+    frozen = saved_eagle3(tmp_path)
+    path = tmp_path / "config.json"
+    path.write_bytes(text.encode("utf-8", "surrogateescape"))
+    refusal = (rf"{re.escape(str(path))} does not read as a {re.escape(repr(HEAD_FORMAT))} file \(.+\): it was cut "
+               r"short .* Restore it, or write it again")
+    with pytest.raises(HeadCheckpointError, match=refusal):
+        load_head(tmp_path, frozen, IDENTITY)
 
 
 def test_the_shipped_head_records_the_digests_of_its_files(caplog):
