@@ -25,7 +25,7 @@ from mtptrain.engine.suffix_index import SuffixIndexProposer
 from mtptrain.engine.verify import Sampling
 from mtptrain.errors import MtptrainError
 from mtptrain.eval.drafters import draft_lm, head_parts
-from mtptrain.export.source import load_head_directory
+from mtptrain.export.source import load_head_directory, read_head_config_of
 from mtptrain.heads import FrozenTarget
 from mtptrain.heads.checkpoint import head_directory, weights_digest
 from mtptrain.heads.spec import HeadSpec
@@ -63,7 +63,7 @@ class HeadInfo:
     path: Path
     spec: HeadSpec
     parameters: int
-    sha256: str | None = None  # of its weights, as its config.json recorded them (checked on loading)
+    sha256: str | None  # of its weights, as its config.json recorded them (checked on loading)
 
     def record(self) -> dict:
         """results.json's "head"."""
@@ -294,7 +294,8 @@ def _load_head(recipe: Recipe, target) -> tuple[torch.nn.Module, HeadInfo]:
                         f"directory, or drop {'/'.join(named)} from mtptrain.eval.methods")
     head, spec = load_head_directory(directory, FrozenTarget.of(target.model), target.identity())
     head.to(dtype=next(target.model.parameters()).dtype)
-    return head, HeadInfo(directory, spec, sum(p.numel() for p in head.parameters()), weights_digest(directory))
+    digest = weights_digest(read_head_config_of(directory))  # its config read again: a few kB, once an eval
+    return head, HeadInfo(directory, spec, sum(p.numel() for p in head.parameters()), digest)
 
 
 def _draft_model(recipe: Recipe, target):

@@ -38,6 +38,7 @@ from mtptrain.eval.serving import agreement, unchecked, vllm_configs
 from mtptrain.config import Recipe
 from mtptrain.engine.generate import GenerationStats, generate
 from mtptrain.engine.verify import Sampling
+from mtptrain.export.source import read_head_config_of
 from mtptrain.errors import MtptrainError
 from mtptrain.heads.checkpoint import head_directory, weights_digest
 from mtptrain.io import atomic_write_json
@@ -269,10 +270,11 @@ def finished_eval(recipe: Recipe) -> dict | None:
             return None
         if results["head"] is not None:
             recorded = results["head"]["sha256"]
-            if recorded is None or recorded != weights_digest(head_directory(recipe)):
+            if recorded is None or recorded != weights_digest(read_head_config_of(head_directory(recipe))):
                 return None
         return results
-    except (OSError, ValueError, LookupError, TypeError, MtptrainError):  # absent, truncated, not an eval's
+    # absent, cut short, nested past the parser's depth, not an eval's; a head config that does not read back
+    except (OSError, ValueError, RecursionError, LookupError, TypeError, MtptrainError):
         return None
 
 

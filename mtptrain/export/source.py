@@ -17,8 +17,8 @@ from safetensors import safe_open
 
 from mtptrain.config import EMBEDDED_TARGET, TargetConfig
 from mtptrain.export.formats import read_export
-from mtptrain.export.sidecar import ExportError, is_export
-from mtptrain.heads.checkpoint import head_from, read_head
+from mtptrain.export.sidecar import SIDECAR, ExportError, is_export, read_sidecar
+from mtptrain.heads.checkpoint import head_from, read_head, read_head_config
 from mtptrain.heads.spec import HeadSpec
 from mtptrain.heads.common import FrozenTarget
 from mtptrain.target import (
@@ -167,3 +167,15 @@ def load_head_directory(directory: Path, frozen: FrozenTarget, target_identity: 
     """(head, spec) from a head directory or an export of one, refused unless trained for `target_identity`."""
     config, state = read_head_files(directory)
     return head_from(config, state, frozen, target_identity, Path(directory) / "config.json")
+
+
+def read_head_config_of(directory: Path) -> dict:
+    """The head's own config (as training wrote it) of a head directory or of an export of one, without its
+    weights."""
+    if not is_export(directory):
+        return read_head_config(directory)
+    config = read_sidecar(directory).get("head_config")
+    if not isinstance(config, dict):
+        raise ExportError(f"{Path(directory) / SIDECAR} holds no head config: it was changed after `mtptrain "
+                          "export` wrote it; export the head again")
+    return config

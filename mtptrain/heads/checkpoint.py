@@ -88,10 +88,10 @@ def read_head(directory: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     return config, load_file(str(weights))
 
 
-def weights_digest(directory: Path) -> str | None:
-    """The sha256 of a head's weights its config.json recorded when training wrote it (None for a head written
-    before heads recorded one); `read_head` checks it against the weights."""
-    recorded = read_head_config(directory).get(DIGEST)
+def weights_digest(config: dict) -> str | None:
+    """The sha256 of a head's weights its config recorded when training wrote it (None for a head written before
+    heads recorded one); `read_head` checks it against the weights."""
+    recorded = config.get(DIGEST)
     return recorded.get("weights") if isinstance(recorded, dict) else None
 
 

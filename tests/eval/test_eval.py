@@ -192,8 +192,8 @@ def test_a_finished_eval_is_kept_only_with_the_same_settings_head_weights_and_a_
     save_random_head(tiny_target_dir, head, spec)  # the weights it drafted with, again
     assert finished_eval(load_recipe(None, sets)) == written
     text = (out / "results.json").read_text()
-    for broken in (text[:len(text) // 2], "[]", json.dumps({**written, "config": "x"}), json.dumps({**written,
-                                                                                                  "head": {}})):
+    for broken in (text[:len(text) // 2], "[]", "[" * 100_000, json.dumps({**written, "config": "x"}),
+                   json.dumps({**written, "head": {}})):
         (out / "results.json").write_text(broken)
         assert finished_eval(load_recipe(None, sets)) is None
 
