@@ -332,12 +332,16 @@ def run_regenerate(recipe: Recipe, show_progress: bool = True) -> dict:
     atomic_write_json(state_path(output), state)
     summary = {"output": str(output), "groups": len(groups), **counts, "read": stats.to_dict(),
                "tokens_this_run": tokens_now, "seconds_this_run": time.perf_counter() - started}
-    kept_groups = state.get("states", {}).get("groups", {}).values()
+    kept_groups = list(state.get("states", {}).get("groups", {}).values())
     if kept_groups:
-        summary["kept_states"] = {"directory": str(states_dir(output)),
-                                  "conversations": sum(g["samples"] for g in kept_groups),
-                                  "tokens": sum(g["tokens"] for g in kept_groups),
-                                  "bytes": sum(g["bytes"] for g in kept_groups)}
+        # what is still on disk: the states are deleted once the store is built, and a rerun must not report them
+        directory = states_dir(output)
+        present = [g for g in kept_groups if Path(g["file"]).name == g["file"] and (directory / g["file"]).is_file()]
+        summary["kept_states"] = {"directory": str(directory),
+                                  "conversations": sum(g["samples"] for g in present),
+                                  "tokens": sum(g["tokens"] for g in present),
+                                  "bytes": sum(g["bytes"] for g in present),
+                                  "missing_files": len(kept_groups) - len(present)}
     log.info("regenerate: %s", summary)
     return summary
 
@@ -433,5 +437,11 @@ def format_summary(summary: dict) -> str:
 def kept_line(kept: dict | None) -> str:
     if not kept:
         return ""
+    missing = kept.get("missing_files", 0)
+    if not kept["conversations"]:
+        return (f"\nthe states kept for `mtptrain precompute` are no longer in {kept['directory']} ({missing} "
+                f"file{'s' if missing != 1 else ''} gone): a store not yet built from this output computes them")
+    gone = (f"; {missing} of its files are gone, and precompute computes their conversations" if missing else "")
     return (f"\nstates kept for `mtptrain precompute`: {kept['conversations']:,} conversations, {kept['tokens']:,} "
-            f"tokens, {kept['bytes'] / 2**30:.2f} GiB in {kept['directory']} (delete it once the store is complete)")
+            f"tokens, {kept['bytes'] / 2**30:.2f} GiB in {kept['directory']} (delete it once the store is complete)"
+            + gone)

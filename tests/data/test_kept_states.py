@@ -10,7 +10,7 @@ from conftest import write_sharegpt
 from safetensors import safe_open
 
 from mtptrain.config import load_recipe
-from mtptrain.data.regenerate import run_regenerate
+from mtptrain.data.regenerate import format_summary, kept_line, run_regenerate
 from mtptrain.data.resumable import state_path
 from mtptrain.features.precompute import run_precompute
 from mtptrain.data.kept_states import states_dir, write_group
@@ -171,6 +171,21 @@ def test_a_tampered_kept_file_or_a_path_out_of_its_directory_is_computed_instead
         summary = run_precompute(_store(moved, tmp_path / "store-5"), show_progress=False)
     assert summary["complete"] and summary["tokens_copied"] == 0
     assert f"{garbage} cannot be read" in caplog.text
+
+
+def test_a_rerun_reports_the_kept_states_still_on_disk_not_those_deleted(regenerated, tmp_path):
+    tmp, _, recipe = regenerated
+    shutil.copytree(tmp / "regen", tmp_path / "regen")
+    output = tmp_path / "regen" / "r.jsonl"
+    moved = recipe.model_copy(update={"data": recipe.data.model_copy(update={"regenerated": str(output)})})
+    kept = run_regenerate(moved, show_progress=False)["kept_states"]
+    assert kept["conversations"] > 0 and kept["bytes"] > 0 and kept["missing_files"] == 0
+    assert "(delete it once the store is complete)" in kept_line(kept)
+    shutil.rmtree(states_dir(output))  # as docs/data.md says, once the store is built
+    summary = run_regenerate(moved, show_progress=False)
+    assert summary["kept_states"] == {"directory": str(states_dir(output)), "conversations": 0, "tokens": 0,
+                                      "bytes": 0, "missing_files": 1}
+    assert f"no longer in {states_dir(output)} (1 file gone): a store not yet built from this output computes them" in format_summary(summary)
 
 
 @pytest.mark.parametrize("entry", ["not a record", {"version": 1, "layers": [0, 1], "dtype": "bfloat16", "runtime": {},
