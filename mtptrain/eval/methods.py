@@ -25,9 +25,9 @@ from mtptrain.engine.suffix_index import SuffixIndexProposer
 from mtptrain.engine.verify import Sampling
 from mtptrain.errors import MtptrainError
 from mtptrain.eval.drafters import draft_lm, head_parts
-from mtptrain.export.source import load_head_directory, read_head_config_of
+from mtptrain.export.source import read_head_files
 from mtptrain.heads import FrozenTarget
-from mtptrain.heads.checkpoint import head_directory, weights_digest
+from mtptrain.heads.checkpoint import head_directory, head_from, weights_digest
 from mtptrain.heads.spec import HeadSpec
 from mtptrain.runtime.runner import runtime_for
 from mtptrain.target import load_target, load_tokenizer
@@ -292,10 +292,10 @@ def _load_head(recipe: Recipe, target) -> tuple[torch.nn.Module, HeadInfo]:
         raise EvalError(f"no trained head at {directory} (eval.methods has {', '.join(named)}, which draft with "
                         "a head): run `mtptrain train` with this recipe first, point eval.head at a head "
                         f"directory, or drop {'/'.join(named)} from mtptrain.eval.methods")
-    head, spec = load_head_directory(directory, FrozenTarget.of(target.model), target.identity())
+    config, state = read_head_files(directory)  # a head directory or an export: the head's own config either way
+    head, spec = head_from(config, state, FrozenTarget.of(target.model), target.identity(), directory / "config.json")
     head.to(dtype=next(target.model.parameters()).dtype)
-    digest = weights_digest(read_head_config_of(directory))  # its config read again: a few kB, once an eval
-    return head, HeadInfo(directory, spec, sum(p.numel() for p in head.parameters()), digest)
+    return head, HeadInfo(directory, spec, sum(p.numel() for p in head.parameters()), weights_digest(config))
 
 
 def _draft_model(recipe: Recipe, target):
