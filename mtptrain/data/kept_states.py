@@ -54,6 +54,21 @@ def states_dir(output: Path) -> Path:
     return output.with_name(output.name + ".states")
 
 
+def group_file(name: str) -> bool:
+    """Whether a group's recorded file name is one `write_group` gives, inside the states directory."""
+    return Path(name).name == name and name.startswith("group-") and name.endswith(".safetensors")
+
+
+def on_disk(output: Path, groups: list[dict]) -> dict:
+    """What the kept states of a regeneration into `output` (its recorded `groups`) still hold on disk: the
+    directory is deleted once the store is built, so a rerun reports only the group files that remain."""
+    directory = states_dir(output)
+    present = [g for g in groups if group_file(g["file"]) and (directory / g["file"]).is_file()]
+    return {"directory": str(directory), "conversations": sum(g["samples"] for g in present),
+            "tokens": sum(g["tokens"] for g in present), "bytes": sum(g["bytes"] for g in present),
+            "missing_files": len(groups) - len(present)}
+
+
 def kept_dtype(store_dtype: str) -> str:
     """The precision states are kept in for a store of `store_dtype`: its own, or bfloat16 for a float8 store
     (whose rows precompute quantizes from bfloat16 as it writes them)."""
@@ -145,8 +160,7 @@ class KeptStates:
         if why is not None:
             log.info("precompute: not copying the states %s kept (%s); computing them", output.name, why)
             return None
-        groups = [g for g in entry["groups"].values() if Path(g["file"]).name == g["file"]
-                  and g["file"].startswith("group-") and g["file"].endswith(".safetensors")]
+        groups = [g for g in entry["groups"].values() if group_file(g["file"])]
         if not groups:
             return None
         return cls(states_dir(output), groups, list(layers), _DTYPES[entry["dtype"]], hidden, vocab)

@@ -49,7 +49,7 @@ from tqdm import tqdm
 from mtptrain.data.chat import prompt_ids, stop_tokens, tokenize_conversation
 from mtptrain.data.conversations import BadRow, normalise, unique_key
 from mtptrain.data.engines import decoding, generation_stops, pick_engine, recorded_runtime, sampler, turn_seed
-from mtptrain.data.kept_states import entry_fits, kept_dtype, new_entry, states_dir, valid_entry, write_group
+from mtptrain.data.kept_states import entry_fits, kept_dtype, new_entry, on_disk, states_dir, valid_entry, write_group
 from mtptrain.data.readers import read_rows
 from mtptrain.data.resumable import (GROUP_BATCHES, RegenerateError, append_lines, check_written, load_state,
                                      state_path, truncate_to)
@@ -334,14 +334,7 @@ def run_regenerate(recipe: Recipe, show_progress: bool = True) -> dict:
                "tokens_this_run": tokens_now, "seconds_this_run": time.perf_counter() - started}
     kept_groups = list(state.get("states", {}).get("groups", {}).values())
     if kept_groups:
-        # what is still on disk: the states are deleted once the store is built, and a rerun must not report them
-        directory = states_dir(output)
-        present = [g for g in kept_groups if Path(g["file"]).name == g["file"] and (directory / g["file"]).is_file()]
-        summary["kept_states"] = {"directory": str(directory),
-                                  "conversations": sum(g["samples"] for g in present),
-                                  "tokens": sum(g["tokens"] for g in present),
-                                  "bytes": sum(g["bytes"] for g in present),
-                                  "missing_files": len(kept_groups) - len(present)}
+        summary["kept_states"] = on_disk(output, kept_groups)
     log.info("regenerate: %s", summary)
     return summary
 
@@ -437,7 +430,7 @@ def format_summary(summary: dict) -> str:
 def kept_line(kept: dict | None) -> str:
     if not kept:
         return ""
-    missing = kept.get("missing_files", 0)
+    missing = kept["missing_files"]
     if not kept["conversations"]:
         return (f"\nthe states kept for `mtptrain precompute` are no longer in {kept['directory']} ({missing} "
                 f"file{'s' if missing != 1 else ''} gone): a store not yet built from this output computes them")

@@ -185,7 +185,8 @@ def test_a_rerun_reports_the_kept_states_still_on_disk_not_those_deleted(regener
     summary = run_regenerate(moved, show_progress=False)
     assert summary["kept_states"] == {"directory": str(states_dir(output)), "conversations": 0, "tokens": 0,
                                       "bytes": 0, "missing_files": 1}
-    assert f"no longer in {states_dir(output)} (1 file gone): a store not yet built from this output computes them" in format_summary(summary)
+    assert (f"no longer in {states_dir(output)} (1 file gone): a store not yet built from this output computes "
+            "them") in format_summary(summary)
 
 
 @pytest.mark.parametrize("entry", ["not a record", {"version": 1, "layers": [0, 1], "dtype": "bfloat16", "runtime": {},
