@@ -28,7 +28,7 @@ from mtptrain.heads import FrozenTarget
 from mtptrain.heads.objective import step_weights
 from mtptrain.export.source import load_head_directory
 from mtptrain.target import load_target
-from mtptrain.train.trainer import score_store
+from mtptrain.train.scoring import score_store
 
 
 def eval_conversations(results: Path, out: Path) -> None:

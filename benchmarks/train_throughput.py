@@ -7,7 +7,7 @@ spent waiting for data.
 Before and after: one process with all threads, "before" = train.precision=fp32 (the former CPU default) on
 --baseline-features (default: the same store; give a store written before precompute recorded the target's
 choices to measure that change too), "after" = precision auto (on a CPU with fast bfloat16 products,
-bf16-autocast: mtptrain/train/trainer.py: pick_precision) on --features, alternately, --rounds times each;
+bf16-autocast: mtptrain/train/optimization.py: pick_precision) on --features, alternately, --rounds times each;
 the ratio is the median tokens/s of after over before.
 
 Scaling: the same recipe twice in one go: one process with grad_accum 2, then two processes under torchrun

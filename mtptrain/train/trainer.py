@@ -28,28 +28,24 @@ import hashlib
 import importlib
 import json
 import logging
-import math
 import os
 import shutil
 import socket
 import time
-from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 
 import deepspeed
 import torch
 import torch.distributed as torch_dist
-from torch import nn
 from tqdm import tqdm
 
-from mtptrain.config import Recipe, TrainConfig, dump_recipe, flat_head
+from mtptrain.config import Recipe, dump_recipe, flat_head
 from mtptrain.dist import DistInfo, destroy_process_group, from_main, pick_device, slurm_rendezvous
 from mtptrain.errors import MtptrainError
 from mtptrain.export.run import export_head
 from mtptrain.export.sidecar import ExportError
 from mtptrain.features.online import ONLINE, OnlineFeatures, prepare_online
-from mtptrain.features.store import FeatureStore
 from mtptrain.features.stores import FeatureStores, combined_manifest, features_runtime, open_stores, store_dirs
 from mtptrain.heads import FrozenTarget
 from mtptrain.heads.checkpoint import save_head
@@ -60,7 +56,6 @@ from mtptrain.heads.vocab import DraftVocab
 from mtptrain.data.chat import stop_tokens
 from mtptrain.io import atomic_write_json
 from mtptrain.memory_plan import check_plan, gpu_memory_gib, summary
-from mtptrain.runtime.choice import choose
 from mtptrain.runtime.dtype import agree_on_dtype, ranks_must_agree
 from mtptrain.runtime.runner import runtime_for, runtime_record
 from mtptrain.target import (
@@ -73,6 +68,8 @@ from mtptrain.train.checkpoints import RunMismatch  # noqa: F401 (verify raises 
 from mtptrain.train.data import BatchPlan, loader, steps_for
 from mtptrain.train.drafting import BestHead, drafting_metrics
 from mtptrain.train.metrics import MetricsLog
+from mtptrain.train.optimization import autocast, deepspeed_config, pick_precision, trained_parameters
+from mtptrain.train.scoring import Window, nonfinite, score_store, to_device
 
 log = logging.getLogger(__name__)
 
@@ -83,84 +80,6 @@ class TrainingDiverged(MtptrainError, RuntimeError):
 
 STOP_FILE = "STOP"  # in the run directory: checkpoint at the next step and stop
 REQUEUE_FILE = "REQUEUE"  # left by a run that stopped on request: where it stopped
-
-
-def pick_precision(requested: str, device: torch.device, target_config=None) -> str:
-    """train.precision as run: auto is bf16 on CUDA and, on a CPU, bf16-autocast where the runtime's measurement
-    found bfloat16 products faster than float32 on the target's shapes (fp32 where it did not, as on CPUs
-    without bf16 instructions, which emulate them several times slower)."""
-    if requested != "auto":
-        return requested
-    if device.type == "cuda":
-        return "bf16"
-    if target_config is not None and choose(target_config, device).dtype == torch.bfloat16:
-        return "bf16-autocast"
-    return "fp32"
-
-
-def autocast(precision: str, device: torch.device):
-    """The forward's context: bfloat16 products under bf16-autocast, nothing otherwise."""
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16-autocast")
-
-
-def deepspeed_config(cfg: TrainConfig, steps: int, world_size: int, precision: str, device_type: str) -> dict:
-    """The one place batch sizes, precision, the optimizer and the schedule are decided.
-
-    The optimizer is torch's AdamW (`optimizer_config`).
-    """
-    return {
-        "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
-        "gradient_accumulation_steps": cfg.grad_accum,
-        "train_batch_size": cfg.micro_batch_size * cfg.grad_accum * world_size,
-        # Under Muon, DeepSpeed's ZeRO path orthogonalises each matrix's momentum where it gathers the gradients,
-        # and would then clip those updates (about sqrt(min(rows, cols)) in norm each), shrinking every step many
-        # times over: Muon bounds its step itself, and AdamW's is invariant to the gradient's scale.
-        "gradient_clipping": 0.0 if cfg.optimizer == "muon" else cfg.grad_clip,
-        "optimizer": optimizer_config(cfg, device_type),
-        "scheduler": {"type": "WarmupCosineLR", "params": {
-            "total_num_steps": steps, "warmup_num_steps": max(1, round(cfg.warmup_ratio * steps)),
-            # No warmup asked: start at the peak (DeepSpeed always warms up over >= 2 steps otherwise).
-            "warmup_min_ratio": 0.0 if cfg.warmup_ratio > 0 else 1.0,
-            "cos_min_ratio": cfg.min_lr_ratio, "warmup_type": "linear"}},
-        "zero_optimization": {"stage": cfg.zero_stage},
-        "bf16": {"enabled": precision == "bf16"},
-        "fp16": {"enabled": precision == "fp16"},
-        "steps_per_print": 2**31 - 1,
-        "wall_clock_breakdown": False,
-    }
-
-
-def optimizer_config(cfg: TrainConfig, device_type: str) -> dict:
-    """DeepSpeed's optimizer section: AdamW, or Muon with AdamW for the parameters that are not matrices (the
-    rates of the matrices are set per parameter group, `trained_parameters`).
-
-    AdamW is torch's everywhere (`torch_adam`), fused into one kernel on CUDA. DeepSpeed's own builds its op on
-    first use: FusedAdam with nvcc, which many GPU nodes lack (the job then dies at its first step), and on CPU
-    cpu_adam (about 40 s on 2 cores) for no gain at a head's size."""
-    adam = {"lr": cfg.lr, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": cfg.weight_decay, "torch_adam": True}
-    if cfg.optimizer == "muon":  # Muon's own AdamW half takes torch's AdamW as it is given (no fused flag)
-        return {"type": "Muon", "params": {**adam, "momentum": 0.95}}
-    return {"type": "AdamW", "params": {**adam, **({"fused": True} if device_type == "cuda" else {})}}
-
-
-def trained_parameters(head: nn.Module, cfg: TrainConfig) -> list:
-    """What the optimizer is given: the head's parameters that require gradients, as one list under AdamW; under
-    Muon one group per matrix that DeepSpeed's Muon takes (its own rule: two or more dimensions, no "embed" or
-    "lm_head" in the name), whose rate makes its update's RMS AdamW's (lr x 0.2 x sqrt(max(rows, cols)), undoing
-    the sqrt(rows / cols) that DeepSpeed's Muon applies to tall matrices), then one group of the rest at lr."""
-    named = [(name, p) for name, p in head.named_parameters() if p.requires_grad]
-    if cfg.optimizer != "muon":
-        return [p for _, p in named]
-    groups, rest = [], []
-    for name, p in named:
-        if p.ndim >= 2 and not any(word in name.lower() for word in ("embed", "lm_head")):
-            rows, cols = p.shape[0], p[0].numel()  # a matrix as DeepSpeed views it
-            tall = math.sqrt(rows / cols) if rows > cols else 1.0
-            groups.append({"params": [p], "name": name, "lr": cfg.lr * 0.2 * math.sqrt(max(rows, cols)) / tall,
-                           "weight_decay": cfg.muon_weight_decay})
-        else:
-            rest.append(p)
-    return groups + ([{"params": rest, "name": "vectors"}] if rest else [])
 
 
 # train fields added after checkpoints were written, with their defaults: at the default they stay out of the
@@ -410,7 +329,7 @@ class Trainer:
         per_step = self.plan.micro_batches_per_step
         batches = self.plan.for_rank(step * per_step)
         progress = tqdm(total=self.steps, initial=step, desc="train", unit="step", disable=not self.show_progress)
-        window = _Window(self.spec.draft_positions, self.device)
+        window = Window(self.spec.draft_positions, self.device)
         totals = {"tokens": 0, "compute": 0.0, "wait": 0.0}
         # non-finite losses since the last step, counted on the device: read with the step's other flags
         unhealthy = torch.zeros((), device=self.device)
@@ -424,7 +343,7 @@ class Trainer:
             for k, batch in enumerate(batch_source):
                 started = time.perf_counter()
                 totals["wait"] += started - clock
-                batch = _to_device(batch, self.device, dtype)
+                batch = to_device(batch, self.device, dtype)
                 with autocast(self.precision, self.device):
                     result = self.spec.family.objective(head, batch, self.spec, self.weights,
                                                         self.feature_weight, self.cfg.loss_chunk, self.loss)
@@ -656,76 +575,3 @@ def log_head_artifact(run, recipe: Recipe, head_dir: Path, summary: dict) -> Non
         artifact.metadata["export"] = str(exc)
     run.log_artifact(artifact)
     run.summary.update({k: v for k, v in summary.items() if k.startswith("val/") or k == "tokens_per_second"})
-
-
-def nonfinite(value: torch.Tensor) -> torch.Tensor:
-    """1.0 where `value` (a loss, a norm) is NaN or infinite, else 0.0: a flag on the device, added up there."""
-    return (~torch.isfinite(value.detach())).float()
-
-
-class _Window:
-    """Loss and top-1 agreement per draft position, accumulated between two logging steps: the sums on the
-    device (the metrics come as tensors there, `DistillStats`), the counts on the host; `reduce` reads them once."""
-
-    def __init__(self, positions: int, device: torch.device | str = "cpu"):
-        self.positions = positions
-        # per position: loss x count, KL x count, alpha x count, correct; then the objective's sum
-        self.sums = torch.zeros(4 * positions + 1, dtype=torch.float64, device=device)
-        self.counts = [0] * positions + [0]  # masked positions per position; then micro-batches
-
-    def add(self, result) -> None:
-        values = []
-        for p, stats in enumerate(result.positions):
-            values += [stats.loss.detach().double() * stats.count, stats.kl * stats.count, stats.alpha * stats.count,
-                       stats.correct]
-            self.counts[p] += stats.count
-        values.append(result.loss.detach())
-        self.sums += torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self.sums.device) for v in values])
-        self.counts[-1] += 1
-
-    def reduce(self, dist: DistInfo | None) -> dict:
-        sums = torch.cat([self.sums, torch.tensor(self.counts, dtype=torch.float64).to(self.sums.device)])
-        if dist is not None and dist.world_size > 1:  # on the device: NCCL reduces only CUDA tensors
-            torch_dist.all_reduce(sums)
-        sums = sums.tolist()
-        self.sums.zero_()
-        self.counts = [0] * len(self.counts)
-        sums, counts = sums[: 4 * self.positions + 1], sums[4 * self.positions + 1:]
-        out = {"train/loss": sums[-1] / max(counts[-1], 1)}
-        for p in range(self.positions):
-            (loss, kl, alpha, correct), count = sums[4 * p : 4 * p + 4], counts[p]
-            out[f"train/loss_{p + 1}"] = loss / max(count, 1)
-            out[f"train/kl_{p + 1}"] = kl / max(count, 1)
-            out[f"train/alpha_{p + 1}"] = alpha / max(count, 1)
-            out[f"train/acc_{p + 1}"] = correct / max(count, 1)
-        return out
-
-
-@torch.no_grad()
-def score_store(head, spec: HeadSpec, store: FeatureStore | FeatureStores, batch_size: int, weights: list[float], feature_weight: float,
-                loss_chunk: int, device: torch.device, dtype: torch.dtype, dist: DistInfo | None = None,
-                loss: Loss = Loss(), keep: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                multiple: int = 1) -> "_Window":
-    """Teacher-forced loss and top-1 agreement of `head` over every sample of `store` (with `dist`, this rank's
-    share of the batches); reduce the returned window for the numbers. `keep` maps a batch's loss mask [B, T] to
-    the one scored (a subset of its tokens: benchmarks/head_agreement.py scores each answer's first tokens).
-    `multiple`: batches padded to a multiple of it (train.pad_multiple)."""
-    window = _Window(spec.draft_positions, device)
-    batches = [list(range(i, min(i + batch_size, len(store)))) for i in range(0, len(store), batch_size)]
-    if dist is not None:
-        batches = batches[dist.rank :: dist.world_size]
-    for batch in loader(store, batches, 0, multiple=multiple):
-        if keep is not None:
-            batch["loss_mask"] = keep(batch["loss_mask"])
-        window.add(spec.family.objective(head, _to_device(batch, device, dtype), spec, weights, feature_weight,
-                                         loss_chunk, loss))
-    return window
-
-
-def _to_device(batch: dict, device: torch.device, dtype: torch.dtype) -> dict:
-    """The batch on `device`, copied without waiting for it; the loss mask and lengths stay on the host, where the
-    positions that count are picked (`distill_loss`) without reading the device."""
-    moved = {"target_top": batch["target_top"].to(device, non_blocking=True)} if "target_top" in batch else {}
-    return {"input_ids": batch["input_ids"].to(device, non_blocking=True), "loss_mask": batch["loss_mask"],
-            "lengths": batch["lengths"], **moved,
-            "hidden": {k: v.to(device=device, dtype=dtype, non_blocking=True) for k, v in batch["hidden"].items()}}

@@ -1,5 +1,5 @@
 """A micro-batch of training reads nothing back from the device, whatever its draft positions and loss chunks:
-the loss and metrics stay tensors there, added up over the log window and read once per log (`_Window.reduce`),
+the loss and metrics stay tensors there, added up over the log window and read once per log (`Window.reduce`),
 and the non-finite check is a flag there, read once per optimizer step with the STOP flag. The head runs on the
 meta device, where every read of a value on the host raises (a meta tensor holds none); the loss mask stays on
 the host, where the positions that count are picked."""
@@ -10,7 +10,7 @@ from conftest import make_tiny_llama
 
 from mtptrain.heads import FrozenTarget
 from mtptrain.heads.spec import HeadSpec
-from mtptrain.train import trainer
+from mtptrain.train import scoring
 
 SPECS = [HeadSpec("eagle", last_layer=3), HeadSpec("mtp", last_layer=3, mtp_depths=3),
          HeadSpec("eagle3", last_layer=3, feature_layers=[0, 1, 2], ttt_steps=3, draft_vocab_size=50)]
@@ -33,14 +33,14 @@ def test_micro_batches_read_nothing_back_from_the_device(spec):
     device = torch.device("meta")
     results = []
     for _ in range(3):
-        batch = trainer._to_device(_batch(), device, torch.float32)
+        batch = scoring.to_device(_batch(), device, torch.float32)
         # chunks of 4 positions: several per draft position
         results.append(spec.family.objective(head, batch, spec, [1.0] * spec.draft_positions, 0.1, 4))
         results[-1].loss.backward()
     assert batch["loss_mask"].device.type == "cpu" and batch["input_ids"].device == device
-    window, unhealthy = trainer._Window(spec.draft_positions, device), torch.zeros((), device=device)
+    window, unhealthy = scoring.Window(spec.draft_positions, device), torch.zeros((), device=device)
     for result in results:  # the training loop's bookkeeping of each micro-batch
-        unhealthy += trainer.nonfinite(result.loss)
+        unhealthy += scoring.nonfinite(result.loss)
         window.add(result)
     assert window.sums.device == device and unhealthy.device == device
     assert all(stats.count > 4 for stats in result.positions)  # the counts, from the host's mask
@@ -51,7 +51,7 @@ def test_the_window_reads_its_sums_once_and_averages_them():
     spec = SPECS[1]
     torch.manual_seed(0)
     head = spec.family.build(spec, FrozenTarget.of(make_tiny_llama(400)))
-    window, results = trainer._Window(spec.draft_positions), []
+    window, results = scoring.Window(spec.draft_positions), []
     for _ in range(2):
         results.append(spec.family.objective(head, _batch(), spec, [1.0, 0.5, 0.25], 0.1, 4))
         window.add(results[-1])

@@ -8,7 +8,7 @@ import torch
 from deepspeed.runtime.engine import DeepSpeedEngine
 
 from mtptrain.config import TrainConfig
-from mtptrain.train.trainer import optimizer_config
+from mtptrain.train.optimization import optimizer_config
 
 
 def built_by_deepspeed(section: dict):

@@ -323,14 +323,14 @@ def test_a_stop_file_checkpoints_and_stops_and_the_rerun_ends_as_an_uninterrupte
 def test_auto_precision_on_a_cpu_follows_what_the_machine_multiplies_fastest(monkeypatch, tiny_target_dir):
     from transformers import AutoConfig
 
-    import mtptrain.train.trainer as trainer_module
+    import mtptrain.train.optimization as optimization
     from mtptrain.runtime.choice import Choice
-    from mtptrain.train.trainer import autocast, pick_precision
+    from mtptrain.train.optimization import autocast, pick_precision
 
     config = AutoConfig.from_pretrained(tiny_target_dir)
     cpu = torch.device("cpu")
     for measured, expected in ((torch.bfloat16, "bf16-autocast"), (torch.float32, "fp32")):
-        monkeypatch.setattr(trainer_module, "choose", lambda c, d, m=measured: Choice(m, "linear", "sdpa", "sdpa",
+        monkeypatch.setattr(optimization, "choose", lambda c, d, m=measured: Choice(m, "linear", "sdpa", "sdpa",
                                                                                       "measured"))
         assert pick_precision("auto", cpu, config) == expected
         assert pick_precision("fp32", cpu, config) == "fp32"  # a set precision is kept
