@@ -111,7 +111,7 @@ def tau_vs_k_figure(results: dict):
 
 def _key(m: dict) -> str:
     """A line of the tau-vs-K plot: a row's method with its chain stop, and its engine where that is not the
-    embedded one (eval/run.py's method_key names the same without the stop: the best per method)."""
+    embedded one (eval/tally.py's method_key names the same without the stop: the best per method)."""
     engine = m.get("engine", "embedded")
     method = (m["method"] + (f" stop {m['stop']:g}" if m.get("stop") else "")
               + (f" draft T {m['draft_temperature']:g}" if m.get("draft_temperature") is not None else ""))

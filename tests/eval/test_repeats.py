@@ -14,7 +14,8 @@ from mtptrain.report_lines import run_line
 from mtptrain.eval.report import format_results
 from mtptrain.eval.exactness import exactness_failures
 from mtptrain.eval.methods import Config
-from mtptrain.eval.run import Tally, flag_unreliable, run_order, timing_summary
+from mtptrain.eval.run import run_order
+from mtptrain.eval.tally import Tally, flag_unreliable, timing_summary
 from mtptrain.cli import app
 from mtptrain.engine.generate import GenerationStats
 

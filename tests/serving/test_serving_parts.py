@@ -10,7 +10,7 @@ from mtptrain.config import RecipeError, VllmConfig, load_recipe
 from mtptrain.data.regenerate import settings_of
 from mtptrain.engine.generate import GenerationStats
 from mtptrain.eval.methods import Config
-from mtptrain.eval.run import Tally, per_request_means
+from mtptrain.eval.tally import Tally, per_request_means
 from mtptrain.eval.serving import agreement, conforms, served_stats, unchecked
 from mtptrain.serving.vllm_engine import (Served, VllmError, VllmWorker, batch1_cache_gib, close_all, engine_args,
                                           vllm_python, worker_env)
