@@ -25,9 +25,9 @@ from mtptrain.engine.suffix_index import SuffixIndexProposer
 from mtptrain.engine.verify import Sampling
 from mtptrain.errors import MtptrainError
 from mtptrain.eval.drafters import draft_lm, head_parts
-from mtptrain.export.source import read_head_files
+from mtptrain.export.source import load_head_and_config
 from mtptrain.heads import FrozenTarget
-from mtptrain.heads.checkpoint import head_directory, head_from, weights_digest
+from mtptrain.heads.checkpoint import head_directory, weights_digest
 from mtptrain.heads.spec import HeadSpec
 from mtptrain.runtime.runner import runtime_for
 from mtptrain.target import load_target, load_tokenizer
@@ -292,8 +292,7 @@ def _load_head(recipe: Recipe, target) -> tuple[torch.nn.Module, HeadInfo]:
         raise EvalError(f"no trained head at {directory} (eval.methods has {', '.join(named)}, which draft with "
                         "a head): run `mtptrain train` with this recipe first, point eval.head at a head "
                         f"directory, or drop {'/'.join(named)} from mtptrain.eval.methods")
-    config, state = read_head_files(directory)  # a head directory or an export: the head's own config either way
-    head, spec = head_from(config, state, FrozenTarget.of(target.model), target.identity(), directory / "config.json")
+    head, spec, config = load_head_and_config(directory, FrozenTarget.of(target.model), target.identity())
     head.to(dtype=next(target.model.parameters()).dtype)
     return head, HeadInfo(directory, spec, sum(p.numel() for p in head.parameters()), weights_digest(config))
 

@@ -165,8 +165,16 @@ def read_head_files(directory: Path) -> tuple[dict, dict[str, torch.Tensor]]:
 
 def load_head_directory(directory: Path, frozen: FrozenTarget, target_identity: dict):
     """(head, spec) from a head directory or an export of one, refused unless trained for `target_identity`."""
+    head, spec, _ = load_head_and_config(directory, frozen, target_identity)
+    return head, spec
+
+
+def load_head_and_config(directory: Path, frozen: FrozenTarget, target_identity: dict):
+    """(head, spec, the head's own config as training wrote it) from a head directory or an export of one, the
+    config read once with the weights (eval records its weights' digest from it)."""
     config, state = read_head_files(directory)
-    return head_from(config, state, frozen, target_identity, Path(directory) / "config.json")
+    head, spec = head_from(config, state, frozen, target_identity, Path(directory) / "config.json")
+    return head, spec, config
 
 
 def read_head_config_of(directory: Path) -> dict:
