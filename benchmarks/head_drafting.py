@@ -97,7 +97,8 @@ def main() -> None:
         return proposer
 
     ways = [Way("runtime AR", None), Way(f"chain K={args.k}, head's modules", modules_proposer),
-            Way(f"chain K={args.k}, fused", lambda: HeadChainProposer(head, spec))]
+            Way(f"chain K={args.k}, fused", lambda: HeadChainProposer(head, spec)),
+            Way(f"chain K={args.k}, fused, int8 weights", lambda: HeadChainProposer(head, spec, int8=True))]
     name = target.name if args.model else "SmolLM2-135M-Instruct"
     print(f"{name}, head {args.head}, {len(prompts)} MT-bench first turns x up to "
           f"{args.new_tokens} tokens, greedy, batch 1, {args.repeats} repeats; {runtime_description(plain)}")
@@ -155,7 +156,8 @@ def step_timings(head, spec, runner, prompt: list[int], args) -> None:
     ids = torch.tensor([[prompt[-1]]])
     hidden = {layer: torch.randn(1, head.frozen.config.hidden_size, dtype=runner.dtype)
               for layer in spec.family.draft_layers(spec)}
-    steppers = {"head's modules": module_stepper(head, spec), "fused": head.stepper(spec)}
+    steppers = {"head's modules": module_stepper(head, spec), "fused": head.stepper(spec),
+                "fused, int8 weights": head.stepper(spec, int8=True)}
     for stepper in steppers.values():
         stepper.step(stepper.draft_input({layer: torch.randn(len(prompt), h.shape[-1], dtype=h.dtype)
                                           for layer, h in hidden.items()}), torch.tensor([prompt]))

@@ -577,6 +577,12 @@ class EvalConfig(_Truncation):
     k: DistinctPositive = Field([1, 2, 3, 4, 5], description="Draft lengths K swept for chain-style methods.")
     head: str | None = Field(None, description="Trained head directory (default: <train.output_dir>/head; on the "
                              "embedded default, the head shipped in pretrained/ until one is trained).")
+    draft_weights: list[Literal["head", "int8"]] = Field(
+        ["head"], min_length=1, description="The weights a head drafts from, for chain and tree, one configuration "
+        "each: head = its own, on this machine's product; int8 = int8 copies, one scale per output feature, "
+        "multiplied by mtptrain's own int8 kernel (a CPU with AVX-512 or AVX2 and FMA): half the bytes each "
+        "drafting step reads again from memory after the target's forward, drafts that may differ slightly (the "
+        "outputs stay exact: the target verifies them). eagle and eagle3 heads; 'int8' is named in the label.")
     chain: ChainConfig = ChainConfig()
     tree: TreeConfig = TreeConfig()
     ngram: NgramConfig = NgramConfig()

@@ -32,11 +32,14 @@ class HeadChainProposer(ProposerBase):
     name = "head-chain"
     reads_states = True  # it carries the target's states over, as EAGLE and MTP heads do
 
-    def __init__(self, head, spec, sampling: Sampling = Sampling(), seed: int = 0, stop: float = 0.0):
+    def __init__(self, head, spec, sampling: Sampling = Sampling(), seed: int = 0, stop: float = 0.0,
+                 int8: bool = False):
         """stop > 0: the chain ends early once the product of the head's probabilities for its drafts so far
-        falls below it (the first token is always drafted); 0: always the K tokens asked for."""
+        falls below it (the first token is always drafted); 0: always the K tokens asked for. int8: the head
+        drafts from int8 copies of its weights (heads/fast.py, HeadStepper)."""
         self.head, self.spec, self.sampling, self.stop = head.eval(), spec, sampling, stop
-        self.stepper = head.stepper(spec)  # a copy of the head's layer weights: the head as it is now
+        # a copy of the head's layer weights: the head as it is now
+        self.stepper = head.stepper(spec, int8=int8)
         self.generator = torch.Generator().manual_seed(seed)
         self.seen: list[int] = []
 

@@ -41,8 +41,8 @@ class HeadTreeProposer(HeadChainProposer):
     name = "head-tree"
 
     def __init__(self, head, spec, branch: int = 4, depth: int = 5, budget: int = 16,
-                 sampling: Sampling = Sampling(), seed: int = 0, children: str = "sampled"):
-        super().__init__(head, spec, sampling, seed)
+                 sampling: Sampling = Sampling(), seed: int = 0, children: str = "sampled", int8: bool = False):
+        super().__init__(head, spec, sampling, seed, int8=int8)
         if branch < 1 or depth < 1 or budget < 1:
             raise ValueError(f"a draft tree needs branch, depth and budget >= 1 (got {branch}, {depth}, {budget})")
         if children not in ("sampled", "top"):

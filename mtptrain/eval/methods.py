@@ -48,6 +48,7 @@ class Config:
     make: Callable[[], object] | None = None  # a fresh proposer (None: the baseline)
     stop: float = 0.0  # a chain's early stop (eval.chain.stops; 0: always K tokens)
     draft_temperature: float | None = None  # the head drafts at it (eval.*.draft_temperatures; None: the eval's)
+    int8: bool = False  # the head drafts from int8 copies of its weights (eval.draft_weights)
     children: str | None = None  # a tree's, at temperature > 0: "sampled" or "top" (eval.tree.children)
     uses_head: bool = False
     threads: int | None = None  # the target's CPU threads while this runs (ssd: the drafter has the others)
@@ -145,15 +146,16 @@ class Chain(EvalMethod):
         drafted = [k for k in ev.k if limit is None or k <= limit.tokens]
         if len(drafted) < len(ev.k):
             drafting.notes.append(f"chain: {limit.why}; K > {limit.tokens} skipped")
-        sampling = drafting.sampling
+        sampling, weights = drafting.sampling, draft_weights(drafting)
         temperatures = ev.chain.draft_temperatures if not sampling.greedy else []
         return [Config(f"{self.name} K={k}" + (f" stop {stop:g}" if stop else "")
-                       + (f" draft T {t:g}" if t is not None else ""), self.name, k, uses_head=True,
+                       + (f" draft T {t:g}" if t is not None else "") + (" int8" if int8 else ""), self.name, k,
+                       uses_head=True, stop=stop, draft_temperature=t, int8=int8,
                        make=functools.partial(spec.family.chain, drafting.head, spec,
                                               sampling if t is None else replace(sampling, temperature=t),
-                                              drafting.seed, stop), stop=stop, draft_temperature=t)
+                                              drafting.seed, stop, int8=int8))
                 for k in drafted for stop in ((0.0,) if k == 1 else ev.chain.stops)
-                for t in (temperatures or [None])]
+                for t in (temperatures or [None]) for int8 in weights]
 
 
 class Tree(EvalMethod):
@@ -169,15 +171,30 @@ class Tree(EvalMethod):
         if spec.family.no_tree:
             drafting.notes.append(f"tree: {spec.family.no_tree}")
             return []
-        greedy = sampling.greedy
+        greedy, weights = sampling.greedy, draft_weights(drafting)
         return [Config(f"tree N={budget}" + (" top" if children == "top" and not greedy else "")
-                       + (f" draft T {t:g}" if t is not None else ""), self.name, tree.depth, budget,
+                       + (f" draft T {t:g}" if t is not None else "") + (" int8" if int8 else ""), self.name,
+                       tree.depth, budget,
                        functools.partial(spec.family.tree, drafting.head, spec, tree.branch, tree.depth, budget,
                                          sampling if t is None else replace(sampling, temperature=t),
-                                         drafting.seed, children),
-                       uses_head=True, draft_temperature=t, children=None if greedy else children)
+                                         drafting.seed, children, int8=int8),
+                       uses_head=True, draft_temperature=t, children=None if greedy else children, int8=int8)
                 for budget in tree.budgets for children in (["top"] if greedy else tree.children)
-                for t in ([None] if greedy else tree.draft_temperatures or [None])]
+                for t in ([None] if greedy else tree.draft_temperatures or [None])
+                for int8 in weights]
+
+
+def draft_weights(drafting: Drafting) -> list[bool]:
+    """eval.draft_weights as `int8` flags, one configuration each; int8 dropped, with a note, where the head's
+    family drafts from its own weights only."""
+    wanted = [weights == "int8" for weights in drafting.recipe.eval.draft_weights]
+    why = drafting.spec.family.no_int8
+    if why and True in wanted:
+        note = f"eval.draft_weights int8: {drafting.spec.kind} heads: {why}; skipped"
+        if note not in drafting.notes:  # chain and tree ask alike
+            drafting.notes.append(note)
+        wanted = [w for w in wanted if not w]
+    return wanted
 
 
 class Draft(EvalMethod):

@@ -114,7 +114,8 @@ def _key(m: dict) -> str:
     embedded one (eval/tally.py's method_key names the same without the stop: the best per method)."""
     engine = m.get("engine", "embedded")
     method = (m["method"] + (f" stop {m['stop']:g}" if m.get("stop") else "")
-              + (f" draft T {m['draft_temperature']:g}" if m.get("draft_temperature") is not None else ""))
+              + (f" draft T {m['draft_temperature']:g}" if m.get("draft_temperature") is not None else "")
+              + (" int8" if m.get("draft_weights") == "int8" else ""))
     return method if engine == "embedded" else f"{engine} {method}"
 
 

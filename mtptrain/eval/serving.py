@@ -93,7 +93,7 @@ def _standard_errors(mine: float, theirs: float, n_mine: int, n_theirs: int) -> 
 
 def _partner(config: Config) -> bool:
     """An embedded row vLLM's chain of the same K is compared with: it drafts all K, at the eval's temperature."""
-    return config.engine == "embedded" and not config.stop and config.draft_temperature is None
+    return config.engine == "embedded" and not config.stop and config.draft_temperature is None and not config.int8
 
 
 def unchecked(configs: list[Config]) -> list[str]:

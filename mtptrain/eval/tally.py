@@ -83,6 +83,7 @@ class Tally:
             **({"stop": c.stop} if c.stop else {}),
             **({"draft_temperature": c.draft_temperature} if c.draft_temperature is not None else {}),
             **({"children": c.children} if c.children is not None else {}),
+            **({"draft_weights": "int8"} if c.int8 else {}),
             "tokens": self.tokens, **timing_summary(self.repeat_tokens, self.repeat_seconds,
                                                     baseline.tokens_per_second()),
             **decoding,

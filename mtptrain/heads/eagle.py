@@ -64,8 +64,8 @@ class EagleHead(nn.Module):
     def logits(self, predicted: torch.Tensor) -> torch.Tensor:
         return self.frozen.head_logits(self.norm(predicted))
 
-    def stepper(self, spec: HeadSettings) -> HeadStepper:
-        """This head's drafting steps on the runtime's kernels (heads/fast.py)."""
+    def stepper(self, spec: HeadSettings, int8: bool = False) -> HeadStepper:
+        """This head's drafting steps on the runtime's kernels (heads/fast.py; `int8`: HeadStepper's)."""
         block = self.block
 
         def inputs(feature: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,7 +74,8 @@ class EagleHead(nn.Module):
             return block.layer.input_layernorm(x), x
         return HeadStepper(block.layer, block.rotary, head_layer_config(self.frozen.config),
                            lambda stepper: Drafting(inputs, lambda hidden: self.draft_input(hidden, spec)),
-                           lm_head=self.frozen.lm_head, logits_input=self.norm, lm_head_for=self.frozen.lm_head_for)
+                           lm_head=self.frozen.lm_head, logits_input=self.norm, lm_head_for=self.frozen.lm_head_for,
+                           int8=int8)
 
 
 class EagleFamily(EagleStyleFamily):

@@ -105,12 +105,12 @@ class Eagle3Head(nn.Module):
         embeds = self.frozen.embed_as(next_ids, self)
         return torch.cat([self.layer.input_layernorm(embeds), self.hidden_norm(feature)], dim=-1)
 
-    def stepper(self, spec: HeadSettings) -> HeadStepper:
+    def stepper(self, spec: HeadSettings, int8: bool = False) -> HeadStepper:
         """This head's drafting steps on the runtime's kernels (heads/fast.py), around its layer the fused
-        operations of `Eagle3Drafting` on copies of its weights as they are now."""
+        operations of `Eagle3Drafting` on copies of its weights as they are now (`int8`: HeadStepper's)."""
         return HeadStepper(self.layer, self.rotary, head_layer_config(self.frozen.config),
                            lambda stepper: Eagle3Drafting(self, spec, stepper).drafting(), lm_head=self.lm_head,
-                           logits_input=None if self.norm_output else self.norm)
+                           logits_input=None if self.norm_output else self.norm, int8=int8)
 
     def unroll(self, fused: torch.Tensor, input_ids: torch.Tensor, steps: int) -> list[torch.Tensor]:
         """Training-time test over whole sequences: fused [B, T, H] (step-0 features), input_ids [B, T].

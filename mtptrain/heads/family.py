@@ -53,6 +53,7 @@ class HeadFamily(ABC):
     # Why the family has no tree drafter, or cannot draft for SSD (for eval's notes); None where it can.
     no_tree: ClassVar[str | None] = "it drafts chains only"
     no_ssd: ClassVar[str | None] = "its drafter cannot pre-draft from the target's states"
+    no_int8: ClassVar[str | None] = "its drafter multiplies by the head's own weights only"
 
     @abstractmethod
     def settings(self, cfg: HeadConfig, manifest: dict) -> dict:
@@ -91,15 +92,16 @@ class HeadFamily(ABC):
 
     @abstractmethod
     def chain(self, head: nn.Module, spec: HeadSettings, sampling: Sampling = Sampling(), seed: int = 0,
-              stop: float = 0.0) -> Proposer:
-        """The engine's chain drafter for this head; stop > 0 ends a chain early (eval.chain.stops)."""
+              stop: float = 0.0, int8: bool = False) -> Proposer:
+        """The engine's chain drafter for this head; stop > 0 ends a chain early (eval.chain.stops); int8: from
+        int8 copies of its weights (only where `no_int8` is None: eval.draft_weights)."""
 
     def chain_limit(self, spec: HeadSettings) -> ChainLimit | None:
         """The longest chain the head drafts, where it is bounded; None where it drafts any K."""
         return None
 
     def tree(self, head: nn.Module, spec: HeadSettings, branch: int, depth: int, budget: int,
-             sampling: Sampling = Sampling(), seed: int = 0, children: str = "sampled") -> Proposer:
+             sampling: Sampling = Sampling(), seed: int = 0, children: str = "sampled", int8: bool = False) -> Proposer:
         """The engine's tree drafter for this head (only where `no_tree` is None); `children` at temperature > 0:
         "sampled" (drawn from the head) or "top" (its best tokens)."""
         raise ValueError(f"{self.kind} heads draft no trees: {self.no_tree}")
@@ -120,9 +122,10 @@ class EagleStyleFamily(HeadFamily):
 
     no_tree = None
     no_ssd = None
+    no_int8 = None
 
-    def chain(self, head, spec, sampling=Sampling(), seed=0, stop=0.0):
-        return HeadChainProposer(head, spec, sampling, seed, stop)
+    def chain(self, head, spec, sampling=Sampling(), seed=0, stop=0.0, int8=False):
+        return HeadChainProposer(head, spec, sampling, seed, stop, int8=int8)
 
-    def tree(self, head, spec, branch, depth, budget, sampling=Sampling(), seed=0, children="sampled"):
-        return HeadTreeProposer(head, spec, branch, depth, budget, sampling, seed, children)
+    def tree(self, head, spec, branch, depth, budget, sampling=Sampling(), seed=0, children="sampled", int8=False):
+        return HeadTreeProposer(head, spec, branch, depth, budget, sampling, seed, children, int8=int8)

@@ -22,7 +22,7 @@ from mtptrain.runtime.cache import KVCache
 from mtptrain.runtime.attention import causal_mask, for_mask, row_attention
 from mtptrain.runtime.choice import choose
 from mtptrain.runtime.model import LayerKernels, RopeTables
-from mtptrain.runtime.products import PRODUCTS, usable_product
+from mtptrain.runtime.products import INT8, PRODUCTS, usable_product
 from mtptrain.runtime.weights import layer_weights
 
 INITIAL_CAPACITY = 512  # positions; the cache doubles when a generation outgrows it
@@ -55,16 +55,20 @@ class HeadStepper:
 
     def __init__(self, layer: nn.Module, rotary: nn.Module, config, drafting: Callable[["HeadStepper"], Drafting], *,
                  lm_head: nn.Linear, logits_input: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 lm_head_for: Callable | None = None):
+                 lm_head_for: Callable | None = None, int8: bool = False):
         """`drafting(self)` gives the head's `Drafting`, once the stepper knows its device, dtype and product
-        (`lay_out`)."""
+        (`lay_out`). `int8`: every product of the head (its layer, fc, LM head) from int8 weights with a scale
+        per output feature (runtime/products.py, INT8) instead of this machine's product: half the bytes each
+        drafting step reads, and drafts that may differ from the head's own (verification keeps the outputs
+        exact)."""
         weight = layer.post_attention_layernorm.weight
         self.device, self.dtype = weight.device, weight.dtype
         choice = choose(config, self.device, str(self.dtype).removeprefix("torch."))
         choice = dataclasses.replace(choice, product=usable_product(choice.product, self.dtype))
         self.choice = choice
-        product = PRODUCTS[choice.product]
-        self.layer = layer_weights(layer, choice.product)  # the runtime's copy: the modules stay as they are
+        product = INT8 if int8 else PRODUCTS[choice.product]
+        self.int8 = int8
+        self.layer = layer_weights(layer, product)  # the runtime's copy: the modules stay as they are
         self.kernels = LayerKernels(config, product, row_attention(choice.attention_one),
                                     row_attention(choice.attention_many))
         self.rope = RopeTables(rotary, self.dtype, self.device)

@@ -117,7 +117,9 @@ class MTPFamily(HeadFamily):
     def draft_layers(self, spec):
         return [spec.last_layer]
 
-    def chain(self, head, spec, sampling=Sampling(), seed=0, stop=0.0):
+    def chain(self, head, spec, sampling=Sampling(), seed=0, stop=0.0, int8=False):
+        if int8:
+            raise ValueError(f"{self.kind} heads draft from their own weights only: {self.no_int8}")
         return MTPChainProposer(head, spec, sampling, seed, stop)
 
     def chain_limit(self, spec):

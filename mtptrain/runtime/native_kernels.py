@@ -15,6 +15,8 @@
 - `blocked_linear_kernel(dtype)` (csrc/blocked_linear.cpp): a linear layer's product from its weight laid
   out in blocks of 32 output features (runtime/products.py), at the memory's speed for a few rows and near the
   CPU's peak for hundreds; each row's result is the same whatever rows it is computed with.
+- `int8_linear_kernel()` (csrc/int8_linear.cpp): the same from int8 weights with a scale per output feature,
+  for a draft head that opts in (half the bytes a drafting step reads).
 
 The first call builds them (about 12 s on a 2-core AMD EPYC Zen 5; one INFO line says so and where), later
 processes load them from `<cache_root>/kernels/` once the .so is the very file its build recorded (size and
@@ -50,8 +52,8 @@ CSRC = Path(__file__).parent / "csrc"
 # decode_attention.cpp holds the module's bindings.
 SOURCES = [CSRC / "kernels.cpp"]
 # included by it: part of what the build's name hashes
-HEADERS = [CSRC / "decode_attention.cpp", CSRC / "layer_ops.cpp", CSRC / "blocked_linear.cpp", CSRC / "float_math.h",
-           CSRC / "torch_api.h"]
+HEADERS = [CSRC / "decode_attention.cpp", CSRC / "layer_ops.cpp", CSRC / "blocked_linear.cpp", CSRC / "int8_linear.cpp",
+           CSRC / "float_math.h", CSRC / "torch_api.h"]
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 BLOCK = 32  # output features per block of the blocked layout (csrc/blocked_linear.cpp, GROUP)
 
@@ -279,6 +281,19 @@ def blocked_linear_kernel(dtype: torch.dtype) -> Callable[..., torch.Tensor] | N
             not module.blocked_supports(dtype == torch.bfloat16):
         return None
     return module.blocked_linear
+
+
+@functools.cache
+def int8_linear_kernel() -> Callable[..., torch.Tensor] | None:
+    """`int8_linear(x, blocks, scales, bias, out_features) -> x @ (scales[:, None] * q).T + bias` for x of float32
+    or bfloat16, or None where the extension does not build or has no int8 product on this CPU (it needs AVX-512,
+    or AVX2 with FMA).
+
+    blocks are int8 weights q [out_features, in] in the layout of `products.int8_blocked`, scales float32
+    [out_features]. Each output element is one float32 sum over the inputs in order, times its scale, + bias,
+    rounded once to x's dtype."""
+    module = extension()
+    return None if module is None or not module.int8_supports() else module.int8_linear
 
 
 def layer_ops():

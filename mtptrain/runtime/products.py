@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from mtptrain.runtime.native_kernels import BLOCK, blocked_linear_kernel
+from mtptrain.runtime.native_kernels import BLOCK, blocked_linear_kernel, int8_linear_kernel
 
 SKINNY_ROWS = 32  # above this many rows (a prefill) the skinny product is F.linear
 
@@ -130,6 +130,55 @@ PRODUCTS = {product.name: product for product in (
     Product("packed", packed_product, _pack),
     Product("native", blocked_product, blocked),
 )}
+
+@dataclass(frozen=True)
+class Int8Blocked:
+    """A weight [out_features, in_features] quantized to int8, symmetric per output feature (W[o] ~ scales[o] q[o],
+    q in [-127, 127]), in blocks [G, in_features, 32]: blocks[g, k, i] = q[32 g + i, k], zero past the weight
+    (csrc/int8_linear.cpp reads them). `dtype`: the inputs' and outputs'."""
+    blocks: torch.Tensor
+    scales: torch.Tensor  # float32 [out_features]
+    out_features: int
+    in_features: int
+    dtype: torch.dtype
+
+
+def int8_blocked(weight: torch.Tensor) -> Int8Blocked:
+    """`weight` [out, in] quantized to int8 per output feature and laid out in blocks of BLOCK features."""
+    out_features, in_features = weight.shape
+    values = weight.detach().float()
+    largest = values.abs().amax(dim=1)
+    scales = torch.where(largest > 0, largest / 127, torch.ones_like(largest))  # an all-zero row stays zero
+    q = torch.round(values / scales[:, None]).clamp_(-127, 127).to(torch.int8)
+    groups = -(-out_features // BLOCK)
+    padded = q.new_zeros(groups * BLOCK, in_features)
+    padded[:out_features] = q
+    blocks = padded.view(groups, BLOCK, in_features).permute(0, 2, 1).contiguous()
+    return Int8Blocked(blocks, scales.contiguous(), out_features, in_features, weight.dtype)
+
+
+def int8_dequantized(weight: Int8Blocked) -> torch.Tensor:
+    """The float32 weight [out, in] an `Int8Blocked` stands for: scales[o] * q[o, k]."""
+    groups, in_features, block = weight.blocks.shape
+    q = weight.blocks.permute(0, 2, 1).reshape(groups * block, in_features)[: weight.out_features]
+    return q.float() * weight.scales[:, None]
+
+
+def int8_product(x: torch.Tensor, weight: Int8Blocked, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ W.T (+ bias) for an int8 weight, by csrc/int8_linear.cpp; where that kernel cannot run (a GPU, a
+    dtype other than float32 or bfloat16, a CPU without the instructions), by `F.linear` on the weight
+    dequantized (slow: for correctness only)."""
+    kernel = int8_linear_kernel() if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) else None
+    if kernel is None:
+        return F.linear(x, int8_dequantized(weight).to(x.device, x.dtype), bias)
+    return kernel(x, weight.blocks, weight.scales, bias, weight.out_features)
+
+
+# Not among PRODUCTS, which the runtime measures and picks from per machine and a cached choice may name: the
+# int8 product changes the values a weight multiplies by, so only a draft head runs on it, where it is asked
+# for (heads/fast.py, `HeadStepper(int8=True)`): the target's outputs, and so the tokens decoding emits, stay
+# the same.
+INT8 = Product("int8", int8_product, int8_blocked)
 
 PACKABLE = (torch.float32, torch.bfloat16, torch.float16)  # the dtypes oneDNN packs
 

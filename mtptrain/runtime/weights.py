@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from mtptrain.runtime.products import PRODUCTS
+from mtptrain.runtime.products import PRODUCTS, Product
 
 
 @dataclass
@@ -34,10 +34,11 @@ class Layer:
     down: torch.Tensor
 
 
-def layer_weights(layer: nn.Module, product: str, share: bool = False) -> Layer:
-    """A decoder layer's weights for `product` (a key of PRODUCTS), read from its modules. With `share`, the
-    fused plain tensors become the modules' own memory (`share_fused`: a target's layers); without, the
-    modules are left exactly as they are (a draft head being trained, whose modules keep their own tensors)."""
+def layer_weights(layer: nn.Module, product: str | Product, share: bool = False) -> Layer:
+    """A decoder layer's weights for `product` (a key of PRODUCTS, or a Product: a draft head's INT8), read from
+    its modules. With `share`, the fused plain tensors become the modules' own memory (`share_fused`: a target's
+    layers); without, the modules are left exactly as they are (a draft head being trained, whose modules keep
+    their own tensors)."""
     attn, mlp = layer.self_attn, layer.mlp
     projections = [attn.q_proj, attn.k_proj, attn.v_proj]
     with torch.inference_mode(False), torch.no_grad():
@@ -48,7 +49,7 @@ def layer_weights(layer: nn.Module, product: str, share: bool = False) -> Layer:
             share_fused(gate_up, [mlp.gate_proj, mlp.up_proj])
             if bias is not None:
                 share_fused(bias, projections, "bias")
-        lay_out = PRODUCTS[product].lay_out
+        lay_out = (PRODUCTS[product] if isinstance(product, str) else product).lay_out
         return Layer(norm_in=getattr(layer.input_layernorm, "weight", None), qkv=lay_out(qkv), qkv_bias=bias,
                      qk_norm=_qk_norm(attn), out=lay_out(attn.o_proj.weight.detach()),
                      norm_post=layer.post_attention_layernorm.weight.detach(), gate_up=lay_out(gate_up),

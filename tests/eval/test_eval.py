@@ -210,15 +210,36 @@ def test_sampled_eval_runs_every_method_and_skips_the_exactness_check(tiny_targe
     assert all(m["steps"] > 0 for m in results["methods"])
 
 
+def test_a_head_drafting_from_int8_weights_is_measured_beside_its_own_and_every_output_stays_exact(
+        tiny_target_dir, eagle3_head, tmp_path):
+    out = tmp_path / "eval"
+    args = eval_args(tiny_target_dir, eagle3_head, write_prompts(tmp_path / "p.jsonl", 2), out,
+                     "eval.methods=[chain,tree]", "eval.k=[3]", "eval.tree.budgets=[4]", "eval.max_turns=1",
+                     "eval.draft_weights=[head,int8]")
+    result = CliRunner().invoke(app, [*args, "--no-wandb"])
+    assert result.exit_code == 0, result.output
+    results = json.loads((out / "results.json").read_text())
+    methods = results["methods"]
+    assert [m["label"] for m in methods] == ["baseline", "chain K=3", "chain K=3 int8", "tree N=4", "tree N=4 int8"]
+    assert [m.get("draft_weights") for m in methods] == [None, None, "int8", None, "int8"]
+    for m in methods[1:]:
+        assert m["exactness"] == {"checked": 2, "identical": 2, "near_ties": [], "failures": []}, m["label"]
+        assert m["steps"] > 0
+    assert "| chain K=3 int8 |" in (out / "report.md").read_text()
+
+
 def test_an_mtp_head_drafts_chains_up_to_its_depths_and_no_trees_or_ssd(tiny_target_dir, tmp_path):
     head = save_random_head(tiny_target_dir, tmp_path / "mtp", HeadSpec("mtp", last_layer=3, mtp_depths=2))
     out = tmp_path / "eval"
     args = eval_args(tiny_target_dir, head, write_prompts(tmp_path / "p.jsonl", 2), out,
-                     "eval.methods=[chain,tree,ssd]", "eval.k=[1,2,3]", "eval.max_turns=1")
+                     "eval.methods=[chain,tree,ssd]", "eval.k=[1,2,3]", "eval.max_turns=1",
+                     "eval.draft_weights=[head,int8]")
     result = CliRunner().invoke(app, [*args, "--no-wandb"])
     assert result.exit_code == 0, result.output
     results = json.loads((out / "results.json").read_text())
     assert [m["label"] for m in results["methods"]] == ["baseline", "chain K=1", "chain K=2"]
+    assert "note: eval.draft_weights int8: mtp heads: its drafter multiplies by the head's own weights only; " \
+           "skipped" in result.output
     assert all(m["exactness"]["identical"] == 2 for m in results["methods"][1:])
     assert any("at most 2 tokens" in n for n in results["notes"]) and any("chains only" in n for n in results["notes"])
     assert "note: tree: MTP heads draft chains only" in result.output

@@ -90,3 +90,47 @@ def test_steps_equal_the_heads_forward_through_prefill_steps_rollback_and_a_tree
     ours, theirs = stepper.draft_input(captured), head.draft_input(captured, SPECS[kind])
     assert ours.shape == theirs.shape == (1, 5, hidden)
     assert torch.allclose(ours, theirs, **tolerance), (ours - theirs).abs().max()
+
+
+def _as_int8_leaves_them(head, kind: str) -> None:
+    """The head's weights that an int8 stepper multiplies by (its layer's products, eagle3's fc, the LM head it
+    drafts through), replaced by what int8 quantization leaves of them."""
+    from mtptrain.runtime.products import int8_blocked, int8_dequantized
+
+    layer = head.layer if kind == "eagle3" else head.block.layer
+    linears = [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
+               layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj, head_lm_head(head)]
+    if kind == "eagle3":
+        linears.append(head.fc)
+    for module in linears:
+        module.weight.copy_(int8_dequantized(int8_blocked(module.weight)).to(module.weight.dtype))
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+@torch.no_grad()
+def test_an_int8_stepper_equals_the_head_with_its_weights_as_int8_leaves_them(kind, monkeypatch):
+    """eval.draft_weights int8: the stepper lays the head's weights out in int8 (runtime/products.py, INT8)
+    whatever product the machine chose, and steps as the head would with the dequantized weights."""
+    from mtptrain.runtime.products import Int8Blocked
+
+    _laid_out(monkeypatch, "native")
+    head = _head(kind, torch.float32)
+    stepper = head.stepper(SPECS[kind], int8=True)
+    assert stepper.int8 and isinstance(stepper.lm_head, Int8Blocked) and isinstance(stepper.layer.qkv, Int8Blocked)
+    plain = head.stepper(SPECS[kind])
+    _as_int8_leaves_them(head, kind)
+    generator = torch.Generator().manual_seed(2)
+    hidden = head.frozen.config.hidden_size
+    captured = {layer: torch.randn(6, hidden, generator=generator) for layer in range(4)}
+    ids = torch.randint(0, 400, (1, 6), generator=generator)
+    feature = stepper.draft_input(captured)
+    assert torch.allclose(feature, head.draft_input(captured, SPECS[kind]), rtol=1e-4, atol=1e-4)
+    cache = DynamicCache()
+    ours, theirs = stepper.step(feature, ids), head(feature, ids, cache=cache)
+    for _ in range(3):  # then steps on its own outputs, as a chain drafts
+        assert torch.allclose(ours, theirs, rtol=1e-4, atol=1e-4), (ours - theirs).abs().max()
+        assert torch.allclose(stepper.logits(ours), head.logits(theirs), rtol=1e-4, atol=1e-4)
+        ids = stepper.logits(ours)[:, -1:].argmax(-1)
+        ours, theirs = stepper.step(ours[:, -1:], ids), head(theirs[:, -1:], ids, cache=cache)
+    # the plain stepper, laid out before the quantization, still multiplies by the head's own weights
+    assert not torch.allclose(plain.logits(ours), stepper.logits(ours), rtol=1e-4, atol=1e-4)

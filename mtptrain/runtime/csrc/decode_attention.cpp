@@ -838,10 +838,12 @@ void step_attention(const torch::Tensor& q, const torch::Tensor& k_new, const to
 
 void bind_layer_ops(pybind11::module& m);       // layer_ops.cpp
 void bind_blocked_linear(pybind11::module& m);  // blocked_linear.cpp
+void bind_int8_linear(pybind11::module& m);     // int8_linear.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bind_layer_ops(m);
   bind_blocked_linear(m);
+  bind_int8_linear(m);
   m.def("decode_attention", &decode_attention, py::call_guard<py::gil_scoped_release>(),
         "softmax(q.k * D^-0.5) . v for one new token per row over each row's first lengths[r] positions",
         py::arg("q"), py::arg("keys"), py::arg("values"), py::arg("lengths"));

@@ -6,3 +6,4 @@
 #include "decode_attention.cpp"
 #include "layer_ops.cpp"
 #include "blocked_linear.cpp"
+#include "int8_linear.cpp"  // after blocked_linear.cpp: it uses that file's vector helpers
