@@ -26,6 +26,8 @@ quickstart: setup
 # (first turns), the head drafting at 0.85 (accepted more than at 1), K=3 and K=5, each with and without a stop at
 # 0.45 (the fastest at temperature 1: docs/reference-run.md, "What limits it"), and a 4-node tree of branch 2 whose
 # children are drawn from the head (tau 5-6% above the chain's for one row more: on a Zen 4 1.20x against 1.18x).
+# Both evals measure every chain and tree twice, from the head's weights and from int8 copies of them (the
+# recipe's eval.draft_weights).
 # Every command resumes where it stopped: rerun make reference.
 # The second store's directory (prompts.jsonl, regenerated.jsonl, features/), as recipes/reference.yaml names it.
 SELF_DIR ?= runs/reference/self
