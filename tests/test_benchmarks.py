@@ -178,18 +178,29 @@ def test_head_drafting(tiny_target_dir, tiny_head):
     drafting steps are timed both ways, after a target forward and back to back."""
     out = run_benchmark("head_drafting.py", "--model", tiny_target_dir, "--head", tiny_head, "--prompts", 2,
                         "--new-tokens", 8, "--repeats", 2, "--k", 2, "--dtype", "float32", "--rounds", 3)
-    ways = table(out, r"^\| (?P<name>runtime AR|chain K=2, [\w' ]+) \| (?P<tau>[\d.]+) \| (?P<draft>[\d.]+) / "
+    ways = table(out, r"^\| (?P<name>runtime AR|chain K=2, [\w', ]+) \| (?P<tau>[\d.]+) \| (?P<draft>[\d.]+) / "
                       r"(?P<verify>[\d.]+) \| (?P<tps>[\d.]+) \| (?P<ratio>[\d.]+x) \((?P<low>[\d.]+)-(?P<high>[\d.]+)\) "
                       r"\| (?P<same>\d+)/2 \|$")
-    assert list(ways) == ["runtime AR", "chain K=2, head's modules", "chain K=2, fused"]
+    assert list(ways) == ["runtime AR", "chain K=2, head's modules", "chain K=2, fused",
+                          "chain K=2, fused, int8 weights"]
     assert number(ways["runtime AR"]["ratio"]) == 1.0 and ways["runtime AR"]["tau"] == "1.00"
     for way in ways.values():
         assert way["same"] == "2" and positive(way["tps"]) and positive(way["ratio"]) and positive(way["verify"])
-    for name in ("chain K=2, head's modules", "chain K=2, fused"):
+    for name in ("chain K=2, head's modules", "chain K=2, fused", "chain K=2, fused, int8 weights"):
         assert positive(ways[name]["draft"]) and number(ways[name]["tau"]) >= 1
-    steps = table(out, r"^\| (?P<name>head's modules|fused) \| (?P<cold>[\d.]+) ms \| (?P<warm>[\d.]+) ms \|$")
-    assert list(steps) == ["head's modules", "fused"]
+    steps = table(out, r"^\| (?P<name>head's modules|fused|fused, int8 weights) \| (?P<cold>[\d.]+) ms \| "
+                       r"(?P<warm>[\d.]+) ms \|$")
+    assert list(steps) == ["head's modules", "fused", "fused, int8 weights"]
     assert all(positive(s["cold"]) and positive(s["warm"]) for s in steps.values())
+
+
+def test_argmax():
+    """Both ways choose the same tokens (the script checks it) and each row count gets its timings and ratios."""
+    out = run_benchmark("argmax.py", "--vocab", 1000, "--rows", 1, 4, "--repeats", 3, "--flush-mb", 8)
+    rows = table(out, rf"^\| (?P<name>\d+) \| (?P<tw>{NUM}) µs \| (?P<kw>{NUM}) µs \| (?P<rw>{NUM})x \| "
+                      rf"(?P<tc>{NUM}) µs \| (?P<kc>{NUM}) µs \| (?P<rc>{NUM})x \|$")
+    assert list(rows) == ["1", "4"]
+    assert all(positive(v) for row in rows.values() for k, v in row.items() if k != "name")
 
 
 def test_stage_speed(varied_target_dir, tmp_path):

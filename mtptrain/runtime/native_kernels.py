@@ -296,6 +296,15 @@ def int8_linear_kernel() -> Callable[..., torch.Tensor] | None:
     return None if module is None or not module.int8_supports() else module.int8_linear
 
 
+@functools.cache
+def argmax_kernel() -> Callable[[torch.Tensor], list[int]] | None:
+    """`argmax_rows(x) -> [index per row]` for x [..., V] of float32 or bfloat16 on the CPU: each row's first
+    maximum, -1 for a row holding a NaN (where torch's argmax takes the NaN); None where the extension does not
+    build or has no argmax here (it needs AVX-512)."""
+    module = extension()
+    return None if module is None or not module.argmax_supported() else module.argmax_rows
+
+
 def layer_ops():
     """The module whose `add_rms_norm`, `silu_mul` and `rope` fuse a decoder layer's elementwise steps
     (csrc/layer_ops.cpp; runtime/model.py says when they run), or None when the extension does not build."""

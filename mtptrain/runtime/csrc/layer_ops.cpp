@@ -12,6 +12,8 @@
 //       x = residual + delta; h = x * rsqrt(mean(x^2) + eps) * weight, the mean over the last dimension
 //   silu_mul(gate_up) -> silu(gate) * up, with gate_up = [gate | up] along the last dimension
 //   rope(x, cos, sin) -> x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2 | x1] for x = [x1 | x2]
+//
+// And the greedy choice over logits, argmax_rows(x): per row the index of the first maximum, as torch's argmax.
 
 #include "torch_api.h"
 
@@ -22,6 +24,11 @@
 #include <cstdint>
 #include <cstring>
 #include <tuple>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include "float_math.h"
 
@@ -164,9 +171,77 @@ torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch
   return out;
 }
 
+#if defined(__AVX512F__)
+constexpr bool ARGMAX = true;
+inline __m512 widened16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 widened16(const bf16* p) {  // bfloat16 is the top half of a float32: widened exactly
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+// The index of the first maximum of row[0 .. V), or -1 where the row holds a NaN (torch's argmax takes a NaN
+// as the maximum: the caller asks torch then). Each of 16 lanes keeps its own first maximum (a later value
+// replaces it only where strictly greater); the row's first maximum is the smallest index among the lanes
+// holding the largest value, then the tail, in order.
+template <typename T>
+int64_t row_argmax(const T* row, int64_t V) {
+  __m512 best = _mm512_set1_ps(-INFINITY);
+  __m512i best_at = _mm512_setzero_si512();
+  __m512i at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i sixteen = _mm512_set1_epi32(16);
+  __mmask16 nan = 0;
+  int64_t v = 0;
+  for (; v + 16 <= V; v += 16) {
+    const __m512 x = widened16(row + v);
+    nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    const __mmask16 greater = _mm512_cmp_ps_mask(x, best, _CMP_GT_OQ);
+    best = _mm512_mask_mov_ps(best, greater, x);
+    best_at = _mm512_mask_mov_epi32(best_at, greater, at);
+    at = _mm512_add_epi32(at, sixteen);
+  }
+  if (nan) return -1;
+  float top = _mm512_reduce_max_ps(best);
+  const __mmask16 holding = _mm512_cmp_ps_mask(best, _mm512_set1_ps(top), _CMP_EQ_OQ);
+  int64_t index = _mm512_mask_reduce_min_epi32(holding, best_at);
+  for (; v < V; ++v) {
+    const float x = to_float(row[v]);
+    if (x != x) return -1;
+    if (x > top) top = x, index = v;
+  }
+  return index;
+}
+#else
+constexpr bool ARGMAX = false;
+template <typename T>
+int64_t row_argmax(const T*, int64_t) { return -1; }
+#endif
+
+// Per row of x [..., V] (float32 or bfloat16, V < 2^31), the index of its first maximum, -1 for a row holding
+// a NaN: what torch's argmax(-1) gives (without a NaN), in one pass that reads bfloat16 as it lies instead of
+// a float32 copy first.
+std::vector<int64_t> argmax_rows(const torch::Tensor& x) {
+  const char* name = "argmax_rows";
+  TORCH_CHECK(ARGMAX, name, ": this build has no argmax (it needs AVX-512)");
+  TORCH_CHECK(x.device().is_cpu(), name, ": a CPU tensor only");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, name,
+              ": float32 or bfloat16 only, got ", x.scalar_type());
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) > 0 && x.size(-1) < (int64_t(1) << 31), name,
+              ": the last dimension must hold 1 to 2^31 - 1 values, got ", x.sizes());
+  const int64_t V = x.size(-1);
+  const torch::Tensor rows = x.reshape({-1, V}).contiguous();
+  std::vector<int64_t> out(rows.size(0));
+  for (int64_t r = 0; r < rows.size(0); ++r)
+    out[r] = x.scalar_type() == at::kFloat ? row_argmax(rows.data_ptr<float>() + r * V, V)
+                                           : row_argmax(rows.data_ptr<bf16>() + r * V, V);
+  return out;
+}
+
 }  // namespace
 
 void bind_layer_ops(pybind11::module& m) {
+  m.def("argmax_rows", &argmax_rows, py::call_guard<py::gil_scoped_release>(),
+        "per row, the index of the first maximum over the last dimension (-1 for a row with a NaN)", py::arg("x"));
+  m.def("argmax_supported", []() { return ARGMAX; }, "whether this build has argmax_rows (AVX-512)");
   m.def("add_rms_norm", &add_rms_norm, py::call_guard<py::gil_scoped_release>(),
         "(residual + delta, RMSNorm(residual + delta) * weight)", py::arg("residual"), py::arg("delta"),
         py::arg("weight"), py::arg("eps"));
