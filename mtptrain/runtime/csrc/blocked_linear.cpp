@@ -110,6 +110,9 @@ using lanes = __m512;
 constexpr int WIDTH = 16;
 inline lanes zero() { return _mm512_setzero_ps(); }
 inline lanes load(const float* p) { return _mm512_loadu_ps(p); }
+inline lanes load(const int8_t* p) {  // 16 int8 weights widened to float32 (exact): int8_linear.cpp
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
 inline lanes broadcast(float v) { return _mm512_set1_ps(v); }
 inline lanes mul_add(lanes a, lanes b, lanes c) { return _mm512_fmadd_ps(a, b, c); }
 inline void save(float* p, lanes v) { _mm512_storeu_ps(p, v); }
@@ -119,6 +122,9 @@ using lanes = __m256;
 constexpr int WIDTH = 8;
 inline lanes zero() { return _mm256_setzero_ps(); }
 inline lanes load(const float* p) { return _mm256_loadu_ps(p); }
+inline lanes load(const int8_t* p) {  // 8 int8 weights widened to float32 (exact)
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
 inline lanes broadcast(float v) { return _mm256_set1_ps(v); }
 inline lanes mul_add(lanes a, lanes b, lanes c) { return _mm256_fmadd_ps(a, b, c); }
 inline void save(float* p, lanes v) { _mm256_storeu_ps(p, v); }
@@ -126,16 +132,19 @@ constexpr int F32_ROWS = 2;  // 4 x 2 sums, 4 weight vectors and a broadcast in 
 #endif
 constexpr int VECTORS = GROUP / WIDTH;
 
-// As above for float32, the group at `wg` being [K, 32]; rows in blocks of F32_ROWS.
-template <int RB, bool AHEAD>
-inline void group_rows_f32(const float* wg, const float* x, int64_t K, int64_t r0, float* sums) {
+// As above for float32, the group at `wg` being [K, 32] of float32, or of int8 (csrc/int8_linear.cpp: each
+// weight widened to float32 as it is read, exactly, the feature's scale applied by `run`); rows in blocks of
+// F32_ROWS.
+template <int RB, bool AHEAD, typename W>
+inline void group_rows_f32(const W* wg, const float* x, int64_t K, int64_t r0, float* sums) {
+  constexpr int64_t EVERY = 128 / (GROUP * sizeof(W));  // inputs per 128 bytes of weights: the lines prefetched
   lanes acc[VECTORS][RB];
 #pragma GCC unroll 16
   for (int v = 0; v < VECTORS; ++v)
 #pragma GCC unroll 16
     for (int j = 0; j < RB; ++j) acc[v][j] = zero();
   for (int64_t k = 0; k < K; ++k) {
-    prefetch_ahead<RB, AHEAD>(wg + k * GROUP);
+    if (k % EVERY == 0) prefetch_ahead<RB, AHEAD>(wg + k * GROUP);
     lanes w[VECTORS];
 #pragma GCC unroll 16
     for (int v = 0; v < VECTORS; ++v) w[v] = load(wg + k * GROUP + v * WIDTH);
@@ -267,7 +276,9 @@ inline void in_row_blocks(int64_t r0, int64_t rb, float* sums, Rows rows) {
 }
 #endif
 
-void group_block(const float* wg, const float* x, int64_t K, int64_t, int64_t r0, int64_t rb, float* sums) {
+// Float32 inputs over float32 or int8 weights.
+template <typename W>
+void group_block(const W* wg, const float* x, int64_t K, int64_t, int64_t r0, int64_t rb, float* sums) {
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
   in_row_blocks(r0, rb, sums, [&](auto block, auto ahead, int64_t r, float* at) {
     group_rows_f32<decltype(block)::value, decltype(ahead)::value>(wg, x, K, r, at);
@@ -284,10 +295,11 @@ void group_block(const bf16* wg, const float* x, int64_t K, int64_t KP, int64_t 
 #endif
 }
 
-// W: the blocks' element type, T: the inputs' and outputs'.
-template <typename W, typename T>
-void run(const W* w, const T* x, const float* bias, T* out, int64_t R, int64_t O, int64_t K, int64_t KP,
-         int64_t G) {
+// W: the blocks' element type, X: the inputs', T: the outputs'. `scales` (int8 weights only, else null): each
+// feature's sum is multiplied by its scale before the bias is added.
+template <typename W, typename X, typename T>
+void run(const W* w, const X* x, const float* bias, T* out, int64_t R, int64_t O, int64_t K, int64_t KP,
+         int64_t G, const float* scales = nullptr) {
   // Threads take runs of whole groups. A group of the smallest layers (K = 576: 36 KB in bfloat16) is a few
   // microseconds of streaming, so a run of one group is not too fine against a parallel region's ~1 us.
   // Rows in as few passes over a group as ROW_BLOCK allows, of about equal size: 9 rows (a tree of 8 and its
@@ -305,12 +317,26 @@ void run(const W* w, const T* x, const float* bias, T* out, int64_t R, int64_t O
         group_block(wg, x, K, KP, r0, rb, sums);
         for (int64_t j = 0; j < rb; ++j)
           for (int64_t i = 0; i < n; ++i) {
-            const float s = sums[j * GROUP + i];
+            const float s = scales != nullptr ? sums[j * GROUP + i] * scales[o0 + i] : sums[j * GROUP + i];
             store_out(out + (r0 + j) * O + o0 + i, bias != nullptr ? s + bias[o0 + i] : s);
           }
       }
     }
   });
+}
+
+// The bias as a contiguous float32 [O] (checked against the O features), or an undefined tensor for none.
+torch::Tensor float_bias(const c10::optional<torch::Tensor>& bias, int64_t O, const char* name) {
+  if (!bias.has_value() || !bias->defined()) return {};
+  TORCH_CHECK(bias->numel() == O, name, ": the bias has ", bias->numel(), " values for ", O, " features");
+  return bias->to(at::kFloat).contiguous();
+}
+
+// The product's output for x [..., K]: [..., O] in x's dtype.
+torch::Tensor output_for(const torch::Tensor& x, int64_t O) {
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = O;
+  return torch::empty(shape, x.options());
 }
 
 bool supports(at::ScalarType dtype) {
@@ -337,15 +363,9 @@ torch::Tensor blocked_linear(const torch::Tensor& x, const torch::Tensor& blocks
               " groups of ", GROUP);
   const torch::Tensor rows = x.reshape({-1, K}).contiguous();
   const int64_t R = rows.size(0);
-  torch::Tensor bias32;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == O, name, ": the bias has ", bias->numel(), " values for ", O, " features");
-    bias32 = bias->to(at::kFloat).contiguous();
-  }
+  const torch::Tensor bias32 = float_bias(bias, O, name);
   const float* b = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = O;
-  torch::Tensor out = torch::empty(shape, x.options());
+  torch::Tensor out = output_for(x, O);
   if (R == 0) return out;
   if (x.scalar_type() == at::kBFloat16)
     run(blocks.data_ptr<bf16>(), rows.data_ptr<bf16>(), b, out.data_ptr<bf16>(), R, O, K, KP, G);
