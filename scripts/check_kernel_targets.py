@@ -12,6 +12,10 @@ of its instruction sets) and checks, on every build:
   tree_attention     each node of a tree bit for bit what decode_attention gives it over its path
   blocked_linear     against float64 sums, and each row the same bit for bit whatever rows share the call
                      (float32 on every target; bfloat16 where the target has avx512_bf16)
+  int8_linear        against float64 sums over the dequantized weight, float32 and bfloat16 inputs, and each
+                     row the same bit for bit whatever rows share the call
+  argmax_rows        torch's first maximum per row (ties, tails of every length), where the target has AVX-512;
+                     elsewhere the build says it has none
 
 haswell stands for the AVX2-only CPUs (the portable attention, the AVX2 product), skylake-avx512 for AVX-512
 without bfloat16. Each build takes about 12 s on a 2-core Zen 5. Exits 1 if any check fails.
@@ -110,6 +114,40 @@ def check_product(module, dtype) -> list[str]:
     return failures
 
 
+def check_int8(module) -> list[str]:
+    from mtptrain.runtime.products import int8_blocked, int8_dequantized
+
+    failures = []
+    g = torch.Generator().manual_seed(2)
+    for dtype in (torch.float32, torch.bfloat16):
+        where = str(dtype).removeprefix("torch.")
+        for out_features, in_features in [(250, 576), (33, 7)]:
+            q = int8_blocked(torch.randn(out_features, in_features, generator=g))
+            x = torch.randn(40, in_features, generator=g).to(dtype)
+            together = module.int8_linear(x, q.blocks, q.scales, None, out_features)
+            w = int8_dequantized(q).double()
+            exact = x.double() @ w.T
+            scale = float((x.double().abs() @ w.abs().T).max())
+            if not bool(((together.double() - exact).abs() <= exact.abs() * 2.0 ** -8 + 1e-5 * scale).all()):
+                failures.append(f"int8_linear {where} {out_features}x{in_features}: off the float64 sums")
+            for rows in (1, 2, 9, 13):
+                if not torch.equal(module.int8_linear(x[:rows], q.blocks, q.scales, None, out_features),
+                                   together[:rows]):
+                    failures.append(f"int8_linear {where} {out_features}x{in_features}: {rows} rows differ")
+    return failures
+
+
+def check_argmax(module) -> list[str]:
+    failures = []
+    g = torch.Generator().manual_seed(3)
+    for dtype in (torch.float32, torch.bfloat16):
+        for length in (1, 15, 16, 17, 49152):
+            x = (torch.randn(4, length, generator=g) * 2).round().to(dtype)  # ties: the first maximum must win
+            if module.argmax_rows(x) != x.float().argmax(-1).tolist():
+                failures.append(f"argmax_rows {str(dtype).removeprefix('torch.')} length {length}: not torch's")
+    return failures
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--march", default="haswell,skylake-avx512",
@@ -128,15 +166,19 @@ def main() -> int:
             failures += check_product(module, torch.float32)
             if module.blocked_supports(True):
                 failures += check_product(module, torch.bfloat16)
+            failures += check_int8(module)
+            if module.argmax_supported():
+                failures += check_argmax(module)
             products = "float32 and bfloat16" if module.blocked_supports(True) else "float32 only"
+            argmax = "argmax checked" if module.argmax_supported() else "no argmax in this build (torch's serves)"
             if failures:
                 failed = True
                 print(f"{march}: {len(failures)} checks FAILED")
                 for failure in failures:
                     print(f"  {failure}")
             else:
-                print(f"{march}: attention (float32, bfloat16; decode, chain, tree) and products ({products}) "
-                      "checked")
+                print(f"{march}: attention (float32, bfloat16; decode, chain, tree), products ({products}) and "
+                      f"the int8 product checked; {argmax}")
     return 1 if failed else 0
 
 
