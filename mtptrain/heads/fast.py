@@ -67,7 +67,6 @@ class HeadStepper:
         choice = dataclasses.replace(choice, product=usable_product(choice.product, self.dtype))
         self.choice = choice
         product = INT8 if int8 else PRODUCTS[choice.product]
-        self.int8 = int8
         self.layer = layer_weights(layer, product)  # the runtime's copy: the modules stay as they are
         self.kernels = LayerKernels(config, product, row_attention(choice.attention_one),
                                     row_attention(choice.attention_many))

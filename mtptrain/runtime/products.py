@@ -131,6 +131,7 @@ PRODUCTS = {product.name: product for product in (
     Product("native", blocked_product, blocked),
 )}
 
+
 @dataclass(frozen=True)
 class Int8Blocked:
     """A weight [out_features, in_features] quantized to int8, symmetric per output feature (W[o] ~ scales[o] q[o],

@@ -111,12 +111,13 @@ def _as_int8_leaves_them(head, kind: str) -> None:
 def test_an_int8_stepper_equals_the_head_with_its_weights_as_int8_leaves_them(kind, monkeypatch):
     """eval.draft_weights int8: the stepper lays the head's weights out in int8 (runtime/products.py, INT8)
     whatever product the machine chose, and steps as the head would with the dequantized weights."""
-    from mtptrain.runtime.products import Int8Blocked
+    from mtptrain.runtime.products import INT8, Int8Blocked
 
     _laid_out(monkeypatch, "native")
     head = _head(kind, torch.float32)
     stepper = head.stepper(SPECS[kind], int8=True)
-    assert stepper.int8 and isinstance(stepper.lm_head, Int8Blocked) and isinstance(stepper.layer.qkv, Int8Blocked)
+    assert stepper.kernels.product is INT8
+    assert isinstance(stepper.lm_head, Int8Blocked) and isinstance(stepper.layer.qkv, Int8Blocked)
     plain = head.stepper(SPECS[kind])
     _as_int8_leaves_them(head, kind)
     generator = torch.Generator().manual_seed(2)
