@@ -582,7 +582,8 @@ class EvalConfig(_Truncation):
         "each: head = its own, on this machine's product; int8 = int8 copies, one scale per output feature, "
         "multiplied by mtptrain's own int8 kernel (a CPU with AVX-512 or AVX2 and FMA): half the bytes each "
         "drafting step reads again from memory after the target's forward, drafts that may differ slightly (the "
-        "outputs stay exact: the target verifies them). eagle and eagle3 heads; 'int8' is named in the label.")
+        "outputs stay exact: the target verifies them). eagle and eagle3 heads on the CPU (skipped, noted, on a GPU); "
+        "'int8' is named in the label.")
     chain: ChainConfig = ChainConfig()
     tree: TreeConfig = TreeConfig()
     ngram: NgramConfig = NgramConfig()

@@ -29,6 +29,7 @@ from mtptrain.export.source import load_head_and_config
 from mtptrain.heads import FrozenTarget
 from mtptrain.heads.checkpoint import head_directory, weights_digest
 from mtptrain.heads.spec import HeadSpec
+from mtptrain.runtime.native_kernels import int8_linear_kernel
 from mtptrain.runtime.runner import runtime_for
 from mtptrain.target import load_target, load_tokenizer
 
@@ -185,16 +186,33 @@ class Tree(EvalMethod):
 
 
 def draft_weights(drafting: Drafting) -> list[bool]:
-    """eval.draft_weights as `int8` flags, one configuration each; int8 dropped, with a note, where the head's
-    family drafts from its own weights only."""
+    """eval.draft_weights as `int8` flags, one configuration each. int8 is dropped, with a note, where the head's
+    family drafts from its own weights only, and where the head is not on the CPU: the int8 product is a CPU
+    kernel, and elsewhere its fallback would dequantize every weight at every step, timing that instead. On a CPU
+    without the kernel it runs on that fallback (the same drafts), noted."""
     wanted = [weights == "int8" for weights in drafting.recipe.eval.draft_weights]
-    why = drafting.spec.family.no_int8
-    if why and True in wanted:
-        note = f"eval.draft_weights int8: {drafting.spec.kind} heads: {why}; skipped"
-        if note not in drafting.notes:  # chain and tree ask alike
-            drafting.notes.append(note)
-        wanted = [w for w in wanted if not w]
+    if True not in wanted:
+        return wanted
+    weight, family = next(drafting.head.parameters()), drafting.spec.family
+    where = weight.device.type
+    why = (f"{drafting.spec.kind} heads: {family.no_int8}" if family.no_int8 else
+           f"the head runs on {where}, and the int8 product is a CPU kernel (on {where} its fallback would "
+           "dequantize every weight at every step)" if where != "cpu" else None)
+    if why:
+        _note_once(drafting, f"eval.draft_weights int8: {why}; skipped")
+        return [w for w in wanted if not w]
+    if int8_linear_kernel() is None or weight.dtype not in INT8_DTYPES:
+        _note_once(drafting, f"eval.draft_weights int8: no native int8 product here for the head's {weight.dtype}: "
+                   "it drafts through torch on dequantized weights (the same drafts), so its speed is not the kernel's")
     return wanted
+
+
+INT8_DTYPES = (torch.float32, torch.bfloat16)  # what csrc/int8_linear.cpp multiplies
+
+
+def _note_once(drafting: Drafting, note: str) -> None:
+    if note not in drafting.notes:  # chain and tree ask alike
+        drafting.notes.append(note)
 
 
 class Draft(EvalMethod):

@@ -1,6 +1,7 @@
 """Eval's methods: one registered object per name a recipe accepts, the refusal of an unknown name, the
 configurations a recipe's methods build, and the settings each method refuses."""
 
+import copy
 import re
 from typing import get_args
 
@@ -156,3 +157,35 @@ def test_a_chain_drafting_at_its_own_temperature_hands_verification_that_distrib
     assert len(draft) == 1
     assert torch.equal(probs.rows[0], distribution(torch.linspace(-2, 2, 64), Sampling(0.5)))
     assert not torch.equal(probs.rows[0], distribution(torch.linspace(-2, 2, 64), Sampling(1.0)))
+
+
+def test_int8_drafting_weights_are_skipped_off_the_cpu_and_noted_where_torch_would_multiply_them(
+        tiny_target_dir, tmp_path):
+    from mtptrain.eval.methods import Drafting, draft_weights
+    from mtptrain.heads import FrozenTarget
+    from mtptrain.heads.checkpoint import save_head
+    from mtptrain.heads.spec import HeadSpec
+    from mtptrain.runtime.native_kernels import int8_linear_kernel
+
+    target = load_target(TargetConfig(model=str(tiny_target_dir)))
+    spec = HeadSpec("eagle3", last_layer=3, feature_layers=[0, 1, 2], ttt_steps=2, draft_vocab_size=64)
+    save_head(tmp_path / "head", spec.family.build(spec, FrozenTarget.of(target.model)), spec, target.identity())
+    rec = recipe(tiny_target_dir, "eval.methods=[chain]", f"eval.head={tmp_path / 'head'}", "eval.k=[3]",
+                 "eval.draft_weights=[head,int8]")
+    configs, head_info, notes, modules = build_configs(rec, target, Sampling())
+    assert [c.label for c in configs] == ["baseline", "chain K=3", "chain K=3 int8"]
+    assert notes == ([] if int8_linear_kernel() is not None else [
+        "eval.draft_weights int8: no native int8 product here for the head's torch.float32: it drafts through torch "
+        "on dequantized weights (the same drafts), so its speed is not the kernel's"])
+    # a head on an accelerator: the CPU kernel is not there, and a dequantizing fallback would be timed instead
+    drafting = Drafting(rec, target, Sampling(), 0, head=copy.deepcopy(modules[0]).to("meta"), head_info=head_info)
+    assert draft_weights(drafting) == draft_weights(drafting) == [False]
+    assert drafting.notes == [
+        "eval.draft_weights int8: the head runs on meta, and the int8 product is a CPU kernel (on meta its fallback "
+        "would dequantize every weight at every step); skipped"]  # once, however many methods ask
+    # a float64 head on the CPU drafts through the fallback: measured, with a note saying so
+    drafting = Drafting(rec, target, Sampling(), 0, head=modules[0].to("cpu", torch.float64), head_info=head_info)
+    assert draft_weights(drafting) == [False, True]
+    assert drafting.notes == [
+        "eval.draft_weights int8: no native int8 product here for the head's torch.float64: it drafts through torch "
+        "on dequantized weights (the same drafts), so its speed is not the kernel's"]
