@@ -203,6 +203,24 @@ def test_argmax():
     assert all(positive(v) for row in rows.values() for k, v in row.items() if k != "name")
 
 
+def test_rms_norm(tiny_target_dir, tiny_head):
+    """Both ways agree (the script checks it), each row count gets its timings, and the decoding ways run the chain:
+    with only the head's norms on the kernel, every output is torch's way's."""
+    out = run_benchmark("rms_norm.py", "--rows", 1, 4, "--width", 64, "--repeats", 3, "--flush-mb", 8, "--decode", 2,
+                        "--decode-repeats", 2, "--new-tokens", 8, "--model", tiny_target_dir, "--head", tiny_head,
+                        "--target-dtype", "float32")
+    rows = table(out, rf"^\| (?P<name>\d+) \| (?P<tw>{NUM}) µs \| (?P<kw>{NUM}) µs \| (?P<rw>{NUM})x \| "
+                      rf"(?P<tc>{NUM}) µs \| (?P<kc>{NUM}) µs \| (?P<rc>{NUM})x \|$")
+    assert list(rows) == ["1", "4"]
+    assert all(positive(v) for row in rows.values() for k, v in row.items() if k != "name")
+    ways = table(out, rf"^\| (?P<name>torch|kernel in drafting|kernel) \| (?P<draft>{NUM}) / (?P<verify>{NUM}) \| "
+                      rf"(?P<tps>{NUM}) \((?P<low>{NUM})-(?P<high>{NUM})\) \| (?P<same>\d+)/2 \|$")
+    assert list(ways) == ["torch", "kernel in drafting", "kernel"]
+    assert ways["torch"]["same"] == ways["kernel in drafting"]["same"] == "2"
+    assert all(positive(way[k]) for way in ways.values() for k in ("draft", "verify", "tps"))
+    assert re.search(rf"^kernel in drafting / torch tokens/s: {NUM}x \({NUM}-{NUM}\)$", out, re.M)
+
+
 def test_stage_speed(varied_target_dir, tmp_path):
     """Both stages on the runtime and on the former path; in float32 the regenerated answers are the same."""
     out = run_benchmark("stage_speed.py", "--conversations", 6, "--regenerate-conversations", 6, "--rounds", 1,

@@ -39,7 +39,7 @@ from mtptrain.heads.objective import distill_positions, given
 from mtptrain.heads.settings import HeadSettings
 from mtptrain.heads.vocab import DraftVocab
 from mtptrain.runtime.attention import folded_mask
-from mtptrain.runtime.model import rotate_half
+from mtptrain.runtime.model import rms_norm, rotate_half
 
 
 class Eagle3Head(nn.Module):
@@ -204,7 +204,8 @@ class Eagle3Head(nn.Module):
 
 class Eagle3Drafting:
     """An EAGLE-3 head's operations around its layer while drafting, each a fused operation or two on copies of
-    its weights in the stepper's dtype: `F.rms_norm` for each RMSNorm module (six operations each), the fc norms
+    its weights in the stepper's dtype: the runtime's `rms_norm` for each RMSNorm module (one pass over a row where
+    `F.rms_norm` takes five operations; torch's off the CPU), the fc norms
     folded into fc's columns (fc(cat(n_i(x_i) * g_i)) = (fc * cat(g_i))(cat(n_i(x_i)))), and fc on the stepper's
     product. Equal to the head's own up to float rounding (tests/heads/test_fast_step.py)."""
 
@@ -212,7 +213,6 @@ class Eagle3Drafting:
         dtype, device = stepper.dtype, stepper.device
         own = lambda norm: norm.weight.detach().to(device, dtype)  # noqa: E731
         self.layers = list(spec.feature_layers)
-        self.hidden = head.frozen.config.hidden_size
         self.eps = head.frozen.config.rms_norm_eps
         self.embed, self.dtype, self.device = head.frozen.embed.weight, dtype, device
         self.embed_norm, self.feature_norm = own(head.layer.input_layernorm), own(head.hidden_norm)
@@ -227,7 +227,7 @@ class Eagle3Drafting:
         return Drafting(self.inputs, self.draft_input, self.carry if self.output_norm is not None else None)
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
-        return F.rms_norm(x, (self.hidden,), weight, self.eps)
+        return rms_norm(x, weight, self.eps)
 
     def draft_input(self, hidden: dict[int, torch.Tensor]) -> torch.Tensor:
         """The fused step-0 feature [1, n, H] from the captured states (layer -> [n, H])."""

@@ -44,6 +44,23 @@ def test_add_rms_norm_is_an_add_and_torchs_rms_norm(ops, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 1, 576), (4, 3, 576), (1, 160, 576), (7, 33)])
+def test_rms_norm_is_torchs_with_and_without_a_weight(ops, dtype, shape):
+    g = torch.Generator().manual_seed(5)
+    x = (3 * torch.randn(*shape, generator=g)).to(dtype)
+    weight = (1 + 0.1 * torch.randn(shape[-1], generator=g)).to(dtype)
+    for w in (weight, None):
+        mine, theirs = ops.rms_norm(x, w, 1e-5), F.rms_norm(x, (shape[-1],), w, 1e-5)
+        # bfloat16, as drafting and the decoder's first and last norms run it: bit for bit but for a rare last bit
+        _close(mine, theirs, dtype, equal_share=0.999)
+        assert torch.equal(runtime_model.rms_norm(x, w, 1e-5), mine)
+    # a strided view is read as its values; a row of zeros gives zeros, as eps keeps the scale finite
+    view = x.transpose(0, -1) if x.dim() == 2 else x[:, :1]
+    _close(ops.rms_norm(view, None, 1e-5), F.rms_norm(view, (view.shape[-1],), None, 1e-5), dtype, 0.999)
+    assert not ops.rms_norm(torch.zeros(2, shape[-1], dtype=dtype), weight, 1e-5).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_mul_is_silu_of_the_gate_times_up(ops, dtype):
     g = torch.Generator().manual_seed(1)
     gate_up = (4 * torch.randn(3, 50, 2 * 1536, generator=g)).to(dtype)
@@ -71,16 +88,20 @@ def test_the_results_do_not_depend_on_the_thread_count(ops):
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = ops.add_rms_norm(x, x, w, 1e-5)[1], ops.silu_mul(x)
+        one = ops.add_rms_norm(x, x, w, 1e-5)[1], ops.silu_mul(x), ops.rms_norm(x, w, 1e-5)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one[0], ops.add_rms_norm(x, x, w, 1e-5)[1]) and torch.equal(one[1], ops.silu_mul(x))
+    assert torch.equal(one[2], ops.rms_norm(x, w, 1e-5))
 
 
 @pytest.mark.parametrize("call, message", [
     (lambda o: o.add_rms_norm(torch.ones(2, 8), torch.ones(2, 8), torch.ones(7), 1e-5), "last dimension"),
     (lambda o: o.add_rms_norm(torch.ones(2, 8), torch.ones(2, 8).bfloat16(), torch.ones(8), 1e-5), "dtypes differ"),
     (lambda o: o.add_rms_norm(torch.ones(2, 8), torch.ones(3, 8), torch.ones(8), 1e-5), "differs from residual"),
+    (lambda o: o.rms_norm(torch.ones(2, 8), torch.ones(7), 1e-5), "last dimension"),
+    (lambda o: o.rms_norm(torch.ones(2, 8), torch.ones(8).bfloat16(), 1e-5), "dtypes differ"),
+    (lambda o: o.rms_norm(torch.ones(2, 8, dtype=torch.float16), None, 1e-5), "float32 or bfloat16 only"),
     (lambda o: o.silu_mul(torch.ones(2, 7)), "gate and up"),
     (lambda o: o.silu_mul(torch.ones(2, 8, dtype=torch.float64)), "float32 or bfloat16 only"),
     (lambda o: o.rope(torch.ones(1, 2, 3, 8), torch.ones(1, 2, 1, 4), torch.ones(1, 2, 1, 4)), "cos and sin"),
@@ -105,6 +126,7 @@ def test_the_decoder_keeps_torchs_operations_where_the_kernels_do_not_run(ops, m
     assert torch.equal(silu_mul(x), F.silu(x[..., :4]) * x[..., 4:])
     summed, normed = add_rms_norm(x, x, w, 1e-6)
     assert torch.equal(summed, x + x) and torch.equal(normed, F.rms_norm(x + x, (8,), w, 1e-6))
+    assert torch.equal(runtime_model.rms_norm(x, None, 1e-6), F.rms_norm(x, (8,), None, 1e-6))
     assert not calls
     add_rms_norm(x.float(), x.float(), w.float(), 1e-6)
     assert calls
