@@ -29,7 +29,7 @@ from mtptrain.export.source import load_head_and_config
 from mtptrain.heads import FrozenTarget
 from mtptrain.heads.checkpoint import head_directory, weights_digest
 from mtptrain.heads.spec import HeadSpec
-from mtptrain.runtime.native_kernels import int8_linear_kernel
+from mtptrain.runtime.products import int8_native
 from mtptrain.runtime.runner import runtime_for
 from mtptrain.target import load_target, load_tokenizer
 
@@ -195,19 +195,20 @@ def draft_weights(drafting: Drafting) -> list[bool]:
         return wanted
     weight, family = next(drafting.head.parameters()), drafting.spec.family
     where = weight.device.type
-    why = (f"{drafting.spec.kind} heads: {family.no_int8}" if family.no_int8 else
-           f"the head runs on {where}, and the int8 product is a CPU kernel (on {where} its fallback would "
-           "dequantize every weight at every step)" if where != "cpu" else None)
+    if family.no_int8:
+        why = f"{drafting.spec.kind} heads: {family.no_int8}"
+    elif where != "cpu":
+        why = (f"the head runs on {where}, and the int8 product is a CPU kernel (on {where} its fallback would "
+               "dequantize every weight at every step)")
+    else:
+        why = None
     if why:
         _note_once(drafting, f"eval.draft_weights int8: {why}; skipped")
         return [w for w in wanted if not w]
-    if int8_linear_kernel() is None or weight.dtype not in INT8_DTYPES:
+    if not int8_native(weight.device, weight.dtype):
         _note_once(drafting, f"eval.draft_weights int8: no native int8 product here for the head's {weight.dtype}: "
                    "it drafts through torch on dequantized weights (the same drafts), so its speed is not the kernel's")
     return wanted
-
-
-INT8_DTYPES = (torch.float32, torch.bfloat16)  # what csrc/int8_linear.cpp multiplies
 
 
 def _note_once(drafting: Drafting, note: str) -> None:

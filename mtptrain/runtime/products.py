@@ -165,14 +165,22 @@ def int8_dequantized(weight: Int8Blocked) -> torch.Tensor:
     return q.float() * weight.scales[:, None]
 
 
+INT8_DTYPES = (torch.float32, torch.bfloat16)  # the inputs csrc/int8_linear.cpp multiplies
+
+
+def int8_native(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the int8 kernel multiplies inputs of `dtype` on `device` here; where not, `int8_product` falls back
+    to dequantizing the weight at every call."""
+    return device.type == "cpu" and dtype in INT8_DTYPES and int8_linear_kernel() is not None
+
+
 def int8_product(x: torch.Tensor, weight: Int8Blocked, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ W.T (+ bias) for an int8 weight, by csrc/int8_linear.cpp; where that kernel cannot run (a GPU, a
     dtype other than float32 or bfloat16, a CPU without the instructions), by `F.linear` on the weight
     dequantized (slow: for correctness only)."""
-    kernel = int8_linear_kernel() if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) else None
-    if kernel is None:
+    if not int8_native(x.device, x.dtype):
         return F.linear(x, int8_dequantized(weight).to(x.device, x.dtype), bias)
-    return kernel(x, weight.blocks, weight.scales, bias, weight.out_features)
+    return int8_linear_kernel()(x, weight.blocks, weight.scales, bias, weight.out_features)
 
 
 # Not among PRODUCTS, which the runtime measures and picks from per machine and a cached choice may name: the
