@@ -12,11 +12,10 @@ that both ways choose the same tokens.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
+from _warm_cold import table_row, warm_and_cold
 from mtptrain.engine.verify import greedy_choice
 from mtptrain.machine import describe_cpu
 from mtptrain.runtime.native_kernels import argmax_kernel
@@ -47,21 +46,8 @@ def main() -> None:
     for rows in args.rows:
         x = torch.randn(rows, args.vocab, generator=generator).to(dtype)
         assert ways["torch"](x) == ways["kernel"](x), "the two ways chose different tokens"
-        times = {(name, cold): [] for name in ways for cold in (False, True)}
-        for _ in range(args.repeats):
-            for cold in (False, True):
-                for name, way in ways.items():
-                    if cold:
-                        flush.add_(1.0)
-                        x.add_(0)
-                    start = time.perf_counter()
-                    way(x)
-                    times[(name, cold)].append(time.perf_counter() - start)
-        us = {key: statistics.median(values) * 1e6 for key, values in times.items()}
-        print(f"| {rows} | {us[('torch', False)]:.0f} µs | {us[('kernel', False)]:.0f} µs | "
-              f"{us[('torch', False)] / us[('kernel', False)]:.2f}x | {us[('torch', True)]:.0f} µs | "
-              f"{us[('kernel', True)]:.0f} µs | {us[('torch', True)] / us[('kernel', True)]:.2f}x |")
-
+        us = warm_and_cold({name: (lambda way=way: way(x)) for name, way in ways.items()}, x, flush, args.repeats)
+        print(table_row(rows, us, 0, 2))
 
 if __name__ == "__main__":
     main()

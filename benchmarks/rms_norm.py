@@ -29,6 +29,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from _warm_cold import table_row, warm_and_cold
 from mtptrain.machine import describe_cpu
 from mtptrain.runtime import model as runtime_model
 from mtptrain.runtime.native_kernels import layer_ops
@@ -69,20 +70,9 @@ def micro(args: argparse.Namespace) -> None:
         x = torch.randn(1, rows, args.width, generator=generator).to(dtype)
         mine, theirs = ops.rms_norm(x, weight, 1e-5), torch_norm(x, weight, 1e-5)
         assert float((mine == theirs).double().mean()) >= 0.99, "the two ways differ beyond a rare last bit"
-        times = {(name, cold): [] for name in ways for cold in (False, True)}
-        for _ in range(args.repeats):
-            for cold in (False, True):
-                for name, way in ways.items():
-                    if cold:
-                        flush.add_(1.0)
-                        x.add_(0)
-                    start = time.perf_counter()
-                    way(x, weight, 1e-5)
-                    times[(name, cold)].append(time.perf_counter() - start)
-        us = {key: statistics.median(values) * 1e6 for key, values in times.items()}
-        print(f"| {rows} | {us[('torch', False)]:.1f} µs | {us[('kernel', False)]:.1f} µs | "
-              f"{us[('torch', False)] / us[('kernel', False)]:.1f}x | {us[('torch', True)]:.1f} µs | "
-              f"{us[('kernel', True)]:.1f} µs | {us[('torch', True)] / us[('kernel', True)]:.1f}x |")
+        us = warm_and_cold({name: (lambda way=way: way(x, weight, 1e-5)) for name, way in ways.items()}, x, flush,
+                           args.repeats)
+        print(table_row(rows, us, 1, 1))
 
 
 WAYS = {"torch": (torch_norm, torch_norm), "kernel in drafting": (torch_norm, None), "kernel": (None, None)}
@@ -106,7 +96,7 @@ def norms(way: str):
 def decode(args: argparse.Namespace) -> None:
     from mtptrain.config import load_recipe
     from mtptrain.data.chat import prompt_ids, stop_tokens
-    from mtptrain.engine.generate import generate
+    from mtptrain.engine.generate import GenerationStats, generate
     from mtptrain.engine.head_chain import HeadChainProposer
     from mtptrain.engine.verify import Sampling
     from mtptrain.eval.methods import build_configs
@@ -139,24 +129,22 @@ def decode(args: argparse.Namespace) -> None:
             with norms(way):
                 generate(runner, prompts[0][:16], 8, proposers[way], k=3, eos=stops)
         for repeat in range(args.decode_repeats):
-            totals = {way: [0.0, 0.0, 0, 0, 0.0] for way in ways}  # draft s, verify s, steps, tokens, seconds
+            stats = {way: GenerationStats() for way in ways}
+            seconds, tokens = dict.fromkeys(ways, 0.0), dict.fromkeys(ways, 0)
             for ids in prompts:
                 for way in ways if repeat % 2 == 0 else ways[::-1]:
                     with norms(way):
                         start = time.perf_counter()
                         out = generate(runner, ids, args.new_tokens, proposers[way], k=3, eos=stops)
-                        total = totals[way]
-                        total[4] += time.perf_counter() - start
-                    total[0] += out.stats.draft_seconds
-                    total[1] += out.stats.verify_seconds
-                    total[2] += out.stats.steps
-                    total[3] += len(out.tokens)
+                        seconds[way] += time.perf_counter() - start
+                    stats[way].merge(out.stats)
+                    tokens[way] += len(out.tokens)
                     if repeat == 0:
                         results[way]["outputs"].append(out.tokens)
-            for way, (draft, verify, steps, tokens, seconds) in totals.items():
-                results[way]["draft"].append(draft / steps * 1e3)
-                results[way]["verify"].append(verify / steps * 1e3)
-                results[way]["tps"].append(tokens / seconds)
+            for way, s in stats.items():
+                results[way]["draft"].append(s.draft_seconds / s.steps * 1e3)
+                results[way]["verify"].append(s.verify_seconds / s.steps * 1e3)
+                results[way]["tps"].append(tokens[way] / seconds[way])
     print("| norms | draft / verify ms per step | tokens/s (spread) | same outputs as torch's |")
     print("|---|---|---|---|")
     for way in ways:
