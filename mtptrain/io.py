@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import logging
 import os
 import re
 import secrets
@@ -101,6 +102,47 @@ def read_marked_json(path: Path, marker: str, error: type[Exception], missing: s
 def cache_root() -> Path:
     """Where derived files are kept between runs (converted GGUF targets, this machine's measured choices)."""
     return Path(os.environ.get("MTPTRAIN_CACHE", Path.home() / ".cache" / "mtptrain"))
+
+
+def read_machine_cache(path: Path, invalid: Callable[[object], str | None], what: str, log: logging.Logger,
+                       quiet: bool = False, keep: Callable[[str], bool] = lambda key: True) -> dict:
+    """The entries of a per-machine cache file (a JSON object of key -> entry) whose key `keep` keeps and that
+    `invalid` finds nothing wrong with; the others dropped, with one warning to `log` (`what`: what is measured
+    again) unless `quiet`. A missing file is an empty cache; one that does not parse or is not an object, one
+    warning."""
+    warn = (lambda *args: None) if quiet else log.warning
+    try:
+        known = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        warn("%s cannot be read (%s): %s measured again", path, exc, what)
+        return {}
+    if not isinstance(known, dict):
+        warn("%s holds %s, not an object of measured choices: %s measured again", path, type(known).__name__, what)
+        return {}
+    known = {key: entry for key, entry in known.items() if keep(key)}
+    bad = {key: why for key, why in ((key, invalid(entry)) for key, entry in known.items()) if why is not None}
+    if bad:
+        key, why = next(iter(bad.items()))
+        warn("%s: dropping %d entr%s not validate (the first, for %s: %s); measured again when needed", path,
+             len(bad), "y that does" if len(bad) == 1 else "ies that do", key.split("|")[1] if "|" in key else key,
+             why)
+    return {key: entry for key, entry in known.items() if key not in bad}
+
+
+def store_machine_cache(path: Path, key: str, entry: dict, invalid: Callable[[object], str | None], what: str,
+                        log: logging.Logger) -> None:
+    """`entry` under `key` in a per-machine cache file (`read_machine_cache`), written atomically; a cache that
+    cannot be written (a read-only home) gets one warning: `what` is measured again next time."""
+    known = read_machine_cache(path, invalid, what, log, quiet=True)  # what did not validate was said when it was read
+    known[key] = entry
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(path, known)
+    except OSError as exc:
+        log.warning("could not cache %s in %s (%s); set MTPTRAIN_CACHE to a writable directory to keep it", what,
+                    path, exc)
 
 
 def tmp_name(path: Path) -> Path:

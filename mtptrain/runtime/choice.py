@@ -54,7 +54,7 @@ from typing import Iterator
 import torch
 import torch.distributed as torch_dist
 
-from mtptrain.io import atomic_write_json, cache_root
+from mtptrain.io import cache_root, read_machine_cache, store_machine_cache
 from mtptrain.machine import cpu_sample, describe_cpu, other_load
 from mtptrain.runtime.attention import (ATTENTION, F32_CACHE, attention_kernels, batch_attention, batch_mask,
                                         causal_mask, row_attention, usable)
@@ -205,7 +205,7 @@ def _kernels_build() -> str:
         return "none"
 
 
-def _key(config) -> str:
+def machine_key(config) -> str:
     cpu = describe_cpu()
     return "|".join([f"v{VERSION}", cpu["model"], str(cpu["capability"]), ",".join(cpu["extensions"] or []),
                      torch.__version__,
@@ -242,40 +242,26 @@ def invalid_timings(timings: object) -> str | None:
     return None
 
 
+def _entry_problem(entry: object) -> str | None:
+    return invalid_timings(entry.get("timings") if isinstance(entry, dict) else None)
+
+
 def _read_cache(path, quiet: bool = False) -> dict:
-    """The cached entries that validate; the others dropped with one warning (they are measured again)."""
-    warn = (lambda *args: None) if quiet else log.warning
-    try:
-        known = json.loads(path.read_text())
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError) as exc:
-        warn("%s cannot be read (%s): this machine's runtime choices are measured again", path, exc)
-        return {}
-    if not isinstance(known, dict):
-        warn("%s holds %s, not an object of measured choices: they are measured again", path, type(known).__name__)
-        return {}
-    known = {key: entry for key, entry in known.items() if key.startswith(f"v{VERSION}|")}  # others: stale
-    bad = {key: invalid_timings(entry.get("timings") if isinstance(entry, dict) else None)
-           for key, entry in known.items()}
-    bad = {key: why for key, why in bad.items() if why is not None}
-    if bad:
-        key, why = next(iter(bad.items()))
-        warn("%s: dropping %d entr%s not validate (the first, for %s: %s); measured again when needed",
-                    path, len(bad), "y that does" if len(bad) == 1 else "ies that do", key.split("|")[1], why)
-    return {key: entry for key, entry in known.items() if key not in bad}
+    """The cached entries of this VERSION that validate; the others dropped with one warning (measured again)."""
+    return read_machine_cache(path, _entry_problem, "this machine's runtime choices are", log, quiet,
+                              keep=lambda key: key.startswith(f"v{VERSION}|"))  # other versions: stale
 
 
 def _cpu_timings(config) -> tuple[dict, str]:
     """dtype name -> {"products": {product: ms}, "attention_one" / "attention_many": {kernel: ms}, ...}; what
     this process settled on before, else from the cache when this machine measured them before, else measured."""
-    key = _key(config)
+    key = machine_key(config)
     if (str(cache_path()), key) in _SETTLED:
         return _SETTLED[str(cache_path()), key]
     known = _read_cache(cache_path())
     if key in known:
         return known[key]["timings"], "cached"
-    with _measuring_alone():
+    with measuring_alone():
         known = _read_cache(cache_path(), quiet=True)  # a process that held the lock before may have measured
         if key in known:
             return known[key]["timings"], "cached"
@@ -283,7 +269,7 @@ def _cpu_timings(config) -> tuple[dict, str]:
 
 
 @contextlib.contextmanager
-def _measuring_alone() -> Iterator[None]:
+def measuring_alone() -> Iterator[None]:
     """One process of this machine measures at a time (an flock beside the cache, released if its holder dies):
     ranks started together without a process group would otherwise each time the kernels while the others
     load the cores, cache nothing, and may choose differently. The others wait idle, then read its answer."""
@@ -305,7 +291,7 @@ def _measuring_alone() -> Iterator[None]:
 def measure(config) -> tuple[dict, str]:
     """Time every kernel on `config`'s shapes; cache the timings unless other processes kept more than
     MAX_OTHER_LOAD cores busy meanwhile (then they serve this process only, and one warning says so)."""
-    key = _key(config)
+    key = machine_key(config)
     before = cpu_sample()
     timings = _measure_kernels(config)
     load = other_load(before, cpu_sample())
@@ -323,15 +309,7 @@ def measure(config) -> tuple[dict, str]:
 
 
 def _store(key: str, entry: dict) -> None:
-    path = cache_path()
-    known = _read_cache(path, quiet=True)  # what did not validate was said when it was read
-    known[key] = entry
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(path, known)
-    except OSError as exc:  # a read-only home: measured again next time
-        log.warning("could not cache the runtime's measured choice in %s (%s); set MTPTRAIN_CACHE to a writable "
-                    "directory to keep it", path, exc)
+    store_machine_cache(cache_path(), key, entry, _entry_problem, "the runtime's measured choice", log)
 
 
 def agree(config, device: torch.device) -> None:
@@ -353,7 +331,7 @@ def agree(config, device: torch.device) -> None:
     why = invalid_timings(timings)
     if why is not None:
         raise RuntimeError(f"rank 0 sent runtime timings that do not validate: {why}")
-    _SETTLED[str(cache_path()), _key(config)] = timings, source if rank == 0 else f"{source} by rank 0"
+    _SETTLED[str(cache_path()), machine_key(config)] = timings, source if rank == 0 else f"{source} by rank 0"
 
 
 def _measure_kernels(config) -> dict:

@@ -42,7 +42,7 @@ def cache(tmp_path, monkeypatch):
 
 
 def _key() -> str:
-    return choice._key(_config())
+    return choice.machine_key(_config())
 
 
 def test_a_change_to_the_kernels_sources_is_measured_again(cache, monkeypatch, tmp_path):
@@ -136,7 +136,7 @@ def test_the_ranks_of_a_group_run_rank_0s_choice(tmp_path):
     for rank, fastest in enumerate(("skinny", "linear")):
         directory = tmp_path / f"cache{rank}"
         directory.mkdir()
-        key = choice._key(_config()).replace(f"threads={torch.get_num_threads()}", "threads=1")
+        key = choice.machine_key(_config()).replace(f"threads={torch.get_num_threads()}", "threads=1")
         products = {"linear": 1.0, "skinny": 1.0, fastest: 0.1}
         (directory / "runtime-choice.json").write_text(json.dumps({key: {"timings": _timings(products)}}))
         caches.append(str(directory))
