@@ -364,16 +364,20 @@ def _memory_plan(cfg, stages: tuple[str, ...]) -> list[str]:
 
 @app.command()
 def measure(recipe: RecipeOpt = None, overrides: SetOpt = None) -> None:
-    """Time the runtime's products and attention kernels on the target's shapes again, and cache the result.
+    """Time the runtime's products and attention kernels on the target's shapes again, then the products' prefetch
+    on the target's own forwards, and cache the results.
 
     Each stage measures once per machine, CPU, torch version and thread count, and caches the timings in
-    <MTPTRAIN_CACHE or ~/.cache/mtptrain>/runtime-choice.json. Run this after a change the key does not see
-    (a BIOS or VM setting, a new compiler) or to replace a doubtful choice; run it on a quiet machine: timings
-    taken while other processes keep the cores busy are not cached (exit code 1).
+    <MTPTRAIN_CACHE or ~/.cache/mtptrain>/runtime-choice.json (the prefetch in runtime-prefetch.json). Run this
+    after a change the key does not see (a BIOS or VM setting, a new compiler) or to replace a doubtful choice;
+    run it on a quiet machine: timings taken while other processes keep the cores busy are not cached (exit
+    code 1).
     """
     from mtptrain.io import cache_root
     from mtptrain.runtime.dtype import measure_again
-    from mtptrain.target import load_config
+    from mtptrain.runtime.prefetch import describe
+    from mtptrain.runtime.runner import measure_prefetch
+    from mtptrain.target import load_config, load_target
 
     cfg = _recipe(recipe, overrides)
     choice, cached = _guarded(lambda: measure_again(load_config(cfg.target), cfg.target.dtype, cfg.target.model))
@@ -383,6 +387,14 @@ def measure(recipe: RecipeOpt = None, overrides: SetOpt = None) -> None:
                    "run mtptrain measure again when the machine is quiet", err=True)
         raise typer.Exit(1)
     typer.echo(f"cached in {cache_root() / 'runtime-choice.json'}")
+    rows, source = _guarded(lambda: measure_prefetch(load_target(cfg.target).model))
+    typer.echo(f"products' prefetch: passes of {describe(rows)} ({source})")
+    if source in ("measured under load", "busy", "noisy", "too slow"):
+        typer.echo("error: the products' prefetch was not cached (see the warning above); run mtptrain measure "
+                   "again when the machine is quiet", err=True)
+        raise typer.Exit(1)
+    if source == "measured":
+        typer.echo(f"cached in {cache_root() / 'runtime-prefetch.json'}")
 
 
 @app.command("recipe")

@@ -25,7 +25,7 @@ from torch import nn
 from mtptrain.runtime.attention import (batch_attention, batch_mask, causal_mask, for_mask, layer_mask,
                                         row_attention, usable)
 from mtptrain.runtime.cache import Attends
-from mtptrain.runtime.native_kernels import layer_ops, step_attention_kernel
+from mtptrain.runtime.native_kernels import layer_ops, prefetch_from_kernel, step_attention_kernel
 from mtptrain.runtime.products import PRODUCTS
 from mtptrain.runtime.weights import layer_weights
 
@@ -156,6 +156,9 @@ class FastDecoder:
             self.lm_head = PRODUCTS[product].lay_out(model.get_output_embeddings().weight.detach())
             self.layers = [layer_weights(layer, product, share=True) for layer in decoder.layers]
         self.rope = RopeTables(decoder.rotary_emb, self.dtype, self.device)
+        # the fewest rows of a product's pass that prefetches its weights, set before each forward (process-wide in
+        # the kernels); None leaves it as it is. runtime/runner.py's load_decoder sets it (runtime/prefetch.py).
+        self.prefetch_from: int | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -170,6 +173,11 @@ class FastDecoder:
         cut = copy.copy(self)
         cut.layers = self.layers[:layers]
         return cut
+
+    def describe(self) -> str:
+        """The dtype and kernels it runs with, for reports."""
+        prefetch = "" if self.prefetch_from is None else f", prefetch from {self.prefetch_from} rows"
+        return self.choice.describe() + prefetch
 
     @property
     def cache_dtype(self) -> torch.dtype:
@@ -220,6 +228,8 @@ class FastDecoder:
         layer of `capture`. A cache that masks itself (a step of batched decoding, runtime/batch.py) writes and
         attends the tokens with its own masks and kernels."""
         batch, count = ids.shape
+        if self.prefetch_from is not None:
+            prefetch_from_kernel()(self.prefetch_from)
         x = F.embedding(ids, self.embed)
         end = cache.end(start, count)  # every position is below it
         cos, sin = self.rope(positions, end)

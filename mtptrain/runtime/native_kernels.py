@@ -17,6 +17,7 @@
   CPU's peak for hundreds; each row's result is the same whatever rows it is computed with.
 - `int8_linear_kernel()` (csrc/int8_linear.cpp): the same from int8 weights with a scale per output feature,
   for a draft head that opts in (half the bytes a drafting step reads).
+- `prefetch_from_kernel()`: from how many rows both products prefetch their weights ahead (runtime/prefetch.py).
 
 The first call builds them (about 12 s on a 2-core AMD EPYC Zen 5; one INFO line says so and where), later
 processes load them from `<cache_root>/kernels/` once the .so is the very file its build recorded (size and
@@ -281,6 +282,15 @@ def blocked_linear_kernel(dtype: torch.dtype) -> Callable[..., torch.Tensor] | N
             not module.blocked_supports(dtype == torch.bfloat16):
         return None
     return module.blocked_linear
+
+
+def prefetch_from_kernel() -> Callable[[int], None] | None:
+    """`blocked_prefetch_from(rows)`: the blocked and int8 products' passes over at least `rows` (>= 2) rows
+    prefetch their weights ahead, fewer do not (csrc/blocked_linear.cpp says why it depends on the CPU;
+    runtime/prefetch.py measures it); None where the extension does not build. Process-wide: it changes no
+    product's result, only its speed."""
+    module = extension()
+    return None if module is None else module.blocked_prefetch_from
 
 
 @functools.cache

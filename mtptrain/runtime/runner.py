@@ -16,6 +16,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from mtptrain.runtime import prefetch
 from mtptrain.runtime.cache import KVCache
 from mtptrain.runtime.choice import Choice, choose
 from mtptrain.runtime.model import FastDecoder, unsupported
@@ -90,9 +91,22 @@ def load_decoder(model: nn.Module, runtime: str = "auto", batched: bool = False,
         if choice.dtype != model.get_input_embeddings().weight.dtype:
             raise ValueError(f"the recorded kernels compute in {record['dtype']}, the model is in "
                              f"{model.get_input_embeddings().weight.dtype}: load it in the recorded dtype")
-    _report(f"target runs on mtptrain's runtime: {choice.describe()}")
     product = usable_product(choice.product_batch if batched else choice.product, choice.dtype)
-    return FastDecoder(model, choice, product)
+    decoder = FastDecoder(model, choice, product)
+    if prefetch.applies(decoder):  # batches (passes of up to 12 rows) keep the kernel's default, not timed here
+        decoder.prefetch_from = prefetch.DEFAULT_FROM if batched else prefetch.prefetch_from(decoder)
+    _report(f"target runs on mtptrain's runtime: {decoder.describe()}")
+    return decoder
+
+
+def measure_prefetch(model: nn.Module) -> tuple[int, str]:
+    """Time the products' prefetch on `model`'s own forwards again (`mtptrain measure`), within
+    prefetch.MEASURE_BUDGET_S: the rows it chose and how (runtime/prefetch.py's `measure`)."""
+    why = unsupported(model)
+    if why is not None:
+        return prefetch.DEFAULT_FROM, f"not measured: the model runs on transformers' forward ({why})"
+    choice = decoder_choice(model)
+    return prefetch.measure(FastDecoder(model, choice, usable_product(choice.product, choice.dtype)))
 
 
 def _report(line: str) -> None:
@@ -160,7 +174,7 @@ def runtime_record(model: nn.Module, runtime: str = "auto") -> dict:
 def runtime_description(runner) -> str:
     """One line for reports: which forward runs the target, its dtype and products."""
     if runner.runtime == "native":
-        return "mtptrain runtime, " + runner.decoder.choice.describe()
+        return "mtptrain runtime, " + runner.decoder.describe()
     return f"transformers {runner.attention} forward, {str(runner.dtype).removeprefix('torch.')}"
 
 

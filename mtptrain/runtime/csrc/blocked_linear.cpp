@@ -31,6 +31,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <type_traits>
 
 #include "float_math.h"
@@ -42,15 +43,21 @@ using namespace mtptrain_kernels;
 constexpr int64_t GROUP = 32;   // output features per group
 constexpr int ROW_BLOCK = 12;   // rows per pass over a group's weights, at most (register sums: 2 x 12 vectors)
 
-// Where a pass multiplies each weight by several rows, it asks for the weights PREFETCH_AHEAD bytes ahead of
+// Where a pass multiplies each weight by several rows, it may ask for the weights PREFETCH_AHEAD bytes ahead of
 // the 128 it reads (the group's later steps, then the next group's: a thread's groups lie one after another).
 // The hardware's own prefetching keeps a one-row pass at the memory's speed, but once the multiply-adds of a few
-// rows take a while per step, its requests no longer run far enough ahead and the memory's latency adds to the
-// compute instead of hiding under it. Measured on a 2-core AMD EPYC Zen 5, SmolLM2-135M's 121 products in
-// bfloat16, interleaved: 1 row 4.07 ms both ways, 4 rows 5.30 -> 4.84, 8 rows 6.57 -> 5.05, 12 rows 8.14 ->
-// 5.27, 160 rows 50.4 -> 46.4. One-row passes are left alone (prefetching there cost 1-5%). Prefetching past a
-// tensor's end is harmless (a prefetch does not fault).
+// rows take a while per step, its requests may no longer run far enough ahead and the memory's latency adds to
+// the compute instead of hiding under it. Whether that happens, and from how many rows, depends on the CPU:
+// measured on a 2-core AMD EPYC Zen 5, SmolLM2-135M's 121 products in bfloat16, interleaved: 1 row 4.07 ms both
+// ways, 4 rows 5.30 -> 4.84, 8 rows 6.57 -> 5.05, 12 rows 8.14 -> 5.27, 160 rows 50.4 -> 46.4; on a Zen 4 the
+// same model's whole verification forwards ran faster without it (none / ahead, medians of paired calls: 2 rows
+// 0.90, 4 rows 0.88-0.94, 8 rows 0.92-0.98, 12 rows 1.01, 16 rows 1.03). So passes of at least `prefetch_from`
+// rows prefetch (2 by default: every pass of several rows), set by the runtime from its own measurement of the
+// loaded model's verification steps (runtime/prefetch.py). One-row passes never prefetch (it cost 1-5% on the
+// Zen 5). The rows a pass multiplies never change its sums, only its speed. Prefetching past a tensor's end is
+// harmless (a prefetch does not fault).
 constexpr int64_t PREFETCH_AHEAD = 8192;
+std::atomic<int64_t> prefetch_from{2};  // set by blocked_prefetch_from (process-wide)
 template <int RB, bool AHEAD = true>
 inline void prefetch_ahead(const void* weights) {
   if constexpr (RB > 1 && AHEAD) {
@@ -66,7 +73,7 @@ inline void store_out(bf16* p, float v) { p->x = bf16_high(bf16_round(v)); }
 #if defined(__AVX512BF16__)
 constexpr bool BF16 = true;
 // sums[j * 32 + i] = the dot product of row r0 + j with feature i of the group at `wg` ([KP, 32, 2]).
-template <int RB>
+template <int RB, bool AHEAD>
 inline void group_rows(const bf16* wg, const bf16* x, int64_t K, int64_t KP, int64_t r0, float* sums) {
   __m512 acc[2][RB];
 #pragma GCC unroll 16
@@ -77,7 +84,7 @@ inline void group_rows(const bf16* wg, const bf16* x, int64_t K, int64_t KP, int
   const int64_t whole = K / 2;  // pairs read as one 32-bit word; an odd K's last input alone, with a zero
   for (int64_t p = 0; p < KP; ++p) {
     const bf16* wp = wg + p * 2 * GROUP;
-    prefetch_ahead<RB>(wp);
+    prefetch_ahead<RB, AHEAD>(wp);
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp);
     const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wp + GROUP);
 #pragma GCC unroll 16
@@ -221,24 +228,33 @@ constexpr bool F32 = false;
 constexpr int F32_ROWS = 1;
 #endif
 
-// The sums of rows r0 .. r0 + rb for one group (rb <= ROW_BLOCK), by the build's loop for T.
-void group_block(const bf16* wg, const bf16* x, int64_t K, int64_t KP, int64_t r0, int64_t rb, float* sums) {
+// The sums of rows r0 .. r0 + rb for one bfloat16 group (rb <= ROW_BLOCK), prefetching ahead or not (AHEAD).
+template <bool AHEAD>
+void group_block_bf16(const bf16* wg, const bf16* x, int64_t K, int64_t KP, int64_t r0, int64_t rb, float* sums) {
 #if defined(__AVX512BF16__)
   switch (rb) {
-    case 12: group_rows<12>(wg, x, K, KP, r0, sums); break;
-    case 11: group_rows<11>(wg, x, K, KP, r0, sums); break;
-    case 10: group_rows<10>(wg, x, K, KP, r0, sums); break;
-    case 9: group_rows<9>(wg, x, K, KP, r0, sums); break;
-    case 8: group_rows<8>(wg, x, K, KP, r0, sums); break;
-    case 7: group_rows<7>(wg, x, K, KP, r0, sums); break;
-    case 6: group_rows<6>(wg, x, K, KP, r0, sums); break;
-    case 5: group_rows<5>(wg, x, K, KP, r0, sums); break;
-    case 4: group_rows<4>(wg, x, K, KP, r0, sums); break;
-    case 3: group_rows<3>(wg, x, K, KP, r0, sums); break;
-    case 2: group_rows<2>(wg, x, K, KP, r0, sums); break;
-    default: group_rows<1>(wg, x, K, KP, r0, sums); break;
+    case 12: group_rows<12, AHEAD>(wg, x, K, KP, r0, sums); break;
+    case 11: group_rows<11, AHEAD>(wg, x, K, KP, r0, sums); break;
+    case 10: group_rows<10, AHEAD>(wg, x, K, KP, r0, sums); break;
+    case 9: group_rows<9, AHEAD>(wg, x, K, KP, r0, sums); break;
+    case 8: group_rows<8, AHEAD>(wg, x, K, KP, r0, sums); break;
+    case 7: group_rows<7, AHEAD>(wg, x, K, KP, r0, sums); break;
+    case 6: group_rows<6, AHEAD>(wg, x, K, KP, r0, sums); break;
+    case 5: group_rows<5, AHEAD>(wg, x, K, KP, r0, sums); break;
+    case 4: group_rows<4, AHEAD>(wg, x, K, KP, r0, sums); break;
+    case 3: group_rows<3, AHEAD>(wg, x, K, KP, r0, sums); break;
+    case 2: group_rows<2, AHEAD>(wg, x, K, KP, r0, sums); break;
+    default: group_rows<1, AHEAD>(wg, x, K, KP, r0, sums); break;
   }
 #endif
+}
+
+// The sums of rows r0 .. r0 + rb for one group (rb <= ROW_BLOCK), by the build's loop for T.
+void group_block(const bf16* wg, const bf16* x, int64_t K, int64_t KP, int64_t r0, int64_t rb, float* sums) {
+  if (rb >= prefetch_from.load(std::memory_order_relaxed))
+    group_block_bf16<true>(wg, x, K, KP, r0, rb, sums);
+  else
+    group_block_bf16<false>(wg, x, K, KP, r0, rb, sums);
 }
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
@@ -268,7 +284,7 @@ template <typename Rows>
 inline void in_row_blocks(int64_t r0, int64_t rb, float* sums, Rows rows) {
   for (int64_t r = r0; r < r0 + rb; r += F32_ROWS) {
     const int64_t n = std::min<int64_t>(F32_ROWS, r0 + rb - r);
-    if (r == r0)
+    if (r == r0 && rb >= prefetch_from.load(std::memory_order_relaxed))
       row_block<true>(n, r, sums, rows);
     else
       row_block<false>(n, r, sums + (r - r0) * GROUP, rows);
@@ -384,4 +400,13 @@ void bind_blocked_linear(pybind11::module& m) {
         pybind11::arg("x"), pybind11::arg("blocks"), pybind11::arg("bias"), pybind11::arg("out_features"));
   m.def("blocked_supports", [](bool bfloat16) { return supports(bfloat16 ? at::kBFloat16 : at::kFloat); },
         "whether this build has the blocked product for bfloat16 (True) or float32 (False)", pybind11::arg("bfloat16"));
+  m.def("blocked_prefetch_from", [](int64_t rows) {
+          TORCH_CHECK(rows >= 2, "blocked_prefetch_from: passes of one row never prefetch; rows must be >= 2, not ",
+                      rows);
+          prefetch_from.store(rows);
+        },
+        "passes over at least `rows` rows prefetch the weights PREFETCH_AHEAD bytes ahead (2: every pass of "
+        "several rows; above 12, none)", pybind11::arg("rows"));
+  m.def("blocked_prefetching_from", []() { return prefetch_from.load(); },
+        "the fewest rows of a pass that prefetches (blocked_prefetch_from)");
 }
