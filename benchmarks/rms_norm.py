@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import statistics
-import time
+import functools
 
 import torch
 import torch.nn.functional as F
 
+from _chain_ways import add_arguments, chain_setup, decode_ways, print_ways
 from _warm_cold import table_row, warm_and_cold
 from mtptrain.machine import describe_cpu
 from mtptrain.runtime import model as runtime_model
@@ -42,13 +42,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=300)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--flush-mb", type=int, default=320, help="memory written between cold calls")
-    parser.add_argument("--decode", type=int, default=0, help="MT-bench first turns to decode each way (0: none)")
-    parser.add_argument("--decode-repeats", type=int, default=3)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--head", help="a trained EAGLE-3 head directory (default: the shipped one)")
-    parser.add_argument("--model", help="target.model (a model directory or hub id) instead of the embedded default")
-    parser.add_argument("--target-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                        help="target.dtype of the decoding (auto: what this machine measured fastest)")
+    add_arguments(parser, "MT-bench first turns to decode each way (0: none)")
     return parser.parse_args()
 
 
@@ -94,68 +88,18 @@ def norms(way: str):
 
 
 def decode(args: argparse.Namespace) -> None:
-    from mtptrain.config import load_recipe
-    from mtptrain.data.chat import prompt_ids, stop_tokens
-    from mtptrain.engine.generate import GenerationStats, generate
     from mtptrain.engine.head_chain import HeadChainProposer
-    from mtptrain.engine.verify import Sampling
-    from mtptrain.eval.methods import build_configs
-    from mtptrain.eval.prompts import load_prompts
-    from mtptrain.heads.checkpoint import PRETRAINED_HEAD
-    from mtptrain.heads.eagle3 import Eagle3Head
     from mtptrain.runtime.linears import fast_linears, product_for
-    from mtptrain.runtime.runner import open_runner, runtime_description, runtime_for
-    from mtptrain.target import load_target
+    from mtptrain.runtime.runner import runtime_description
 
-    model = [f"target.model={args.model}"] if args.model else []
-    recipe = load_recipe(None, ["eval.methods=[chain]", "eval.k=[3]", f"eval.head={args.head or PRETRAINED_HEAD}",
-                                f"target.dtype={args.target_dtype}", *model])
-    target = load_target(recipe.target)
-    _, info, _, modules = build_configs(recipe, target, Sampling())
-    head, spec = modules[0], info.spec
-    if not isinstance(head, Eagle3Head):  # the drafting norms it switches are Eagle3Drafting's
-        raise SystemExit(f"{recipe.eval.head} is an {spec.kind} head: this benchmark drafts with EAGLE-3 heads")
-    stops = stop_tokens(target.tokenizer, target.model)
-    prompts = [prompt_ids(target.tokenizer, [{"role": "user", "content": p.turns[0]}])
-               for p in load_prompts("mtbench", args.decode)]
-    runner = open_runner(runtime_for(target.model), spec.family.draft_layers(spec))
-    ways = list(WAYS)
-    results = {way: {"draft": [], "verify": [], "tps": [], "outputs": []} for way in ways}
+    _, target, head, spec, runner, prompts, stops = chain_setup(args)
     print(f"\nchain K=3, int8 drafting weights, {len(prompts)} MT-bench first turns x {args.new_tokens} tokens, "
           f"greedy, {args.decode_repeats} repeats; {runtime_description(runner)}")
-    with fast_linears(*modules, product=product_for("auto", target.model)):
-        proposers = {way: HeadChainProposer(head, spec, int8=True) for way in ways}
-        for way in ways:  # warm-up
-            with norms(way):
-                generate(runner, prompts[0][:16], 8, proposers[way], k=3, eos=stops)
-        for repeat in range(args.decode_repeats):
-            stats = {way: GenerationStats() for way in ways}
-            seconds, tokens = dict.fromkeys(ways, 0.0), dict.fromkeys(ways, 0)
-            for ids in prompts:
-                for way in ways if repeat % 2 == 0 else ways[::-1]:
-                    with norms(way):
-                        start = time.perf_counter()
-                        out = generate(runner, ids, args.new_tokens, proposers[way], k=3, eos=stops)
-                        seconds[way] += time.perf_counter() - start
-                    stats[way].merge(out.stats)
-                    tokens[way] += len(out.tokens)
-                    if repeat == 0:
-                        results[way]["outputs"].append(out.tokens)
-            for way, s in stats.items():
-                results[way]["draft"].append(s.draft_seconds / s.steps * 1e3)
-                results[way]["verify"].append(s.verify_seconds / s.steps * 1e3)
-                results[way]["tps"].append(tokens[way] / seconds[way])
-    print("| norms | draft / verify ms per step | tokens/s (spread) | same outputs as torch's |")
-    print("|---|---|---|---|")
-    for way in ways:
-        r = results[way]
-        same = sum(a == b for a, b in zip(r["outputs"], results["torch"]["outputs"]))
-        print(f"| {way} | {statistics.median(r['draft']):.2f} / {statistics.median(r['verify']):.2f} | "
-              f"{statistics.median(r['tps']):.1f} ({min(r['tps']):.1f}-{max(r['tps']):.1f}) | "
-              f"{same}/{len(prompts)} |")
-    for way in ways[1:]:
-        ratios = [k / t for k, t in zip(results[way]["tps"], results["torch"]["tps"])]
-        print(f"{way} / torch tokens/s: {statistics.median(ratios):.3f}x ({min(ratios):.3f}-{max(ratios):.3f})")
+    with fast_linears(head, product=product_for("auto", target.model)):
+        proposers = {way: HeadChainProposer(head, spec, int8=True) for way in WAYS}
+        results = decode_ways(runner, prompts, proposers, {way: functools.partial(norms, way) for way in WAYS},
+                              args.decode_repeats, args.new_tokens, {"k": 3, "eos": stops})
+    print_ways(results, "norms", "torch")
 
 
 def main() -> None:

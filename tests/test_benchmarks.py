@@ -222,6 +222,25 @@ def test_rms_norm(tiny_target_dir, tiny_head):
     assert re.search(rf"^kernel in drafting / torch tokens/s: {NUM}x \({NUM}-{NUM}\)$", out, re.M)
 
 
+def test_prefetch(tiny_target_dir, tiny_head):
+    """Every row count gets both ways' times and a ratio, the rule says what it chooses, and the decoding ways run
+    the chain at temperature 1 with the same outputs (prefetching changes no product's result)."""
+    out = run_benchmark("prefetch.py", "--rows", 1, 4, 8, "--pairs", 3, "--decode", 2, "--decode-repeats", 2,
+                        "--new-tokens", 8, "--model", tiny_target_dir, "--head", tiny_head, "--target-dtype", "float32",
+                        "--from", 2, 9, "--temperature", 1, "--stop", 0.3)
+    rows = table(out, rf"^\| (?P<name>\d+) \| (?P<ahead>{NUM}) \| (?P<none>{NUM}) \| (?P<ratio>{NUM}) \| "
+                      rf"(?P<low>{NUM})-(?P<high>{NUM}) \|$")
+    assert list(rows) == ["1", "4", "8"]
+    assert all(positive(v) for row in rows.values() for k, v in row.items() if k != "name")
+    assert re.search(r"^the rule's choice: (passes of (2|5|9) or more rows prefetch|none \(the control's ratio is "
+                     r"off 1: too noisy to choose\))$", out, re.M)
+    ways = table(out, rf"^\| (?P<name>from \d+) \| (?P<draft>{NUM}) / (?P<verify>{NUM}) \| "
+                      rf"(?P<tps>{NUM}) \((?P<low>{NUM})-(?P<high>{NUM})\) \| (?P<same>\d+)/2 \|$")
+    assert list(ways) == ["from 2", "from 9"] and ways["from 9"]["same"] == "2"
+    assert all(positive(way[k]) for way in ways.values() for k in ("draft", "verify", "tps"))
+    assert re.search(rf"^from 9 / from 2 tokens/s: {NUM}x \({NUM}-{NUM}\)$", out, re.M)
+
+
 def test_stage_speed(varied_target_dir, tmp_path):
     """Both stages on the runtime and on the former path; in float32 the regenerated answers are the same."""
     out = run_benchmark("stage_speed.py", "--conversations", 6, "--regenerate-conversations", 6, "--rounds", 1,
