@@ -58,7 +58,7 @@ from mtptrain.io import cache_root, read_machine_cache, store_machine_cache
 from mtptrain.machine import cpu_sample, describe_cpu, other_load
 from mtptrain.runtime.attention import (ATTENTION, F32_CACHE, attention_kernels, batch_attention, batch_mask,
                                         causal_mask, row_attention, usable)
-from mtptrain.runtime.native_kernels import extension_name
+from mtptrain.runtime.native_kernels import extension_name, prefetching_from
 from mtptrain.runtime.products import PRODUCTS, Product, products, usable_product
 
 log = logging.getLogger(__name__)
@@ -309,7 +309,8 @@ def measure(config) -> tuple[dict, str]:
 
 
 def _store(key: str, entry: dict) -> None:
-    store_machine_cache(cache_path(), key, entry, _entry_problem, "the runtime's measured choice", log)
+    store_machine_cache(cache_path(), key, entry, _entry_problem, "the runtime's measured choice", log,
+                        keep=lambda known: known.startswith(f"v{VERSION}|"))  # other versions' entries dropped
 
 
 def agree(config, device: torch.device) -> None:
@@ -335,6 +336,11 @@ def agree(config, device: torch.device) -> None:
 
 
 def _measure_kernels(config) -> dict:
+    with prefetching_from(2):  # the kernel's default, whatever a decoder of this process set (runtime/prefetch.py)
+        return _measured_kernels(config)
+
+
+def _measured_kernels(config) -> dict:
     timings = {}
     for name in ("float32", "bfloat16"):
         dtype = getattr(torch, name)

@@ -293,6 +293,22 @@ def prefetch_from_kernel() -> Callable[[int], None] | None:
     return None if module is None else module.blocked_prefetch_from
 
 
+@contextlib.contextmanager
+def prefetching_from(rows: int) -> Iterator[None]:
+    """Passes of at least `rows` rows prefetch within the block (`prefetch_from_kernel`), whatever a decoder set
+    before; the setting found is restored after. Nothing where the extension does not build."""
+    module = extension()
+    if module is None:
+        yield
+        return
+    found = module.blocked_prefetching_from()
+    module.blocked_prefetch_from(rows)
+    try:
+        yield
+    finally:
+        module.blocked_prefetch_from(found)
+
+
 @functools.cache
 def int8_linear_kernel() -> Callable[..., torch.Tensor] | None:
     """`int8_linear(x, blocks, scales, bias, out_features) -> x @ (scales[:, None] * q).T + bias` for x of float32

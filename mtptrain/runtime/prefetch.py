@@ -15,7 +15,8 @@ CONTROL_TOLERANCE of 1, else the machine was too noisy to choose and the default
 
 The rule: passes of up to 4 rows stop prefetching where the 4-token forwards ran at most NO_PREFETCH_BELOW of
 their time without it, and then passes of up to 8 rows too where the 8-token forwards did; passes of more rows
-(a batch's, a large tree's) keep it. The answer is `prefetch_from`, the fewest rows of a pass that prefetches: 2
+(a batch's 12-row passes, the 11 rows of a 10-node tree) keep it; a draft head's products run with the setting
+its target's forward left. The answer is `prefetch_from`, the fewest rows of a pass that prefetches: 2
 (every pass of several rows, the kernel's default), 5 or 9. It changes no product's result, only its speed.
 
 Cached in `<cache_root>/runtime-prefetch.json` under runtime/choice.py's machine key and the model's dtype and
@@ -23,16 +24,19 @@ product, checked before use as that cache is; a measurement while other processe
 cores busy serves its process only, and where they were busy before it began (LOAD_PROBE_S) nothing is timed: the
 default serves that process. Models whose weights are under MIN_WEIGHT_BYTES sit in the caches (nothing
 streams from memory): they keep the default without a measurement. A first load measures within LOAD_BUDGET_S
-seconds of forwards (about 4 s for SmolLM2-135M); a model too slow for MIN_PAIRS pairs in that time keeps the
-default until `mtptrain measure` times it with a longer budget.
+seconds of forwards (about 4.5 s for SmolLM2-135M); a model too slow for MIN_PAIRS pairs in that time keeps the
+default until `mtptrain measure` times it with a longer budget. A measurement that fails (a model whose forwards
+refuse the timed context) keeps the default, with one warning.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import statistics
 import time
+from typing import Iterator
 
 import torch
 
@@ -40,7 +44,7 @@ from mtptrain.io import cache_root, read_machine_cache, store_machine_cache
 from mtptrain.machine import cpu_sample, other_load
 from mtptrain.runtime.cache import KVCache, NoCache
 from mtptrain.runtime.choice import MAX_OTHER_LOAD, machine_key, measuring_alone
-from mtptrain.runtime.native_kernels import prefetch_from_kernel
+from mtptrain.runtime.native_kernels import prefetch_from_kernel, prefetching_from
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +72,12 @@ def cache_path():
     return cache_root() / "runtime-prefetch.json"
 
 
+VERSION = 1  # of the timing and the rule: a cached answer of another version is measured again
+
+
 def decoder_key(decoder) -> str:
-    return "|".join([machine_key(decoder.config), str(decoder.dtype).removeprefix("torch."), decoder.product])
+    return "|".join([machine_key(decoder.config), str(decoder.dtype).removeprefix("torch."), decoder.product,
+                     f"prefetch-v{VERSION}"])
 
 
 def weight_bytes(decoder) -> int:
@@ -109,7 +117,13 @@ def prefetch_from(decoder) -> int:
         known = _read_cache(cache_path(), quiet=True)
         if key in known:
             return known[key]["from"]
-        return measure(decoder, LOAD_BUDGET_S)[0]
+        try:
+            return measure(decoder, LOAD_BUDGET_S)[0]
+        except Exception as exc:  # speed only: the default serves where it cannot be timed
+            log.warning("the products' prefetch keeps its default (from %d rows): timing it failed (%s: %s)",
+                        DEFAULT_FROM, type(exc).__name__, exc)
+            _SETTLED[str(cache_path()), key] = DEFAULT_FROM
+            return DEFAULT_FROM
 
 
 def invalid_entry(entry: object) -> str | None:
@@ -151,7 +165,11 @@ def time_pairs(decoder, rows_timed, pairs: int) -> dict[int, dict[str, list[floa
     """rows -> {"ahead", "none": seconds, "ratios": none / ahead} of each of `pairs` pairs of `decoder`'s forwards
     of that many new tokens after CONTEXT cached positions, prefetching from 2 rows (ahead) and never (NEVER); the
     pairs of all row counts interleaved, and each pair's first way alternating."""
-    kept = decoder.prefetch_from  # the decoder sets it before each forward
+    with prefetching_from(DEFAULT_FROM), _restored(decoder):  # the kernel's setting and the decoder's as found
+        return _pairs(decoder, rows_timed, pairs)
+
+
+def _pairs(decoder, rows_timed, pairs: int) -> dict[int, dict[str, list[float]]]:
     vocab = decoder.embed.shape[0]
     generator = torch.Generator().manual_seed(0)
     cache = KVCache(decoder.num_layers, 1, decoder.kv_heads, decoder.head_dim, CONTEXT + max(rows_timed),
@@ -169,22 +187,27 @@ def time_pairs(decoder, rows_timed, pairs: int) -> dict[int, dict[str, list[floa
         return time.perf_counter() - began
 
     timed = {rows: {"ahead": [], "none": [], "ratios": []} for rows in rows_timed}
+    for _ in range(WARM_UP):  # first calls: allocations, and the caches and the clock settling
+        for rows in rows_timed:
+            forward(rows, DEFAULT_FROM), forward(rows, NEVER)
+    for pair in range(pairs):
+        for rows in rows_timed:
+            if pair % 2 == 0:
+                ahead, none = forward(rows, DEFAULT_FROM), forward(rows, NEVER)
+            else:
+                none, ahead = forward(rows, NEVER), forward(rows, DEFAULT_FROM)
+            for name, value in (("ahead", ahead), ("none", none), ("ratios", none / ahead)):
+                timed[rows][name].append(value)
+    return timed
+
+
+@contextlib.contextmanager
+def _restored(decoder) -> Iterator[None]:
+    kept = decoder.prefetch_from
     try:
-        for _ in range(WARM_UP):  # first calls: allocations, and the caches and the clock settling
-            for rows in rows_timed:
-                forward(rows, DEFAULT_FROM), forward(rows, NEVER)
-        for pair in range(pairs):
-            for rows in rows_timed:
-                if pair % 2 == 0:
-                    ahead, none = forward(rows, DEFAULT_FROM), forward(rows, NEVER)
-                else:
-                    none, ahead = forward(rows, NEVER), forward(rows, DEFAULT_FROM)
-                for name, value in (("ahead", ahead), ("none", none), ("ratios", none / ahead)):
-                    timed[rows][name].append(value)
+        yield
     finally:
         decoder.prefetch_from = kept
-        prefetch_from_kernel()(DEFAULT_FROM if kept is None else kept)
-    return timed
 
 
 def measure(decoder, budget_s: float = MEASURE_BUDGET_S) -> tuple[int, str]:
@@ -204,6 +227,7 @@ def measure(decoder, budget_s: float = MEASURE_BUDGET_S) -> tuple[int, str]:
     if pairs < MIN_PAIRS:
         log.info("the products' prefetch keeps its default (from %d rows): %d pairs of forwards would take %.0f s; "
                  "`mtptrain measure` times them with a longer budget", DEFAULT_FROM, MIN_PAIRS, MIN_PAIRS * per_pair)
+        _SETTLED[str(cache_path()), key] = DEFAULT_FROM
         return DEFAULT_FROM, "too slow"
     busy = _busy()
     if busy is not None and busy > MAX_OTHER_LOAD:
@@ -246,10 +270,11 @@ def _busy() -> float | None:
 def _one_token_seconds(decoder) -> float:
     """A one-token forward's seconds (the second of two), which streams every weight once."""
     ids, positions = torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long)
-    for _ in range(2):
-        began = time.perf_counter()
-        decoder.forward(ids, positions, NoCache(), 0, None)
-    return time.perf_counter() - began
+    with prefetching_from(DEFAULT_FROM):  # as found after
+        for _ in range(2):
+            began = time.perf_counter()
+            decoder.forward(ids, positions, NoCache(), 0, None)
+        return time.perf_counter() - began
 
 
 def describe(rows: int) -> str:

@@ -3,6 +3,7 @@ changes no product's result, bit for bit; the decoder sets its own before each f
 ratios as documented; the measurement on a model's forwards is cached only when it can be trusted, and a cached
 entry is checked before use."""
 
+import functools
 import json
 import logging
 
@@ -26,6 +27,7 @@ def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("MTPTRAIN_CACHE", str(tmp_path))
     monkeypatch.setattr(prefetch, "other_load", lambda start, end: 0.0)  # a quiet machine unless a test says not
     monkeypatch.setattr(prefetch, "_SETTLED", {})
+    monkeypatch.setattr(prefetch, "_one_token_seconds", lambda decoder: 1e-3)  # 40 pairs fit any budget used here
     yield tmp_path / "runtime-prefetch.json"
     extension().blocked_prefetch_from(prefetch.DEFAULT_FROM)
 
@@ -83,7 +85,7 @@ def test_the_rule_reads_the_ratios_as_documented(ratios, chosen):
     assert prefetch.rule(ratios) == chosen
 
 
-def test_the_decoder_sets_its_own_prefetch_before_each_forward(decoder):
+def test_the_decoder_sets_its_own_prefetch_before_each_forward(decoder, cache):
     ids, positions = torch.zeros(1, 3, dtype=torch.long), torch.arange(3)[None]
     for start in (9, 5, prefetch.DEFAULT_FROM):
         decoder.prefetch_from = start
@@ -93,10 +95,11 @@ def test_the_decoder_sets_its_own_prefetch_before_each_forward(decoder):
     assert decoder.describe().endswith(f"prefetch from {prefetch.DEFAULT_FROM} rows")
 
 
-def test_timing_pairs_leaves_the_decoder_as_it_was_and_times_every_row_count(decoder, cache):
+def test_timing_pairs_leaves_the_decoder_and_the_kernel_as_they_were_and_times_every_row_count(decoder, cache):
     decoder.prefetch_from = 5
+    extension().blocked_prefetch_from(9)
     timed = prefetch.time_pairs(decoder, (1, 4), 3)
-    assert decoder.prefetch_from == 5 and extension().blocked_prefetching_from() == 5
+    assert decoder.prefetch_from == 5 and extension().blocked_prefetching_from() == 9
     assert set(timed) == {1, 4}
     for t in timed.values():
         assert len(t["ahead"]) == len(t["none"]) == len(t["ratios"]) == 3
@@ -112,13 +115,12 @@ def test_a_model_that_sits_in_the_caches_keeps_the_default_unmeasured(decoder, c
 
 def test_a_measurement_is_cached_and_then_used_as_it_is(decoder, cache, monkeypatch):
     monkeypatch.setattr(prefetch, "MIN_WEIGHT_BYTES", 0)
+    monkeypatch.setattr(prefetch, "time_pairs", _timed({1: 1.0, 4: 0.9, 8: 0.99}))
     chosen, source = prefetch.measure(decoder, budget_s=30)
-    if source == "noisy":  # a real timing: the control pair may come out uneven on a busy machine
-        assert chosen == prefetch.DEFAULT_FROM and not cache.exists()
-        return
-    assert source == "measured" and chosen in prefetch.CHOICES
+    assert (chosen, source) == (5, "measured")
     entry = json.loads(cache.read_text())[prefetch.decoder_key(decoder)]
-    assert prefetch.invalid_entry(entry) is None and entry["from"] == chosen
+    assert prefetch.invalid_entry(entry) is None and entry["from"] == 5 and entry["pairs"] == prefetch.PAIRS
+    assert entry["ratios"] == {"1": 1.0, "4": 0.9, "8": 0.99}
     monkeypatch.setattr(prefetch, "time_pairs", lambda *args: pytest.fail("measured again"))
     assert prefetch.prefetch_from(decoder) == chosen
 
@@ -138,6 +140,31 @@ def test_a_measurement_under_load_serves_its_process_and_is_never_cached(decoder
     assert "this choice serves this run only" in caplog.text and not cache.exists()
     monkeypatch.setattr(prefetch, "time_pairs", lambda *args: pytest.fail("measured again"))
     assert prefetch.prefetch_from(decoder) == 9  # what this process settled on
+
+
+def test_a_timing_that_fails_keeps_the_default_with_a_warning(decoder, cache, monkeypatch, caplog):
+    monkeypatch.setattr(prefetch, "MIN_WEIGHT_BYTES", 0)
+
+    def fails(*args):
+        raise ValueError("context of 264 tokens is longer than the model's sliding window (128)")
+
+    monkeypatch.setattr(prefetch, "time_pairs", fails)
+    with caplog.at_level(logging.WARNING):
+        assert prefetch.prefetch_from(decoder) == prefetch.DEFAULT_FROM
+    assert "timing it failed (ValueError: context of 264 tokens" in caplog.text and not cache.exists()
+    monkeypatch.setattr(prefetch, "time_pairs", lambda *args: pytest.fail("timed again"))
+    assert prefetch.prefetch_from(decoder) == prefetch.DEFAULT_FROM  # settled for the process
+
+
+def test_the_kernels_choice_is_timed_under_the_kernels_default_whatever_a_decoder_set(monkeypatch, cache):
+    from mtptrain.runtime import choice
+
+    seen = []
+    monkeypatch.setattr(choice, "_measured_kernels", lambda config: seen.append(
+        extension().blocked_prefetching_from()) or {})
+    extension().blocked_prefetch_from(9)
+    choice._measure_kernels(None)
+    assert seen == [prefetch.DEFAULT_FROM] and extension().blocked_prefetching_from() == 9
 
 
 def test_a_busy_machine_is_not_timed_and_keeps_the_default_in_this_process(decoder, cache, monkeypatch):
@@ -160,6 +187,9 @@ def test_a_model_too_slow_to_time_within_the_budget_keeps_the_default(decoder, c
     monkeypatch.setattr(prefetch, "MIN_WEIGHT_BYTES", 0)
     monkeypatch.setattr(prefetch, "time_pairs", lambda *args: pytest.fail("timed"))
     assert prefetch.measure(decoder, budget_s=1e-6) == (prefetch.DEFAULT_FROM, "too slow")
+    monkeypatch.setattr(prefetch, "LOAD_BUDGET_S", 1e-6)
+    monkeypatch.setattr(prefetch, "_one_token_seconds", lambda decoder: pytest.fail("timed again"))
+    assert prefetch.prefetch_from(decoder) == prefetch.DEFAULT_FROM  # settled for the process
 
 
 @pytest.mark.parametrize("entry,why", [
@@ -218,8 +248,14 @@ def test_mtptrain_measure_times_the_prefetch_on_the_targets_forwards_and_caches_
     assert done.exit_code == 0, done.output
     assert "products' prefetch: passes of 9 or more rows (measured)" in done.output and str(cache) in done.output
     assert [entry["from"] for entry in json.loads(cache.read_text()).values()] == [9]
-    monkeypatch.setattr(prefetch, "other_load", lambda start, end: 1.0)  # now under load: exit 1, nothing cached
+    measure = prefetch.measure
+    monkeypatch.setattr(prefetch, "measure", functools.partial(measure, budget_s=1e-6))  # a target too slow to time
     cache.unlink()
+    done = CliRunner().invoke(app, args)
+    assert done.exit_code == 0 and "(too slow)" in done.output and "the default stays" in done.output
+    assert not cache.exists()
+    monkeypatch.setattr(prefetch, "measure", measure)
+    monkeypatch.setattr(prefetch, "other_load", lambda start, end: 1.0)  # now busy: exit 1, nothing cached
     done = CliRunner().invoke(app, args)
     assert done.exit_code == 1 and "(busy)" in done.output and not cache.exists()
     assert "the products' prefetch was not cached" in done.output

@@ -51,11 +51,11 @@ constexpr int ROW_BLOCK = 12;   // rows per pass over a group's weights, at most
 // measured on a 2-core AMD EPYC Zen 5, SmolLM2-135M's 121 products in bfloat16, interleaved: 1 row 4.07 ms both
 // ways, 4 rows 5.30 -> 4.84, 8 rows 6.57 -> 5.05, 12 rows 8.14 -> 5.27, 160 rows 50.4 -> 46.4; on a Zen 4 the
 // same model's whole verification forwards ran faster without it (none / ahead, medians of paired calls: 2 rows
-// 0.90, 4 rows 0.88-0.94, 8 rows 0.92-0.98, 12 rows 1.01, 16 rows 1.03). So passes of at least `prefetch_from`
-// rows prefetch (2 by default: every pass of several rows), set by the runtime from its own measurement of the
-// loaded model's verification steps (runtime/prefetch.py). One-row passes never prefetch (it cost 1-5% on the
-// Zen 5). The rows a pass multiplies never change its sums, only its speed. Prefetching past a tensor's end is
-// harmless (a prefetch does not fault).
+// 0.90, 4 rows 0.88-0.94, 8 rows 0.92-0.98, 10 rows 0.83-0.84; 11 and 12 rows 0.96-1.03: docs/runtime.md). So
+// passes of at least `prefetch_from` rows prefetch (2 by default: every pass of several rows), set by the runtime
+// from its own measurement of the loaded model's verification steps (runtime/prefetch.py). One-row passes never
+// prefetch (it cost 1-5% on the Zen 5). Prefetching never changes a pass's sums, only its speed. Prefetching past
+// a tensor's end is harmless (a prefetch does not fault).
 constexpr int64_t PREFETCH_AHEAD = 8192;
 std::atomic<int64_t> prefetch_from{2};  // set by blocked_prefetch_from (process-wide)
 template <int RB, bool AHEAD = true>
