@@ -12,8 +12,10 @@ import os
 import platform
 import resource
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Iterator, TypeVar
 
 import torch
 
@@ -163,3 +165,21 @@ def _process_cpu(proc: Path, pid: int) -> float:
         return 0.0
     # After the command name comes field 3 of proc(5), state; utime, stime, cutime and cstime are fields 14-17.
     return sum(int(v) for v in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
+T = TypeVar("T")
+
+
+@contextmanager
+def holding(get: Callable[[], T], put: Callable[[T], None], value: T | None) -> Iterator[None]:
+    """A process-wide setting (read by `get`, written by `put`: torch's CPU threads, the products' prefetch) at
+    `value` within the block, and as it was found after; None leaves it as it is."""
+    if value is None:
+        yield
+        return
+    found = get()
+    put(value)
+    try:
+        yield
+    finally:
+        put(found)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,7 +41,7 @@ from mtptrain.export.source import read_head_config_of
 from mtptrain.errors import MtptrainError
 from mtptrain.heads.checkpoint import head_directory, weights_digest
 from mtptrain.io import atomic_write_json
-from mtptrain.machine import cpu_sample, describe_cpu, other_load
+from mtptrain.machine import cpu_sample, describe_cpu, holding, other_load
 from mtptrain.runtime.linears import fast_linears, product_for
 from mtptrain.runtime.runner import Runner, open_runner, runtime_description, runtime_for
 from mtptrain.target import load_target
@@ -267,18 +266,9 @@ def _warm_up(configs, kept, runners, ids, ev, sampling, stops) -> None:
                      k=c.k or 1, sampling=sampling, eos=stops, seed=0)
 
 
-@contextmanager
 def _threads(count: int | None):
     """torch's CPU threads set to `count` within the block (None: unchanged)."""
-    if count is None:
-        yield
-        return
-    previous = torch.get_num_threads()
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
+    return holding(torch.get_num_threads, torch.set_num_threads, count)
 
 
 def _machine(target, runner: Runner, product: str, start, end) -> dict:

@@ -38,12 +38,12 @@ import logging
 import platform
 import sysconfig
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, ContextManager, Iterator
 
 import torch
 
 from mtptrain.io import atomic_write_json, cache_root, sha256_file
-from mtptrain.machine import cpu_flags
+from mtptrain.machine import cpu_flags, holding
 
 log = logging.getLogger(__name__)
 
@@ -293,20 +293,13 @@ def prefetch_from_kernel() -> Callable[[int], None] | None:
     return None if module is None else module.blocked_prefetch_from
 
 
-@contextlib.contextmanager
-def prefetching_from(rows: int) -> Iterator[None]:
+def prefetching_from(rows: int) -> ContextManager[None]:
     """Passes of at least `rows` rows prefetch within the block (`prefetch_from_kernel`), whatever a decoder set
     before; the setting found is restored after. Nothing where the extension does not build."""
     module = extension()
     if module is None:
-        yield
-        return
-    found = module.blocked_prefetching_from()
-    module.blocked_prefetch_from(rows)
-    try:
-        yield
-    finally:
-        module.blocked_prefetch_from(found)
+        return contextlib.nullcontext()
+    return holding(module.blocked_prefetching_from, module.blocked_prefetch_from, rows)
 
 
 @functools.cache
