@@ -136,7 +136,7 @@ def store_machine_cache(path: Path, key: str, entry: dict, invalid: Callable[[ob
     """`entry` under `key` in a per-machine cache file (`read_machine_cache`, whose entries `keep` does not keep
     are dropped), written atomically; a cache that cannot be written (a read-only home) gets one warning: `what` is
     measured again next time."""
-    known = read_machine_cache(path, invalid, what, log, quiet=True, keep=keep)  # what did not validate was said when it was read
+    known = read_machine_cache(path, invalid, what, log, quiet=True, keep=keep)  # said when it was read
     known[key] = entry
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
