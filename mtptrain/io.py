@@ -115,7 +115,7 @@ def read_machine_cache(path: Path, invalid: Callable[[object], str | None], what
         known = json.loads(path.read_text())
     except FileNotFoundError:
         return {}
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:  # RecursionError: nested past the parser's depth
         warn("%s cannot be read (%s): %s measured again", path, exc, what)
         return {}
     if not isinstance(known, dict):

@@ -55,7 +55,7 @@ def test_a_change_to_the_kernels_sources_is_measured_again(cache, monkeypatch, t
 
 
 @pytest.mark.parametrize("content", [
-    "null", "[]", '"abc"', "{not json",
+    "null", "[]", '"abc"', "{not json", "[" * 100_000,  # the last nested past the JSON parser's depth
     json.dumps({"@KEY": None}),
     json.dumps({"@KEY": {"timings": {"float32": {}}}}),  # fields missing: once `min() arg is an empty sequence`
     json.dumps({"@KEY": {"timings": _timings({"turbo": 0.1})}}),  # a kernel that does not exist: once a KeyError

@@ -213,7 +213,7 @@ def test_a_cached_entry_that_does_not_validate_is_dropped_and_measured_again(dec
     assert json.loads(cache.read_text())[key]["from"] == 5
 
 
-@pytest.mark.parametrize("content", ["{not json", "[1, 2]"])
+@pytest.mark.parametrize("content", ["{not json", "[1, 2]", "[" * 100_000], ids=["cut", "list", "nested"])
 def test_an_unreadable_cache_is_measured_again(decoder, cache, monkeypatch, caplog, content):
     monkeypatch.setattr(prefetch, "MIN_WEIGHT_BYTES", 0)
     cache.write_text(content)
