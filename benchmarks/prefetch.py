@@ -21,7 +21,6 @@ eval.chain.draft_temperatures and eval.chain.stops do.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import statistics
 
@@ -70,16 +69,6 @@ def forwards(args: argparse.Namespace, decoder) -> None:
                                    else f"passes of {prefetch.describe(chosen)} prefetch"))
 
 
-@contextlib.contextmanager
-def prefetching(decoder, start: int):
-    kept = decoder.prefetch_from
-    decoder.prefetch_from = start
-    try:
-        yield
-    finally:
-        decoder.prefetch_from = kept
-
-
 def decode(args: argparse.Namespace, runner, target, head, spec, prompts, stops) -> None:
     from mtptrain.engine.head_chain import HeadChainProposer
     from mtptrain.engine.verify import Sampling
@@ -87,7 +76,7 @@ def decode(args: argparse.Namespace, runner, target, head, spec, prompts, stops)
 
     sampling = Sampling(args.temperature)
     drafting = sampling if sampling.greedy else Sampling(args.draft_temperature)
-    ways = {f"from {s}": functools.partial(prefetching, runner.decoder, s) for s in args.starts}
+    ways = {f"from {s}": functools.partial(prefetch.decoder_prefetching, runner.decoder, s) for s in args.starts}
     at = "greedy" if sampling.greedy else (f"T {args.temperature:g}, drafting at {args.draft_temperature:g}"
                                           f"{f', stop {args.stop:g}' if args.stop else ''}")
     print(f"\nchain K=3, int8 drafting weights, {len(prompts)} MT-bench first turns x {args.new_tokens} tokens, {at}, "

@@ -63,6 +63,7 @@ LOAD_BUDGET_S = 6.0
 MEASURE_BUDGET_S = 120.0  # `mtptrain measure`
 MIN_WEIGHT_BYTES = 64 << 20
 LOAD_PROBE_S = 0.3  # how long the cores are watched before timing: a busy machine is not timed at all
+VERSION = 1  # of the timing and the rule: a cached answer of another version is measured again
 
 # key -> the rows this process settled on outside the cache (measured under load, or too noisy to choose)
 _SETTLED: dict[tuple[str, str], int] = {}
@@ -72,7 +73,9 @@ def cache_path():
     return cache_root() / "runtime-prefetch.json"
 
 
-VERSION = 1  # of the timing and the rule: a cached answer of another version is measured again
+def _slot(key: str) -> tuple[str, str]:
+    """Where `_SETTLED` keeps this process's answer for `key` (per cache file: a test or a run may move it)."""
+    return str(cache_path()), key
 
 
 def decoder_key(decoder) -> str:
@@ -96,9 +99,9 @@ def _bytes(value) -> int:
 
 
 def applies(decoder) -> bool:
-    """Whether `decoder`'s forwards run products whose prefetch this module sets: the runtime's own, on a CPU."""
-    return decoder.device.type == "cpu" and decoder.product in ("native", "int8") and \
-        prefetch_from_kernel() is not None
+    """Whether `decoder`'s forwards run the product whose prefetch this module sets: the runtime's own, on a CPU
+    (a target never runs the int8 product)."""
+    return decoder.device.type == "cpu" and decoder.product == "native" and prefetch_from_kernel() is not None
 
 
 def prefetch_from(decoder) -> int:
@@ -108,8 +111,8 @@ def prefetch_from(decoder) -> int:
     if not applies(decoder) or weight_bytes(decoder) < MIN_WEIGHT_BYTES:
         return DEFAULT_FROM
     key = decoder_key(decoder)
-    if (str(cache_path()), key) in _SETTLED:
-        return _SETTLED[str(cache_path()), key]
+    if _slot(key) in _SETTLED:
+        return _SETTLED[_slot(key)]
     known = _read_cache(cache_path())
     if key in known:
         return known[key]["from"]
@@ -122,7 +125,7 @@ def prefetch_from(decoder) -> int:
         except Exception as exc:  # speed only: the default serves where it cannot be timed
             log.warning("the products' prefetch keeps its default (from %d rows): timing it failed (%s: %s)",
                         DEFAULT_FROM, type(exc).__name__, exc)
-            _SETTLED[str(cache_path()), key] = DEFAULT_FROM
+            _SETTLED[_slot(key)] = DEFAULT_FROM
             return DEFAULT_FROM
 
 
@@ -165,7 +168,7 @@ def time_pairs(decoder, rows_timed, pairs: int) -> dict[int, dict[str, list[floa
     """rows -> {"ahead", "none": seconds, "ratios": none / ahead} of each of `pairs` pairs of `decoder`'s forwards
     of that many new tokens after CONTEXT cached positions, prefetching from 2 rows (ahead) and never (NEVER); the
     pairs of all row counts interleaved, and each pair's first way alternating."""
-    with prefetching_from(DEFAULT_FROM), _restored(decoder):  # the kernel's setting and the decoder's as found
+    with prefetching_from(DEFAULT_FROM), decoder_prefetching(decoder, decoder.prefetch_from):  # both as found after
         return _pairs(decoder, rows_timed, pairs)
 
 
@@ -202,8 +205,11 @@ def _pairs(decoder, rows_timed, pairs: int) -> dict[int, dict[str, list[float]]]
 
 
 @contextlib.contextmanager
-def _restored(decoder) -> Iterator[None]:
+def decoder_prefetching(decoder, start: int | None) -> Iterator[None]:
+    """`decoder`'s forwards prefetch from `start` rows within the block (None: they leave the kernel's setting
+    alone), and as they did after."""
     kept = decoder.prefetch_from
+    decoder.prefetch_from = start
     try:
         yield
     finally:
@@ -227,13 +233,13 @@ def measure(decoder, budget_s: float = MEASURE_BUDGET_S) -> tuple[int, str]:
     if pairs < MIN_PAIRS:
         log.info("the products' prefetch keeps its default (from %d rows): %d pairs of forwards would take %.0f s; "
                  "`mtptrain measure` times them with a longer budget", DEFAULT_FROM, MIN_PAIRS, MIN_PAIRS * per_pair)
-        _SETTLED[str(cache_path()), key] = DEFAULT_FROM
+        _SETTLED[_slot(key)] = DEFAULT_FROM
         return DEFAULT_FROM, "too slow"
     busy = _busy()
     if busy is not None and busy > MAX_OTHER_LOAD:
         log.info("the products' prefetch keeps its default (from %d rows) in this process: other processes keep "
                  "%.2f cores busy, and it is timed when the target loads on a quiet machine", DEFAULT_FROM, busy)
-        _SETTLED[str(cache_path()), key] = DEFAULT_FROM
+        _SETTLED[_slot(key)] = DEFAULT_FROM
         return DEFAULT_FROM, "busy"
     before = cpu_sample()
     ratios = {rows: statistics.median(t["ratios"]) for rows, t in time_pairs(decoder, rows_timed, pairs).items()}
@@ -244,16 +250,16 @@ def measure(decoder, budget_s: float = MEASURE_BUDGET_S) -> tuple[int, str]:
         log.warning("the products' prefetch keeps its default (from %d rows): forwards that run the same "
                     "instructions both ways differed by %.1f%% (none / ahead: %s); run `mtptrain measure` on a quiet "
                     "machine", DEFAULT_FROM, 100 * abs(ratios[CONTROL_ROWS] - 1), shown)
-        _SETTLED[str(cache_path()), key] = DEFAULT_FROM
+        _SETTLED[_slot(key)] = DEFAULT_FROM
         return DEFAULT_FROM, "noisy"
     log.info("measured the products' prefetch on the model's forwards (none / ahead, medians of %d pairs: %s): "
              "passes of %s prefetch", pairs, shown, describe(chosen))
     if load is not None and load > MAX_OTHER_LOAD:
         log.warning("the products' prefetch was timed while other processes kept %.2f cores busy: this choice serves "
                     "this run only and is not cached", load)
-        _SETTLED[str(cache_path()), key] = chosen
+        _SETTLED[_slot(key)] = chosen
         return chosen, "measured under load"
-    _SETTLED.pop((str(cache_path()), key), None)
+    _SETTLED.pop(_slot(key), None)
     _store(key, {"from": chosen, "ratios": {str(rows): round(r, 4) for rows, r in ratios.items()}, "pairs": pairs,
                  "other_load": load, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
     return chosen, "measured"
