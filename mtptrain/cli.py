@@ -376,7 +376,6 @@ def measure(recipe: RecipeOpt = None, overrides: SetOpt = None) -> None:
     from mtptrain.io import cache_root
     from mtptrain.runtime.dtype import measure_again
     from mtptrain.runtime import prefetch
-    from mtptrain.runtime.prefetch import describe
     from mtptrain.runtime.runner import measure_prefetch
     from mtptrain.target import load_config, load_target
 
@@ -389,7 +388,7 @@ def measure(recipe: RecipeOpt = None, overrides: SetOpt = None) -> None:
         raise typer.Exit(1)
     typer.echo(f"cached in {cache_root() / 'runtime-choice.json'}")
     rows, source = _guarded(lambda: measure_prefetch(load_target(cfg.target).model))
-    typer.echo(f"products' prefetch: passes of {describe(rows)} ({source})")
+    typer.echo(f"products' prefetch: passes of {prefetch.describe(rows)} ({source})")
     if source == "too slow":
         typer.echo(f"the target's forwards are too slow to time {prefetch.MIN_PAIRS} pairs of them in "
                    f"{prefetch.MEASURE_BUDGET_S:.0f} s: the default stays")
