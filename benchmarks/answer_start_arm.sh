@@ -38,35 +38,7 @@ if [ -z "$REFERENCE" ]; then
 fi
 
 # every conversation's first request and the first CUT tokens of its answer
-if [ ! -s "$OUT/first-turns.jsonl" ]; then
-  "$PY" - "$REFERENCE" "$OUT/first-turns.tmp" "$CUT" <<'EOF'
-import json, sys
-from pathlib import Path
-from mtptrain.config import load_recipe
-from mtptrain.data.readers import read_jsonl
-from mtptrain.target.loading import load_tokenizer
-source, out, cut = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
-tokenizer = load_tokenizer(load_recipe("recipes/reference.yaml").target)
-kept = 0
-with open(out, "w") as w:
-    for row in read_jsonl(source):  # a damaged line is named by file and line, never guessed at
-        if row.problem:
-            sys.exit(f"error: {row.ref}: {row.problem[0]} ({row.problem[1]}); give a file written by mtptrain regenerate")
-        messages = row.value.get("messages") if isinstance(row.value, dict) else None
-        if not isinstance(messages, list) or not all(isinstance(m, dict) and isinstance(m.get("content"), str)
-                                                     for m in messages):
-            sys.exit(f"error: {row.ref}: not a conversation (a line with a list of role/content messages)")
-        first = next((i for i, m in enumerate(messages) if m.get("role") == "assistant"), None)
-        if first is None:
-            continue
-        ids = tokenizer(messages[first]["content"], add_special_tokens=False)["input_ids"][:cut]
-        answer = {"role": "assistant", "content": tokenizer.decode(ids)}
-        w.write(json.dumps({"id": row.value.get("id", row.ref), "messages": messages[:first] + [answer]}) + "\n")
-        kept += 1
-print(f"{kept} first turns, answers cut at {cut} tokens -> {out}")
-EOF
-  mv "$OUT/first-turns.tmp" "$OUT/first-turns.jsonl"
-fi
+[ -s "$OUT/first-turns.jsonl" ] || "$PY" benchmarks/first_turns.py "$REFERENCE" "$OUT/first-turns.jsonl" --cut "$CUT"
 # about 130 tokens a sample: 10,600 first turns hold a little more than TOKENS in their training split
 DATA=(--set data.source="$OUT/first-turns.jsonl" --set data.regenerated=null
       --set data.max_conversations="${CONVERSATIONS:-10600}"

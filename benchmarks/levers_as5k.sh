@@ -1,11 +1,13 @@
 #!/bin/bash
 # Training levers of issue 39 at equal data, on the side-by-side's store (docs/reference-run.md, "Again with this
 # recipe's method, on 5,000 answer-start first turns"): the first 5,000 ShareGPT first turns answered greedily by the
-# target, answers cut at 64 tokens (benchmarks/answer_start_arm.sh writes them to runs/answer-start/first-turns.jsonl;
-# SOURCE names them). Every arm trains the reference recipe's method at that comparison's settings (Muon at
-# train.lr 4e-3, one epoch, the same seed and data order, engine validation at the end only, the last step
-# exported) with its own overrides, and is evaluated by chain K=3 on the first 40 MT-bench questions and on the 40
-# unseen requests, both turns x 64 tokens, greedy, one repeat. Every stage resumes: rerun the same command.
+# target, answers cut at 64 tokens. SOURCE names them; where it is missing, the script writes it first: `mtptrain
+# regenerate` over the first ROWS (6,100) ShareGPT rows, one turn of 64 tokens, greedy (5,140 conversations; about
+# 15 minutes on a 2-core Zen 4), then benchmarks/first_turns.py. Every arm trains the reference recipe's method at
+# that comparison's settings (Muon at train.lr 4e-3, one epoch, the same seed and data order, engine validation at
+# the end only, the last step exported) with its own overrides, and is evaluated by chain K=3 on the first 40
+# MT-bench questions and on the 40 unseen requests, both turns x 64 tokens, greedy, one repeat. Every stage
+# resumes: rerun the same command.
 #
 #   ARM=control bash benchmarks/levers_as5k.sh
 #   ARM=ema99 EXTRA="--set train.ema_decay=0.99" bash benchmarks/levers_as5k.sh
@@ -18,8 +20,15 @@ PY=${PY:-.venv/bin/python}
 CLI=("$PY" -m mtptrain.cli)
 R=(--recipe recipes/reference.yaml --no-progress --no-wandb)
 read -r -a EXTRA <<< "${EXTRA:-}"
-[ -s "$SOURCE" ] || { echo "error: $SOURCE is missing: run benchmarks/answer_start_arm.sh first" >&2; exit 1; }
 mkdir -p "$OUT"
+if [ ! -s "$SOURCE" ]; then
+  mkdir -p "$(dirname "$SOURCE")"
+  regenerated="${SOURCE%.jsonl}.regenerated.jsonl"
+  "${CLI[@]}" regenerate --recipe recipes/reference.yaml --no-progress --set data.max_conversations="${ROWS:-6100}" \
+    --set regenerate.max_turns=1 --set regenerate.max_new_tokens=64 --set data.regenerated="$regenerated"
+  "$PY" benchmarks/first_turns.py "$regenerated" "$SOURCE" --cut 64
+  rm -rf "$regenerated.states"  # kept for a precompute of whole answers: this store's are cut
+fi
 DATA=(--set data.source="$SOURCE" --set data.regenerated=null --set data.max_conversations=5000
       --set precompute.output_dir="$OUT/features")
 "${CLI[@]}" precompute "${R[@]}" "${DATA[@]}"

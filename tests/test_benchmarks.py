@@ -414,6 +414,40 @@ def test_retokenization_reads_each_stored_answer_without_its_end_marker(tiny_tar
     assert all(t not in tok.all_special_ids for a in answers for t in a)
 
 
+def test_first_turns(tiny_target_dir, tmp_path):
+    """Each conversation's messages up to its first answer, that answer cut to its first --cut tokens; one without
+    an answer left out; a damaged line is named by file and line, and nothing is written for it."""
+    from transformers import AutoTokenizer
+
+    recipe = tmp_path / "recipe.yaml"
+    dump_recipe(load_recipe(None, [f"target.model={tiny_target_dir}"]), recipe)
+    long_answer = "the cat sat on the mat and the dog ran to the hot sun " * 3
+    rows = [{"id": "a", "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+                                     {"role": "assistant", "content": long_answer},
+                                     {"role": "user", "content": "more"}, {"role": "assistant", "content": "ok"}]},
+            {"id": "b", "messages": [{"role": "user", "content": "no answer yet"}]},
+            {"id": "c", "messages": [{"role": "user", "content": "short"}, {"role": "assistant", "content": "yes"}]}]
+    source = tmp_path / "regenerated.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "first-turns.jsonl"
+    printed = run_benchmark("first_turns.py", source, out, "--cut", 5, "--recipe", recipe)
+    assert f"2 first turns, answers cut at 5 tokens -> {out}" in printed
+    written = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in written] == ["a", "c"]
+    assert [m["role"] for m in written[0]["messages"]] == ["system", "user", "assistant"]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
+    ids = tokenizer(long_answer, add_special_tokens=False)["input_ids"]
+    assert len(ids) > 5 and written[0]["messages"][-1]["content"] == tokenizer.decode(ids[:5])
+    assert written[1]["messages"][-1]["content"] == "yes"
+
+    source.write_text(json.dumps(rows[0]) + "\n{not json\n")
+    damaged = tmp_path / "damaged.jsonl"
+    done = subprocess.run([sys.executable, "benchmarks/first_turns.py", str(source), str(damaged), "--recipe",
+                           str(recipe)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and f"{source.name}:2: malformed JSON" in done.stderr
+    assert not damaged.exists() and not damaged.with_name("damaged.jsonl.tmp").exists()
+
+
 def test_ssd(tiny_target_dir, tiny_head):
     """Autoregressive, speculative and speculative speculative decoding with the draft model, all equal to ar-2;
     then the sweeps with the head (each SSD worker is a process of its own: one for each of the three)."""
