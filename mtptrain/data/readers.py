@@ -80,6 +80,8 @@ def read_jsonl(path: Path) -> Iterator[RawRow]:
                 value, problem = json.loads(text), None
             except json.JSONDecodeError as exc:
                 value, problem = None, ("malformed JSON", str(exc))
+            except RecursionError:
+                value, problem = None, ("malformed JSON", "nested past the JSON parser's depth")
             text = None
             yield RawRow(ref, value, problem)
             value = None
@@ -112,6 +114,8 @@ def read_json_array(path: Path) -> Iterator[RawRow]:
             yield RawRow(ref, problem=("file cut off", f"the file ends inside this element "
                                        f"(line {_line(text, pos)}), {len(text) - pos:,} characters not read"))
             return
+        except RecursionError:
+            _broken(path, text, ref, "nested past the JSON parser's depth", pos, cut_short=False)
         yield RawRow(ref, value)
         index += 1
         pos = _skip_ws(text, end)

@@ -40,6 +40,21 @@ def test_jsonl_reports_line_numbers_for_bad_json_and_bad_bytes(tmp_path):
     assert read[3].problem is None
 
 
+def test_json_nested_past_the_parsers_depth_is_a_bad_row_or_a_named_element_not_a_crash(tmp_path):
+    good = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
+    lines = tmp_path / "deep.jsonl"
+    lines.write_text(json.dumps(good) + "\n" + "[" * 100_000 + "\n" + json.dumps(good) + "\n")
+    read = list(read_rows(str(lines)))
+    assert [r.ref for r in read] == ["deep.jsonl:1", "deep.jsonl:2", "deep.jsonl:3"]
+    assert read[1].problem == ("malformed JSON", "nested past the JSON parser's depth")
+    assert read[0].problem is None and read[2].problem is None
+    array = tmp_path / "deep.json"
+    array.write_text("[" + json.dumps(good) + ",\n" + "[" * 100_000 + "]" * 100_000 + "]")
+    with pytest.raises(DataSourceError) as err:
+        list(read_rows(str(array)))
+    assert "deep.json[1]" in str(err.value) and "line 2" in str(err.value) and "depth" in str(err.value)
+
+
 def test_non_utf8_inside_a_json_array_is_a_bad_row_not_a_crash(tmp_path):
     path = tmp_path / "bytes.json"
     path.write_bytes(b'[{"conversations": [{"from": "human", "value": "caf\xe9"}, {"from": "gpt", "value": "ok"}]}]')
