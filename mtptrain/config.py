@@ -779,14 +779,32 @@ class _Alias(yaml.YAMLError):
         self.line = line
 
 
+# A recipe's values nest a few levels (section, subsection, a list of lists); PyYAML composes recursively, so a
+# hostile "[[[[..." thousands deep would end in a RecursionError instead of an error naming the file.
+_MAX_DEPTH = 64
+
+
+class _TooDeep(yaml.YAMLError):
+    def __init__(self, line: int):
+        super().__init__(f"line {line}: nested more than {_MAX_DEPTH} levels deep (a recipe's values nest a few)")
+
+
 class _NoAliasLoader(yaml.SafeLoader):
-    """yaml.SafeLoader that stops at the first alias, before anything is built: composing shares an alias's node,
-    but everything that walks the loaded value (validation, an error message quoting it) expands it."""
+    """yaml.SafeLoader that stops at the first alias, before anything is built (composing shares an alias's node,
+    but everything that walks the loaded value, validation or an error message quoting it, expands it), and at
+    nesting past _MAX_DEPTH."""
 
     def compose_node(self, parent, index):
         if self.check_event(yaml.AliasEvent):
             raise _Alias(self.peek_event().start_mark.line + 1)
-        return super().compose_node(parent, index)
+        depth = getattr(self, "_depth", 0)
+        if depth >= _MAX_DEPTH:
+            raise _TooDeep(self.peek_event().start_mark.line + 1)
+        self._depth = depth + 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth = depth
 
 
 def _load_yaml(text: str) -> Any:

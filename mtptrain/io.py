@@ -77,6 +77,37 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: di
     return {"bytes": 8 + len(head) + offset, "sha256": digest.hexdigest()}
 
 
+class NestedTooDeep(json.JSONDecodeError):
+    """A JSON document nested past the parser's depth: broken JSON like any other (a ValueError), with its message
+    alone (no line and column: the parser stops deep inside)."""
+
+    def __init__(self):
+        super().__init__("nested past the JSON parser's depth", "", 0)
+        self.args = (self.msg,)
+
+
+def load_json(text: str | bytes) -> Any:
+    """json.loads for what a file or a file's metadata holds, which may be hostile: a document nested past the
+    parser's depth (a few thousand "[") fails as other broken JSON does, with a json.JSONDecodeError that every
+    reader already turns into its error naming the file, instead of a RecursionError that none expects."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise NestedTooDeep() from None
+
+
+def read_json_object(path: Path, error: type[Exception], fix: str) -> dict:
+    """The JSON object the file at `path` holds; `error`, naming the file, what is wrong and `fix`, where it cannot
+    be read, is not JSON (nested past the parser's depth included) or holds something else than an object."""
+    try:
+        obj = load_json(Path(path).read_bytes())
+    except (OSError, ValueError) as exc:  # missing, unreadable, not UTF-8, not JSON
+        raise error(f"{path} does not read as JSON ({exc}): {fix}") from None
+    if not isinstance(obj, dict):
+        raise error(f"{path} holds a JSON {type(obj).__name__}, not an object: {fix}")
+    return obj
+
+
 def read_marked_json(path: Path, marker: str, error: type[Exception], missing: str) -> dict:
     """A JSON object whose "format" must be `marker` (a file this project wrote, of that kind); `error` with
     `missing` when there is no such file, or saying why it does not read back (cut short, not an object, another
@@ -89,8 +120,8 @@ def read_marked_json(path: Path, marker: str, error: type[Exception], missing: s
                      "written. Restore it, or write it again with the command that made it.")
 
     try:
-        obj = json.loads(path.read_text())
-    except (ValueError, RecursionError) as exc:  # cut short, not text, or nested past the parser's depth
+        obj = load_json(path.read_text())
+    except ValueError as exc:  # cut short, not text, or nested past the parser's depth
         raise unreadable(exc) from None
     if not isinstance(obj, dict):
         raise unreadable(f"a JSON {type(obj).__name__}, not an object")
@@ -112,10 +143,10 @@ def read_machine_cache(path: Path, invalid: Callable[[object], str | None], what
     warning."""
     warn = (lambda *args: None) if quiet else log.warning
     try:
-        known = json.loads(path.read_text())
+        known = load_json(path.read_text())
     except FileNotFoundError:
         return {}
-    except (OSError, ValueError, RecursionError) as exc:  # RecursionError: nested past the parser's depth
+    except (OSError, ValueError) as exc:
         warn("%s cannot be read (%s): %s measured again", path, exc, what)
         return {}
     if not isinstance(known, dict):

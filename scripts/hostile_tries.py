@@ -277,6 +277,12 @@ def try_alias_bomb(world: World) -> str | None:
     return refused(run(["recipe", "--recipe", str(recipe)], world.env, timeout=60), "alias")
 
 
+def try_deep_recipe(world: World) -> str | None:
+    recipe = world.root / "deep.yaml"
+    recipe.write_text("name: " + "[" * 100_000 + "]" * 100_000 + "\n")
+    return refused(run(["recipe", "--recipe", str(recipe)], world.env, timeout=60), "nested more than")
+
+
 def try_prompts(text: bytes, *words: str) -> Callable[[World], str | None]:
     def attempt(world: World) -> str | None:
         prompts = world.root / "prompts-bad.jsonl"
@@ -356,6 +362,8 @@ TRIES: dict[str, Callable[[World], str | None]] = {
     "prompts: one 5 MB prompt": try_prompts(json.dumps({"id": "big", "turns": ["word " * 1_000_000]}).encode(),
                                             "big"),
     "prompts: empty file": try_prompts(b"", "no prompts"),
+    "prompts: a line nested 100,000 deep": try_prompts(b"[" * 100_000 + b"]" * 100_000 + b"\n", "nested past"),
+    "recipe: a value nested 100,000 deep": try_deep_recipe,
     "prompts: invalid UTF-8": try_prompts(b'{"id": "a", "turns": ["\xff\xfe"]}\n', ":1"),
     "precompute: file size limit (disk full)": try_disk_full,
     "export: file size limit (disk full)": try_export_full,

@@ -11,7 +11,6 @@ stops at the end-of-turn ids of its generation_config.json.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 from contextlib import contextmanager
 from pathlib import Path
@@ -21,6 +20,7 @@ import torch
 from mtptrain.config import Recipe
 from mtptrain.data.resumable import RegenerateError, state_path
 from mtptrain.engine.verify import Sampling, distribution, draw
+from mtptrain.io import load_json
 from mtptrain.runtime.linears import fast_linears, product_for
 from mtptrain.runtime.runner import invalid_record, runtime_for
 from mtptrain.serving.vllm_engine import (VllmError, VllmWorker, close_all, data_parallel_devices, engine_args, on_gpu,
@@ -54,7 +54,7 @@ def recorded_runtime(output: Path, dtype: str, setting: str = "data.regenerated"
     an uninterrupted run writes. None for a new or a finished file, or one whose state predates the record."""
     path = state_path(output)
     try:
-        state = json.loads(path.read_text())
+        state = load_json(path.read_text())
     except (OSError, ValueError):  # none yet, or unreadable: _resume_state says what to do
         return None
     if not isinstance(state, dict) or state.get("complete") or "runtime" not in state:

@@ -35,7 +35,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from mtptrain.data.samples import Sample
-from mtptrain.io import atomic_write, sha256_file, write_safetensors
+from mtptrain.io import atomic_write, load_json, sha256_file, write_safetensors
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +139,7 @@ class KeptStates:
         """The states a regeneration into `output` (its state in `state_file`) kept, where they can stand in for
         this store's (see the module's docstring); None otherwise, saying why in the log."""
         try:
-            state = json.loads(state_file.read_text())
+            state = load_json(state_file.read_text())
         except (OSError, ValueError):
             return None
         entry = state.get("states") if isinstance(state, dict) else None
@@ -172,7 +172,7 @@ class KeptStates:
             path = self.directory / name
             try:
                 with safe_open(str(path), framework="pt") as handle:
-                    keys = json.loads((handle.metadata() or {}).get("keys", "null"))
+                    keys = load_json((handle.metadata() or {}).get("keys", "null"))
             except (OSError, ValueError, RuntimeError, SafetensorError) as exc:  # missing or unreadable: computed
                 log.warning("%s cannot be read (%s); its conversations are computed", path, exc)
                 self.bad.add(name)
@@ -205,7 +205,7 @@ class KeptStates:
                 else:
                     opened = {"handle": handle, "input_ids": handle.get_tensor("input_ids"),
                               "offsets": handle.get_tensor("offsets"), TARGET_TOP: handle.get_tensor(TARGET_TOP)}
-                    problem = self._shape_problem(opened, len(json.loads(handle.metadata()["keys"])))
+                    problem = self._shape_problem(opened, len(load_json(handle.metadata()["keys"])))
         except (OSError, ValueError, RuntimeError, SafetensorError) as exc:
             problem = f"it cannot be read ({exc})"
         if problem is not None:

@@ -17,6 +17,7 @@ from typing import Any, Iterator
 
 from mtptrain.embedded import wheel_file
 from mtptrain.errors import MtptrainError
+from mtptrain.io import load_json
 
 
 class DataSourceError(MtptrainError, RuntimeError):
@@ -77,11 +78,9 @@ def read_jsonl(path: Path) -> Iterator[RawRow]:
             # is held while it is processed, not three copies of it.
             raw = None
             try:
-                value, problem = json.loads(text), None
-            except json.JSONDecodeError as exc:
+                value, problem = load_json(text), None
+            except json.JSONDecodeError as exc:  # nested past the parser's depth too
                 value, problem = None, ("malformed JSON", str(exc))
-            except RecursionError:
-                value, problem = None, ("malformed JSON", "nested past the JSON parser's depth")
             text = None
             yield RawRow(ref, value, problem)
             value = None

@@ -57,7 +57,7 @@ from mtptrain.data.samples import NoUsableData, RowStats
 from mtptrain.config import Recipe
 from mtptrain.dist import DistInfo
 from mtptrain.engine.verify import Sampling
-from mtptrain.io import atomic_write_json
+from mtptrain.io import atomic_write_json, load_json
 from mtptrain.runtime.batch import Request, decode_stream
 from mtptrain.runtime.model import FastDecoder
 from mtptrain.runtime.runner import source_record
@@ -394,7 +394,7 @@ def check_complete(path: Path, data, tokenizer) -> None:
     if not state_file.is_file():
         return
     try:
-        state = json.loads(state_file.read_text())
+        state = load_json(state_file.read_text())
     except (OSError, ValueError):
         state = None
     if not isinstance(state, dict) or not isinstance(state.get("settings", {}), dict) or \

@@ -10,13 +10,12 @@ one writes.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from pathlib import Path
 
 from mtptrain.errors import MtptrainError
-from mtptrain.io import fsync_dir
+from mtptrain.io import fsync_dir, load_json
 from mtptrain.target import identity_mismatch
 
 log = logging.getLogger(__name__)
@@ -43,7 +42,7 @@ def load_state(output: Path, fresh: dict, setting: str, command: str, optional: 
                                   f"{command}`; move it away or choose another {setting} path")
         return fresh
     try:
-        state = json.loads(path.read_text())
+        state = load_json(path.read_text())
     except (OSError, ValueError) as exc:
         raise RegenerateError(f"{path} is not valid JSON ({exc}); delete it and {output} to start over") from None
 

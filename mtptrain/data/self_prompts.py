@@ -36,7 +36,7 @@ from mtptrain.data.engines import decoding, generation_stops, recorded_runtime, 
 from mtptrain.data.resumable import (GROUP_BATCHES, RegenerateError, append_lines, check_written, load_state,
                                      state_path, truncate_to)
 from mtptrain.engine.verify import Sampling
-from mtptrain.io import atomic_write_json
+from mtptrain.io import atomic_write_json, load_json
 from mtptrain.runtime.batch import Request, decode_stream
 from mtptrain.runtime.runner import source_record
 from mtptrain.target import load_target
@@ -89,7 +89,7 @@ def _kept_so_far(output: Path, size: int) -> set[str]:
     kept = set()
     for number, line in enumerate(lines, start=1):
         try:
-            kept.add(normal_form(json.loads(line)["messages"][0]["content"]))
+            kept.add(normal_form(load_json(line)["messages"][0]["content"]))
         except (ValueError, KeyError, IndexError, TypeError, AttributeError):
             raise RegenerateError(f"{output}:{number} is not a request self-prompts wrote: the file was changed "
                                   "outside mtptrain; delete it and its state file to start over") from None

@@ -19,6 +19,7 @@ from mtptrain.config import RecipeError
 from mtptrain.data.chat import prompt_ids
 from mtptrain.embedded import wheel_file
 from mtptrain.errors import MtptrainError
+from mtptrain.io import load_json
 
 
 @dataclass
@@ -80,7 +81,7 @@ def _decoded(raw: bytes, path: Path, lineno: int) -> str:
 def _prompt(line: str, path: Path, lineno: int) -> Prompt:
     origin = f"{path}:{lineno}"
     try:
-        row = json.loads(line)
+        row = load_json(line)
     except json.JSONDecodeError as exc:
         raise PromptSetError(f"{origin}: not valid JSON ({exc.msg})") from None
     turns = row.get("turns") if isinstance(row, dict) else None

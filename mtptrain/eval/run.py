@@ -18,7 +18,6 @@ mtptrain/eval/exactness.py's.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -40,7 +39,7 @@ from mtptrain.engine.verify import Sampling
 from mtptrain.export.source import read_head_config_of
 from mtptrain.errors import MtptrainError
 from mtptrain.heads.checkpoint import head_directory, weights_digest
-from mtptrain.io import atomic_write_json
+from mtptrain.io import atomic_write_json, load_json
 from mtptrain.machine import cpu_sample, describe_cpu, holding, other_load
 from mtptrain.runtime.linears import fast_linears, product_for
 from mtptrain.runtime.runner import Runner, open_runner, runtime_description, runtime_for
@@ -154,7 +153,7 @@ def finished_eval(recipe: Recipe) -> dict | None:
     keep what an earlier run finished: None (run it again) where any setting differs, the head's weights are not
     the ones it drafted with (retrained in place), or results.json does not read back."""
     try:
-        results = json.loads((Path(recipe.eval.output_dir) / "results.json").read_text())
+        results = load_json((Path(recipe.eval.output_dir) / "results.json").read_text())
         if results["config"] != settings_record(recipe):
             return None
         if results["head"] is not None:

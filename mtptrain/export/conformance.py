@@ -10,14 +10,14 @@ too: engines skip unknown names silently.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 import yaml
 from safetensors import safe_open
 
-from mtptrain.export.sidecar import read_sidecar, sidecar_weights
+from mtptrain.export.sidecar import ExportError, read_sidecar, sidecar_weights
+from mtptrain.io import read_json_object
 
 SPECS = Path(__file__).with_name("specs")
 _MISSING = object()
@@ -68,7 +68,8 @@ def check_export(directory: Path, target_config: dict, target_layer: dict[str, t
     sidecar = read_sidecar(directory)
     fmt = sidecar["export_format"]
     table = load_table(fmt)
-    config = json.loads((directory / "config.json").read_text())
+    config = read_json_object(directory / "config.json", ExportError, "the export was changed after it was "
+                              "written: export again")
     with safe_open(str(sidecar_weights(directory, sidecar)), framework="pt") as fh:
         tensors = {name: fh.get_tensor(name) for name in fh.keys()}
     env = {"__builtins__": {}, **symbols(sidecar, target_config)}

@@ -17,7 +17,7 @@ from mtptrain.export.readme import export_readme
 from mtptrain.export.sidecar import EXPORT_FILES, EXPORT_FORMAT, SIDECAR, ExportError
 from mtptrain.export.source import HeadSource, open_head
 from mtptrain.heads.checkpoint import head_directory
-from mtptrain.io import tmp_name, writing_to
+from mtptrain.io import read_json_object, tmp_name, writing_to
 
 
 def run_export(recipe: Recipe) -> dict:
@@ -122,7 +122,8 @@ def _measured(src: HeadSource, results: Path | None) -> dict | None:
             if results:
                 raise ExportError(f"export.results {path} does not exist")
             continue
-        data = json.loads(path.read_text())
+        data = read_json_object(path, ExportError, "point export.results at an eval's results.json, or run the "
+                                "eval again")
         head_path = data.get("head", {}).get("path") if data.get("head") else None
         if results or path.parent == src.directory or (
                 head_path and Path(head_path).resolve() == src.directory.resolve()):

@@ -8,7 +8,6 @@ target lives on this machine (a local directory or a hub id).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from mtptrain.export.formats import read_export
 from mtptrain.export.sidecar import SIDECAR, ExportError, is_export, read_sidecar
 from mtptrain.heads.checkpoint import head_from, read_head, read_head_config
 from mtptrain.heads.spec import HeadSpec
+from mtptrain.io import read_json_object
 from mtptrain.heads.common import FrozenTarget
 from mtptrain.target import (
     identity_mismatch, load_identified_parts, read_weight_map, resolve_local_dir,
@@ -90,7 +90,8 @@ class HeadSource:
     def target_config_json(self) -> dict:
         """The target's config.json as the checkpoint holds it (every key the checkpoint's authors wrote)."""
         directory, _ = self._checkpoint()
-        return json.loads((directory / "config.json").read_text())
+        return read_json_object(directory / "config.json", ExportError, "the target's checkpoint is damaged: "
+                                "download or save the model again")
 
     def target_tensor(self, *names: str) -> torch.Tensor:
         """The first of `names` found in the target's safetensors checkpoint (read alone, not the whole model)."""

@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from mtptrain.config import TargetConfig
 from mtptrain.export.sidecar import SIDECAR, ExportError, read_sidecar, sidecar_weights
 from mtptrain.target import identity_mismatch, load_target, read_weight_map
-from mtptrain.io import tmp_name
+from mtptrain.io import read_json_object, tmp_name
 
 MTP_FILE = "model-mtp.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -40,8 +40,10 @@ def stitch_mtp(export_dir: Path, target_dir: Path, out: Path) -> dict:
         raise ExportError(f"{out} exists and is not an empty directory: stitch writes a new directory")
     if not (export_dir / "config.json").is_file():
         raise ExportError(f"{export_dir / 'config.json'} is missing: the export is incomplete; export again")
-    target_config = json.loads((target_dir / "config.json").read_text())
-    export_config = json.loads((export_dir / "config.json").read_text())
+    target_config = read_json_object(target_dir / "config.json", ExportError, "point at the target's own checkpoint "
+                                     "directory, as it was downloaded")
+    export_config = read_json_object(export_dir / "config.json", ExportError, "the export was changed after it was "
+                                     "written: export again")
     for key in ("num_hidden_layers", "hidden_size", "vocab_size"):
         if target_config.get(key) != export_config.get(key):
             raise ExportError(f"{target_dir}: {key} is {target_config.get(key)}, the export's target has "

@@ -9,7 +9,6 @@ writes the manifest (under torchrun, rank 0 after a barrier).
 
 from __future__ import annotations
 
-import json
 import logging
 from datetime import datetime, timezone
 from pathlib import Path
@@ -27,7 +26,7 @@ from mtptrain.features.store import (
     MANIFEST, SCHEMA_VERSION, SPLITS, FeatureStoreError, load_manifest, read_complete_record, record_path,
     stored_bits, write_manifest,
 )
-from mtptrain.io import atomic_write_json, create_json_once, sha256_file
+from mtptrain.io import atomic_write_json, create_json_once, load_json, sha256_file
 from mtptrain.runtime.dtype import agree_on_dtype, ranks_must_agree
 from mtptrain.runtime.runner import runtime_record
 from mtptrain.target import Target, load_config, load_target, rank_devices
@@ -161,7 +160,7 @@ def _claim_runtime(out_dir: Path, record: dict) -> dict:
         with store_writes(out_dir):
             create_json_once(path, record)  # never over a record another rank made first
     try:
-        stored = json.loads(path.read_text())
+        stored = load_json(path.read_text())
     except (OSError, ValueError) as exc:
         raise FeatureStoreError(f"{path} cannot be read ({exc}): it records how this store's shards were computed. "
                                 "Compute the store into a new precompute.output_dir.") from None

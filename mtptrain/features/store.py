@@ -27,7 +27,6 @@ in the project; exports convert to each engine's own numbering.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 from dataclasses import asdict, dataclass
@@ -40,7 +39,8 @@ from safetensors import SafetensorError, safe_open
 
 from mtptrain.config import PrecomputeConfig
 from mtptrain.errors import MtptrainError
-from mtptrain.io import SAFETENSORS_DTYPES, atomic_write, atomic_write_json, contained, sha256_file, write_safetensors
+from mtptrain.io import (SAFETENSORS_DTYPES, atomic_write, atomic_write_json, contained, load_json, sha256_file,
+                         write_safetensors)
 from mtptrain.target import identity_mismatch
 
 log = logging.getLogger(__name__)
@@ -157,7 +157,7 @@ def read_complete_record(path: Path, plan_id: str) -> ShardRecord | None:
     if not rec_path.is_file():
         return None
     try:
-        record = ShardRecord(**json.loads(rec_path.read_text()))
+        record = ShardRecord(**load_json(rec_path.read_text()))
     except (json.JSONDecodeError, TypeError):
         return None
     if record.file != path.name:
@@ -321,7 +321,7 @@ def load_manifest(directory: Path) -> dict[str, Any]:
                 if partial else "run `mtptrain precompute` first, or check the path")
         raise FeatureStoreError(f"{path} does not exist: {hint}")
     try:
-        manifest = json.loads(path.read_text())
+        manifest = load_json(path.read_text())
     except json.JSONDecodeError as exc:
         raise FeatureStoreError(f"{path} is not valid JSON ({exc}); rerun precompute to rewrite it") from exc
     if not isinstance(manifest, dict):
@@ -449,7 +449,7 @@ def read_shard_index(handle, path: Path, shard: dict[str, Any],
         problem = _offsets_problem(offsets, shard["tokens"]) or _values_problem(handle, manifest)
     if problem is not None:
         raise FeatureStoreError(f"{path}: {problem}; {RECOMPUTE}")
-    return json.loads(metadata["keys"]), offsets.tolist()
+    return load_json(metadata["keys"]), offsets.tolist()
 
 
 def _header_problem(handle, shard: dict[str, Any], manifest: dict[str, Any]) -> str | None:
@@ -475,7 +475,7 @@ def _metadata_problem(metadata: dict[str, str], shard: dict[str, Any]) -> str | 
     if metadata.get("split") != shard["split"]:
         return f"its metadata's split is {metadata.get('split')!r}, the manifest lists it as {shard['split']!r}"
     try:
-        keys = json.loads(metadata["keys"])
+        keys = load_json(metadata["keys"])
     except (KeyError, TypeError, json.JSONDecodeError):
         keys = None
     if not isinstance(keys, list) or len(keys) != shard["samples"] or not all(isinstance(k, str) for k in keys):

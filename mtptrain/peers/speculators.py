@@ -42,7 +42,7 @@ from mtptrain.heads import FrozenTarget
 from mtptrain.heads.checkpoint import save_head
 from mtptrain.heads.spec import HeadSpec
 from mtptrain.heads.vocab import DraftVocab
-from mtptrain.io import atomic_write_json
+from mtptrain.io import atomic_write_json, read_json_object
 from mtptrain.target import load_identified_parts
 
 log = logging.getLogger(__name__)
@@ -83,7 +83,7 @@ def write_offline_data(store_dir: Path, out: Path, feature_layers: list[int], dr
     # the sample files of a killed run are kept, so they must be this store's and these layers'
     made = {"plan_id": manifest["plan_id"], "layers": [*feature_layers, last]}
     marker = out / STARTED
-    if marker.is_file() and json.loads(marker.read_text()) != made:
+    if marker.is_file() and read_json_object(marker, PeerError, "write to a new directory") != made:
         raise PeerError(f"{out} holds speculators data of another store or other layers ({marker}), left as it "
                         "is: write to a new directory")
     (out / "hidden_states").mkdir(parents=True, exist_ok=True)
@@ -131,7 +131,8 @@ def import_checkpoint(checkpoint: Path, target_cfg: TargetConfig, out: Path) -> 
     if not config_path.is_file():
         raise PeerError(f"{config_path} does not exist: point at one of the checkpoint directories speculators "
                         "saved (<save-path>/<epoch>, or its checkpoint_best link)")
-    config = json.loads(config_path.read_text())
+    config = read_json_object(config_path, PeerError, "point at a checkpoint directory speculators saved, as it "
+                              "saved it")
     if config.get("speculators_model_type") != "eagle3":
         raise PeerError(f"{config_path}: speculators_model_type is {config.get('speculators_model_type')!r}; only "
                         "eagle3 checkpoints are read")
@@ -169,7 +170,8 @@ def import_checkpoint(checkpoint: Path, target_cfg: TargetConfig, out: Path) -> 
     head.load_state_dict({k: v.to(head.state_dict()[k].dtype) for k, v in state.items()}, strict=True)
     recipe_target = target_cfg.model_dump(mode="json")
     state_file = checkpoint / "training_state.json"
-    trained = json.loads(state_file.read_text()) if state_file.is_file() else {}
+    trained = read_json_object(state_file, PeerError, "point at a checkpoint directory speculators saved, as it "
+                               "saved it") if state_file.is_file() else {}
     extra = {"train": {"steps": trained.get("global_step"), "recipe": {"name": "speculators", "target": recipe_target}},
              "imported": {"from": str(checkpoint.resolve()), "trainer": f"speculators {config.get('speculators_version')}",
                           "training_state": trained}}

@@ -33,7 +33,6 @@ import fcntl
 import functools
 import hashlib
 import importlib.util
-import json
 import logging
 import platform
 import sysconfig
@@ -42,7 +41,7 @@ from typing import Callable, ContextManager, Iterator
 
 import torch
 
-from mtptrain.io import atomic_write_json, cache_root, sha256_file
+from mtptrain.io import atomic_write_json, cache_root, load_json, sha256_file
 from mtptrain.machine import cpu_flags, holding
 
 log = logging.getLogger(__name__)
@@ -118,7 +117,7 @@ def _mismatch(library: Path) -> str | None:
     read as a mismatch, never as an error."""
     record = _record(library)
     try:
-        recorded = json.loads(record.read_text())
+        recorded = load_json(record.read_text())
     except FileNotFoundError:
         return f"it has no record of its build ({record.name})"
     except (OSError, ValueError):  # ValueError: bytes that are not UTF-8 or not JSON

@@ -3,7 +3,6 @@ head uses (embedding, final norm, LM head), and named tensors from its safetenso
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
@@ -12,7 +11,7 @@ from safetensors import safe_open
 from torch import nn
 
 from mtptrain.config import TargetConfig
-from mtptrain.io import contained
+from mtptrain.io import contained, read_json_object
 from mtptrain.target.source import TargetError, load_hint, resolve_local_dir
 
 # transformers (~0.7 s to import) and huggingface_hub's download client (~0.1 s) are imported inside the
@@ -100,7 +99,10 @@ def checkpoint_weight_map(source: str, cfg: TargetConfig) -> dict[str, str] | No
 
 def read_weight_map(index: Path, error: type[Exception] = TargetError) -> dict[str, str]:
     """Tensor name -> file of a checkpoint's model.safetensors.index.json; every file must lie in its directory."""
-    weight_map = json.loads(Path(index).read_text())["weight_map"]
+    fix = "the checkpoint's index is damaged: download or save the model again"
+    weight_map = read_json_object(index, error, fix).get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise error(f"{index} has no \"weight_map\" object of tensor names to file names: {fix}")
     for file in sorted(set(weight_map.values())):
         contained(Path(index).parent, file, index, "weight_map", error)
     return weight_map

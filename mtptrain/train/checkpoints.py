@@ -12,7 +12,6 @@ holds, and calls nothing.
 
 from __future__ import annotations
 
-import json
 import pickle
 import random
 import re
@@ -25,7 +24,7 @@ from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils.tensor_fragment import fragment_address
 
 from mtptrain.errors import MtptrainError
-from mtptrain.io import atomic_write_json, atomic_write_text, contained, sha256_file
+from mtptrain.io import atomic_write_json, atomic_write_text, contained, load_json, sha256_file
 
 LATEST = "latest"  # in the checkpoints directory: the tag of the last complete checkpoint
 RECORD = "mtptrain-checkpoint.json"  # in each step directory: its files and their sha256
@@ -163,7 +162,7 @@ def _read_record(path: Path, fix: str) -> dict:
             f"mtptrain before checkpoint records, or of a run killed while saving it), and its pickles are not "
             f"loaded unchecked. {fix}")
     try:
-        record = json.loads(path.read_bytes())
+        record = load_json(path.read_bytes())
     except ValueError as exc:
         raise CheckpointRefused(f"{path} is not JSON ({exc}), so that checkpoint was not loaded. {fix}") from None
     if not _is_record(record):

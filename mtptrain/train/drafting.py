@@ -14,8 +14,8 @@ The trainer keeps the head with the best chain tau (`BestHead`) and, with `selec
 
 from __future__ import annotations
 
-import json
 import logging
+import math
 import shutil
 from pathlib import Path
 
@@ -23,6 +23,7 @@ import torch
 
 from mtptrain.config import EngineEvalConfig
 from mtptrain.engine.generate import GenerationStats, generate
+from mtptrain.io import read_json_object
 from mtptrain.runtime.runner import open_runner
 
 log = logging.getLogger(__name__)
@@ -62,8 +63,16 @@ class BestHead:
         self.tau, self.step = -1.0, None
         config = self.directory / "config.json"
         if config.is_file():
-            chosen = json.loads(config.read_text()).get("validation", {})
-            self.tau, self.step = chosen.get("tau_chain", -1.0), chosen.get("step")
+            try:
+                chosen = read_json_object(config, ValueError, "").get("validation")
+                tau, step = float(chosen["tau_chain"]), chosen["step"]
+                if not math.isfinite(tau):
+                    raise ValueError(tau)
+            except (ValueError, TypeError, KeyError, AttributeError):  # damaged: the next validation replaces it
+                log.warning("%s does not record the validation that chose its head: the next validation's head "
+                            "takes its place", config)
+            else:
+                self.tau, self.step = tau, step
 
     def offer(self, step: int, metrics: dict, save) -> bool:
         """Keep this step's head (`save(directory, extra)` writes it) if its chain tau beats the best so far."""

@@ -8,6 +8,7 @@ import logging
 from pathlib import Path
 
 from mtptrain.config import Recipe
+from mtptrain.io import load_json
 from mtptrain.tracking import init_run
 
 log = logging.getLogger(__name__)
@@ -33,12 +34,24 @@ class MetricsLog:
         """Drop metrics.jsonl rows past `step` (a resumed run logs those steps again).
 
         W&B keeps its rows and ignores re-logged steps that are not past its last one; they carry the
-        same values, since training from a checkpoint is deterministic.
+        same values, since training from a checkpoint is deterministic. A row that does not read as one of
+        ours (the last, torn by a kill mid-write, or a line edited) goes too, with a warning.
         """
         if not self.enabled or not self.path.is_file():
             return
-        rows = [line for line in self.path.read_text().splitlines() if json.loads(line)["step"] <= step]
-        self.path.write_text("".join(line + "\n" for line in rows))
+        kept, dropped = [], 0
+        for line in self.path.read_text(errors="replace").splitlines():
+            try:
+                row = load_json(line)
+                keep = row["step"] <= step
+            except (ValueError, TypeError, KeyError):
+                keep, dropped = False, dropped + 1
+            if keep:
+                kept.append(line)
+        if dropped:
+            log.warning("%s: %d line(s) that are not metrics rows dropped (a row torn by a kill mid-write, or edited)",
+                        self.path, dropped)
+        self.path.write_text("".join(line + "\n" for line in kept))
 
     def log(self, step: int, metrics: dict) -> None:
         if not self.enabled:

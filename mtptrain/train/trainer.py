@@ -54,7 +54,7 @@ from mtptrain.heads.objective import step_weights
 from mtptrain.heads.spec import HeadSpec
 from mtptrain.heads.vocab import DraftVocab
 from mtptrain.data.chat import stop_tokens
-from mtptrain.io import atomic_write_json
+from mtptrain.io import atomic_write_json, load_json
 from mtptrain.memory_plan import check_plan, gpu_memory_gib, summary
 from mtptrain.runtime.dtype import agree_on_dtype, ranks_must_agree
 from mtptrain.runtime.runner import runtime_for, runtime_record
@@ -541,7 +541,7 @@ def read_summary(path: Path) -> dict:
     """A finished run's summary.json, refused naming the file if it is not a JSON object (or its "selected" not
     one): a damaged summary would otherwise crash the rerun, or stand for a head it does not describe."""
     try:
-        summary = json.loads(path.read_text())
+        summary = load_json(path.read_text())
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         summary = exc
     if not isinstance(summary, dict) or not isinstance(summary.get("selected", {}), dict):
