@@ -3,6 +3,7 @@ each reader turns it into its own error naming the file and the fix, or, for a f
 never a RecursionError traceback."""
 
 import json
+import shutil
 import logging
 
 import pytest
@@ -111,3 +112,19 @@ def test_a_resumed_runs_metrics_drop_a_torn_last_row(tmp_path, caplog):
         metrics.forget_after(20)
     assert [json.loads(line)["step"] for line in metrics.path.read_text().splitlines()] == [10, 20]
     assert "1 line(s) that are not metrics rows dropped" in caplog.text
+
+
+@pytest.mark.parametrize("name", ["config.json", "tokenizer_config.json", "tokenizer.json", "generation_config.json"])
+def test_a_target_directory_with_such_a_file_is_refused_naming_it(tiny_target_dir, tmp_path, name):
+    from mtptrain.data.engines import generation_stops
+    from mtptrain.target import load_config, load_tokenizer
+
+    target = tmp_path / "target"
+    shutil.copytree(tiny_target_dir, target)
+    (target / name).write_text(DEEP)
+    cfg = load_recipe(None, [f"target.model={target}"]).target
+    with pytest.raises(TargetError) as caught:
+        load_config(cfg)
+        load_tokenizer(cfg)
+        generation_stops(cfg)
+    assert "nested past the JSON parser's depth" in str(caught.value)

@@ -25,7 +25,7 @@ from mtptrain.runtime.linears import fast_linears, product_for
 from mtptrain.runtime.runner import invalid_record, runtime_for
 from mtptrain.serving.vllm_engine import (VllmError, VllmWorker, close_all, data_parallel_devices, engine_args, on_gpu,
                                           vllm_python)
-from mtptrain.target import resolve_local_dir
+from mtptrain.target import TargetError, resolve_local_dir
 
 log = logging.getLogger(__name__)
 
@@ -105,10 +105,14 @@ def generation_stops(cfg) -> set[int]:
     (its config is then transformers' default)."""
     from transformers import GenerationConfig  # lazy: transformers takes ~1 s to import, which a resume need not pay
 
+    directory = resolve_local_dir(cfg)[0]
     try:
-        configured = GenerationConfig.from_pretrained(resolve_local_dir(cfg)[0]).eos_token_id
+        configured = GenerationConfig.from_pretrained(directory).eos_token_id
     except OSError:  # no generation_config.json: the tokenizer's EOS stands
         return set()
+    except RecursionError:  # transformers reads it with json.load, which recurses
+        raise TargetError(f"{Path(directory) / 'generation_config.json'} is nested past the JSON parser's depth, "
+                          "which no saved model's is: download or save the model again") from None
     return set(configured if isinstance(configured, list) else [configured] if configured is not None else [])
 
 

@@ -143,7 +143,7 @@ def open_head(directory: Path, target: str | None = None) -> HeadSource:
     try:
         loaded = AutoConfig.from_pretrained(source, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
         target_config = loaded.to_dict()
-    except OSError as exc:
+    except (OSError, RecursionError) as exc:  # RecursionError: a config.json nested past the JSON parser's depth
         raise ExportError(f"could not read the config of target '{cfg.model}': {exc}\n"
                           "Set export.target to a local copy of the target's model directory.") from exc
     identity = config["target"]

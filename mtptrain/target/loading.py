@@ -96,7 +96,7 @@ def load_tokenizer(cfg: TargetConfig):
     source, _ = resolve_local_dir(cfg)
     try:
         return AutoTokenizer.from_pretrained(source, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
-    except OSError as exc:
+    except (OSError, RecursionError) as exc:
         raise TargetError(load_hint(cfg.model, exc)) from exc
 
 
@@ -126,7 +126,7 @@ def load_target(cfg: TargetConfig, dist: DistInfo | None = None) -> Target:
             trust_remote_code=cfg.trust_remote_code,
             device_map=device_map,
         )
-    except OSError as exc:
+    except (OSError, RecursionError) as exc:
         raise TargetError(load_hint(cfg.model, exc)) from exc
     model.eval().requires_grad_(False)
     log.info("target %s: %d layers, hidden %d, vocab %d, %s on %s, attention %s",

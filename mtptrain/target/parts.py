@@ -27,7 +27,7 @@ def load_config(cfg: TargetConfig, source: str | None = None):
     source = source or resolve_local_dir(cfg)[0]
     try:
         return AutoConfig.from_pretrained(source, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
-    except OSError as exc:
+    except (OSError, RecursionError) as exc:
         raise TargetError(load_hint(cfg.model, exc)) from exc
 
 

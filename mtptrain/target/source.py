@@ -240,5 +240,9 @@ def _convert_gguf_parsed_once(gguf_path: Path, out: Path) -> None:
 
 
 def load_hint(source: str, exc: Exception) -> str:
+    if isinstance(exc, RecursionError):  # transformers reads the JSON files with json.load, which recurses
+        return (f"could not load target '{source}': one of its JSON files (config.json, tokenizer.json, "
+                "tokenizer_config.json, generation_config.json) is nested past the JSON parser's depth, which no "
+                "saved model's is: download or save the model again")
     return (f"could not load target '{source}': {exc}\n"
             "If the hub is unreachable, pass a local model directory or a .gguf file as target.model.")
