@@ -4,6 +4,7 @@ import errno
 import json
 import logging
 import re
+import struct
 from pathlib import Path
 
 import pytest
@@ -16,8 +17,8 @@ from mtptrain.dist import DistInfo
 from mtptrain.io import WriteRefusedError
 import mtptrain.target.source as target_source
 from mtptrain.target import (
-    frozen_parameters, identity_mismatch, load_frozen_target, load_identified_parts, load_target, model_fingerprint,
-    rank_devices, split_device_map,
+    TargetError, frozen_parameters, identity_mismatch, load_frozen_target, load_identified_parts, load_target,
+    model_fingerprint, rank_devices, split_device_map,
 )
 from mtptrain.target.parts import meta_model
 
@@ -257,6 +258,31 @@ def test_a_cache_that_refuses_the_converted_gguf_names_its_directory_and_mtptrai
             "half-written.")):
         target_source.converted_gguf_dir(gguf)
     assert not cache.exists() or not any(cache.iterdir())
+
+
+def _gguf_header(tensors: int, fields: int) -> bytes:
+    return b"GGUF" + struct.pack("<IQQ", 3, tensors, fields)
+
+
+HOSTILE_GGUF = {
+    "not a GGUF": b"NOPE" * 100,
+    "counts past its end": _gguf_header(10**12, 10**12) + bytes(100),
+    # one field: an array of arrays, 5,000 deep (60 KB), which a recursive reader follows to its depth
+    "arrays nested 5,000 deep": _gguf_header(0, 1) + struct.pack("<Q", 3) + b"key" + struct.pack("<I", 9)
+    + struct.pack("<IQ", 9, 1) * 5000 + struct.pack("<IQ", 0, 0),
+}
+
+
+@pytest.mark.parametrize("kind", HOSTILE_GGUF)
+def test_a_damaged_or_hostile_gguf_is_refused_naming_it_and_nothing_is_cached(kind, tmp_path, monkeypatch):
+    monkeypatch.setenv("MTPTRAIN_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(HOSTILE_GGUF[kind])
+    with pytest.raises(TargetError, match=re.escape(f"{gguf} cannot be converted (")) as caught:
+        target_source.converted_gguf_dir(gguf)
+    assert "download it again, or pass the model's directory as target.model" in str(caught.value)
+    targets = tmp_path / "cache" / "targets"
+    assert not targets.exists() or not any(targets.iterdir())
 
 
 @pytest.mark.parametrize("matrices, copy", [

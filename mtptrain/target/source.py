@@ -22,6 +22,7 @@ import logging
 import os
 import shutil
 import socket
+import struct
 import urllib.parse
 from pathlib import Path
 from typing import Iterator
@@ -150,7 +151,15 @@ def converted_gguf_dir(gguf_path: Path) -> Path:
                         "set MTPTRAIN_CACHE to a writable directory with room (the cache moves there)",
                         "Nothing was left half-written."):
             out.parent.mkdir(parents=True, exist_ok=True)  # a read-only cache is said before the conversion's work
-            _convert_gguf(gguf_path, tmp)
+            try:
+                _convert_gguf(gguf_path, tmp)
+            except (ValueError, struct.error, IndexError, KeyError, OverflowError, RecursionError) as exc:
+                # what gguf's reader and transformers raise for a file that is not a GGUF checkpoint they read (a
+                # damaged or hostile one: counts past its end, arrays nested thousands deep; an architecture
+                # transformers does not convert)
+                raise TargetError(f"{gguf_path} cannot be converted ({type(exc).__name__}: {str(exc)[:300]}): not a "
+                                  "GGUF checkpoint transformers reads, or a damaged one; download it again, or pass "
+                                  "the model's directory as target.model") from None
         try:
             os.replace(tmp, out)
         except OSError:
