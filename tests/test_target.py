@@ -4,6 +4,7 @@ import errno
 import json
 import logging
 import re
+import shutil
 import struct
 from pathlib import Path
 
@@ -283,6 +284,20 @@ def test_a_damaged_or_hostile_gguf_is_refused_naming_it_and_nothing_is_cached(ki
     assert "download it again, or pass the model's directory as target.model" in str(caught.value)
     targets = tmp_path / "cache" / "targets"
     assert not targets.exists() or not any(targets.iterdir())
+
+
+@pytest.mark.parametrize("damage", ["header past its limit", "cut off"])
+def test_a_damaged_safetensors_file_of_the_target_is_refused_naming_it(tiny_target_dir, tmp_path, damage):
+    target = tmp_path / "target"
+    shutil.copytree(tiny_target_dir, target)
+    weights = target / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(struct.pack("<Q", 2**40) + data[8:] if damage == "header past its limit" else data[:-100])
+    cfg = load_recipe(None, [f"target.model={target}"]).target
+    with pytest.raises(TargetError, match=r"cannot be read .*download or save the model again"):
+        load_target(cfg)
+    with pytest.raises(TargetError, match=re.escape(f"{weights} cannot be read as safetensors (")):
+        load_frozen_target(cfg)  # training's partial load reads the file itself
 
 
 @pytest.mark.parametrize("matrices, copy", [

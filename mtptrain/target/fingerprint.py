@@ -13,11 +13,11 @@ import json
 from typing import Callable
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from mtptrain.config import TargetConfig
-from mtptrain.target.parts import checkpoint_file, checkpoint_weight_map, frozen_parameters, load_config, meta_model
+from mtptrain.target.parts import (checkpoint_file, checkpoint_weight_map, frozen_parameters, load_config, meta_model,
+                                   open_checkpoint_file)
 from mtptrain.target.source import resolve_local_dir
 
 # Config keys that describe how a model was loaded or saved, not what it computes.
@@ -111,7 +111,7 @@ def checkpoint_fingerprint(cfg: TargetConfig) -> str | None:
         def tensor(name: str) -> torch.Tensor:
             file = weight_map[name]
             if file not in handles:
-                handles[file] = safe_open(checkpoint_file(source, file, cfg), framework="pt")
+                handles[file] = open_checkpoint_file(checkpoint_file(source, file, cfg))
             return handles[file].get_tensor(name)
 
         return _digest_parameters(config, names, tensor)

@@ -9,6 +9,7 @@ import logging
 from dataclasses import dataclass
 
 import torch
+from safetensors import SafetensorError
 from torch import nn
 
 from mtptrain.config import TargetConfig
@@ -126,7 +127,7 @@ def load_target(cfg: TargetConfig, dist: DistInfo | None = None) -> Target:
             trust_remote_code=cfg.trust_remote_code,
             device_map=device_map,
         )
-    except (OSError, RecursionError) as exc:
+    except (OSError, RecursionError, SafetensorError) as exc:
         raise TargetError(load_hint(cfg.model, exc)) from exc
     model.eval().requires_grad_(False)
     log.info("target %s: %d layers, hidden %d, vocab %d, %s on %s, attention %s",

@@ -7,7 +7,7 @@ import logging
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from mtptrain.config import TargetConfig
@@ -80,9 +80,19 @@ def read_checkpoint_tensors(source: str, cfg: TargetConfig, names: list[str]) ->
         return None
     tensors = {}
     for filename in sorted({weight_map[n] for n in names}):
-        with safe_open(checkpoint_file(source, filename, cfg), framework="pt") as f:
+        with open_checkpoint_file(checkpoint_file(source, filename, cfg)) as f:
             tensors.update({n: f.get_tensor(n) for n in names if weight_map[n] == filename})
     return tensors
+
+
+def open_checkpoint_file(path: Path | str):
+    """safe_open over one of the target's safetensors files, a TargetError naming it where it does not read as one
+    (a damaged or cut-off download, a header past its limits)."""
+    try:
+        return safe_open(str(path), framework="pt")
+    except SafetensorError as exc:
+        raise TargetError(f"{path} cannot be read as safetensors ({exc}): a damaged or cut-off file; download or "
+                          "save the model again") from None
 
 
 def checkpoint_weight_map(source: str, cfg: TargetConfig) -> dict[str, str] | None:
@@ -93,7 +103,7 @@ def checkpoint_weight_map(source: str, cfg: TargetConfig) -> dict[str, str] | No
     single = checkpoint_file(source, "model.safetensors", cfg)
     if single is None:
         return None
-    with safe_open(single, framework="pt") as f:
+    with open_checkpoint_file(single) as f:
         return {key: "model.safetensors" for key in f.keys()}
 
 

@@ -29,6 +29,7 @@ from typing import Iterator
 
 import torch
 from huggingface_hub import constants
+from safetensors import SafetensorError
 
 from mtptrain.config import EMBEDDED_TARGET, TargetConfig
 from mtptrain.embedded import wheel_file
@@ -253,5 +254,8 @@ def load_hint(source: str, exc: Exception) -> str:
         return (f"could not load target '{source}': one of its JSON files (config.json, tokenizer.json, "
                 "tokenizer_config.json, generation_config.json) is nested past the JSON parser's depth, which no "
                 "saved model's is: download or save the model again")
+    if isinstance(exc, SafetensorError):
+        return (f"could not load target '{source}': one of its safetensors files cannot be read ({exc}): a damaged "
+                "or cut-off download; download or save the model again")
     return (f"could not load target '{source}': {exc}\n"
             "If the hub is unreachable, pass a local model directory or a .gguf file as target.model.")
