@@ -15,7 +15,6 @@ try) and the measurement under load. Exit code 1 when a try did not pass.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import pickle
@@ -99,10 +98,15 @@ class World:
         self.store = root / "store"
         self.base = [f"target.model={self.target}", "target.dtype=float32", f"data.source={self.chats}",
                      "data.max_length=160", "data.validation_fraction=0.1", "precompute.layers=[0,1,2]",
-                     "head.kind=eagle3", "head.draft_vocab_size=128", "train.max_steps=2", "train.checkpoint_every=1", "train.micro_batch_size=4",
+                     "head.kind=eagle3", "head.draft_vocab_size=128", "train.max_steps=2", "train.checkpoint_every=1",
+                     "train.micro_batch_size=4",
                      "train.engine_eval.prompts=0", "train.num_workers=0", "tracking.wandb=disabled"]
         answer = self.cli("precompute", f"precompute.output_dir={self.store}")
         assert answer.rc == 0, answer.err[-2000:]
+        # this machine's runtime choice as the precompute cached it, which the tries that damage it put back after
+        # them: None where the precompute measured under other processes' load (nothing is cached then)
+        choices = self.cache / "runtime-choice.json"
+        self.choices = choices.read_text() if choices.is_file() else None
         self.run_dir = root / "run"
         answer = self.cli("train", f"train.features={self.store}", f"train.output_dir={self.run_dir}")
         assert answer.rc == 0, answer.err[-2000:]
@@ -169,12 +173,12 @@ def try_checkpoint_pointer(world: World) -> str | None:
 def try_choice_cache(content: str) -> Callable[[World], str | None]:
     def attempt(world: World) -> str | None:
         cache = world.cache / "runtime-choice.json"
-        saved = cache.read_text() if cache.exists() else None
-        key = next(iter(json.loads(saved))) if saved else "v7|x"
-        cache.write_text(content.replace("@KEY", key))
+        cache.write_text(content.replace("@KEY", next(iter(json.loads(world.choices or "{}")), "v7|x")))
         answer = world.cli("precompute", f"precompute.output_dir={world.root / 'store-choice'}",
                            "target.dtype=auto")
         shutil.rmtree(world.root / "store-choice", ignore_errors=True)
+        if world.choices is not None:  # as the setup cached it, for the next try (a run under load caches nothing)
+            cache.write_text(world.choices)
         if answer.rc != 0 or answer.traceback:
             return f"exit code {answer.rc}: {answer.said()}"
         return None if "measured again" in answer.err else "no warning about the cache"
@@ -211,7 +215,9 @@ def try_measure_under_load(world: World) -> str | None:
 def try_kernels_not_built(world: World) -> str | None:
     cache = world.root / "cache-nocc"
     cache.mkdir(exist_ok=True)
-    known = json.loads((world.cache / "runtime-choice.json").read_text())
+    if world.choices is None:
+        return "no runtime choice was cached while the tries set up (other processes kept the cores busy): rerun idle"
+    known = json.loads(world.choices)
     for entry in known.values():  # a cached choice of the runtime's own product and attention
         for sections in entry["timings"].values():
             for section, kernels in sections.items():
